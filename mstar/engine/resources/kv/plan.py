@@ -1,0 +1,438 @@
+"""The KV plan: what ``KVManager.plan`` hands its dependents.
+
+Attention and positions read this and nothing else of the KV resource — the
+packed ordering, one view per (request, label) stream, and the index tensors a
+paged-attention wrapper plans against. Kept apart from the manager so a
+consumer depends on the contract rather than on the cache.
+
+Conventions (FlashInfer's): every index tensor is int32 and built on the CPU; a
+row's pages, in order, hold tokens ``[start, start + length)`` of the page
+space, so its last page holds ``(start + length) % page_size`` tokens (0: full).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from mstar.engine.resources.step import Segment
+
+__all__ = [
+    "HostLens",
+    "KVPlanOutput",
+    "KVPlanOutputs",
+    "PagedIndptrs",
+    "PinnedIndexRing",
+    "SequenceView",
+    "build_paged_indptrs",
+    "context_only_views",
+    "group_by_plan_label",
+]
+
+
+class HostLens(torch.Tensor):
+    """A host int32 row whose iteration yields numpy scalars.
+
+    FlashInfer's decode plan takes the longest row with the builtin ``max()``
+    and calls ``.item()`` on the result; iterating a tensor hands out one 0-d
+    tensor per row (about 2 us each, on the plan thread every decode step).
+    Iterating the numpy view costs about 0.1 us a row, and a numpy scalar has
+    ``.item()`` too. Everything else (``.cpu()``, ``.min()``, ``len``, indexing,
+    ``copy_``) is plain tensor behaviour: operations return plain tensors.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __new__(cls, data: Any = ()) -> HostLens:
+        values = np.ascontiguousarray(data, dtype=np.int32).reshape(-1)
+        return torch.Tensor._make_subclass(cls, torch.from_numpy(values))
+
+    def __iter__(self):
+        return iter(self.numpy())
+
+    def __deepcopy__(self, memo: dict) -> HostLens:
+        return HostLens(self.numpy().copy())
+
+
+def _host_lens(values: np.ndarray) -> HostLens:
+    """Wrap an int32 numpy row without a copy (the hot-path constructor)."""
+    return torch.Tensor._make_subclass(HostLens, torch.from_numpy(values))
+
+
+class SequenceView(NamedTuple):
+    """One (request, label) stream as this step sees it.
+
+    A NamedTuple because it is built per segment per step and never mutated.
+    ``length`` is the tokens resident after this step (already stored +
+    ``to_compute``); ``page_idxs`` (a list of ints, or a 1-D integer numpy array)
+    are the pages holding tokens ``[start, start + length)`` of the page space;
+    ``generation`` changes whenever the stream's pages or length change.
+    """
+
+    request_id: str
+    label: str
+    page_idxs: list[int]
+    length: int
+    to_compute: int
+    start: int = 0
+    generation: int = 0
+
+    def last_page_len(self, page_size: int) -> int:
+        """Tokens in the last page: ``(start + length) % page_size``, 0 meaning full."""
+        return (self.start + self.length) % page_size
+
+
+class PagedIndptrs(NamedTuple):
+    """The four int32 index tensors a FlashInfer prefill/decode wrapper's plan
+    consumes, built on CPU (so ``wrapper.plan``'s ``.to("cpu")`` is a no-op).
+
+    Shapes for ``B`` rows: ``qo_indptr`` and ``paged_kv_indptr`` ``[B + 1]``,
+    ``paged_kv_indices`` ``[paged_kv_indptr[-1]]``, ``paged_kv_last_page_len``
+    ``[B]`` (each in ``[1, page_size]``). ``kv_lens`` ``[B]`` is a host
+    ``HostLens``: FlashInfer's ``max(num_pages - 1, 0) * page_size + last``.
+    """
+
+    qo_indptr: torch.Tensor
+    paged_kv_indptr: torch.Tensor
+    paged_kv_indices: torch.Tensor
+    paged_kv_last_page_len: torch.Tensor
+    kv_lens: torch.Tensor | None = None
+
+    def to_device(self, device: torch.device | str) -> PagedIndptrs:
+        """The four index tensors copied to ``device`` (``non_blocking``);
+        ``kv_lens`` stays on the host, where plan-time code reads it."""
+        return PagedIndptrs(*(t.to(device, non_blocking=True) for t in self[:4]), self.kv_lens)
+
+    def to_kwargs_dict(self) -> dict[str, torch.Tensor | None]:
+        """All five fields by name."""
+        return self._asdict()
+
+
+class PinnedIndexRing:
+    """A ring of page-locked int32 host buffers for the index arrays a plan
+    hands FlashInfer, so its ``copy_(non_blocking=True)`` calls are really
+    asynchronous (from pageable memory the driver stages each one).
+
+    The ring holds ``depth`` buffer sets, one per plan. ``begin_plan`` moves to
+    the next set, and each ``take`` until the next ``begin_plan`` fills a buffer
+    of that set no other take uses (the set grows if needed), so every label of
+    a plan keeps its arrays however many labels there are. A set is rewritten
+    only after the copies out of it have completed: ``begin_plan`` records an
+    event on the current stream for the set just used, and a set waits on its
+    own event before reuse. Without CUDA the buffers are plain tensors and
+    nothing is recorded.
+    """
+
+    def __init__(self, numel: int = 4096, depth: int = 2, per_plan: int = 4) -> None:
+        for name, value in (("numel", numel), ("depth", depth), ("per_plan", per_plan)):
+            if value < 1:
+                raise ValueError(f"expected {name} >= 1, got {value}")
+        self._numel = numel
+        self._pinned = torch.cuda.is_available()
+        # Each buffer is kept with its numpy view, so a take is one numpy copy.
+        self._sets = [[self._alloc(numel) for _ in range(per_plan)] for _ in range(depth)]
+        self._events: list[Any] = [None] * depth
+        self._current: int | None = None
+        self._used = 0
+
+    def _alloc(self, numel: int) -> tuple[torch.Tensor, np.ndarray]:
+        buf = torch.empty(numel, dtype=torch.int32, pin_memory=self._pinned)
+        return buf, buf.numpy()
+
+    def begin_plan(self) -> None:
+        """Start a plan: move to the next buffer set, waiting until the copies
+        out of its last use have completed."""
+        if self._current is not None and self._pinned:
+            event = torch.cuda.Event()
+            event.record()
+            self._events[self._current] = event
+        self._current = 0 if self._current is None else (self._current + 1) % len(self._sets)
+        self._used = 0
+        event = self._events[self._current]
+        if event is not None:
+            event.synchronize()
+            self._events[self._current] = None
+
+    def take(self, values: Sequence[int] | np.ndarray) -> torch.Tensor:
+        """Copy ``values`` into a buffer no other take of this plan uses and
+        return an int32 view of exactly ``len(values)``."""
+        if self._current is None:
+            self.begin_plan()
+        n = len(values)
+        buffers = self._sets[self._current]
+        if self._used == len(buffers):
+            buffers.append(self._alloc(max(self._numel, n)))
+        buf, arr = buffers[self._used]
+        if n > arr.size:
+            buffers[self._used] = buf, arr = self._alloc(max(n, 2 * arr.size))
+        self._used += 1
+        arr[:n] = values
+        return buf[:n]
+
+
+def _ceil_div(a: np.ndarray, b: int) -> np.ndarray:
+    return -(-a // b)
+
+
+def _check_views(
+    segments: Sequence[SequenceView],
+    page_size: int,
+    length: np.ndarray,
+    to_compute: np.ndarray,
+    start: np.ndarray,
+    num_pages: np.ndarray,
+    indices: np.ndarray,
+    kv_indptr: np.ndarray,
+) -> None:
+    """Raise ``ValueError`` naming the first invalid row (vectorized: the
+    common all-valid case costs a few array ops)."""
+    short = num_pages < _ceil_div(start + length, page_size)
+    bad = (length < 0) | (to_compute < 0) | (to_compute > length) | (start < 0) | short
+    negative_page = indices < 0
+    if negative_page.any():
+        bad[np.searchsorted(kv_indptr, np.flatnonzero(negative_page), side="right") - 1] = True
+    if not bad.any():
+        return
+    i = int(np.argmax(bad))
+    v = segments[i]
+    if v.length < 0 or v.to_compute < 0 or v.start < 0:
+        why = (
+            f"expected length, to_compute and start >= 0, got {v.length}, {v.to_compute}, {v.start}"
+        )
+    elif v.to_compute > v.length:
+        why = f"expected to_compute <= length, got to_compute={v.to_compute} > length={v.length}"
+    elif short[i]:
+        need = -(-(v.start + v.length) // page_size)
+        why = (
+            f"expected at least {need} pages for start + length = {v.start + v.length}"
+            f" at page_size {page_size}, got {len(v.page_idxs)}"
+        )
+    else:
+        why = "expected page indices >= 0, got a negative one"
+    raise ValueError(
+        f"invalid view for request {v.request_id!r}, label {v.label!r} (row {i}): {why}"
+    )
+
+
+def build_paged_indptrs(
+    segments: list[SequenceView], page_size: int, ring: PinnedIndexRing | None = None
+) -> PagedIndptrs:
+    """The index tensors for ``segments`` (one row each, in order).
+
+    ``qo_indptr`` is the running sum of ``to_compute`` from 0,
+    ``paged_kv_indptr`` that of ``len(page_idxs)``, ``paged_kv_indices`` all
+    ``page_idxs`` concatenated, ``paged_kv_last_page_len`` each row's
+    ``last_page_len(page_size) or page_size``, ``kv_lens`` (a ``HostLens``)
+    ``max(num_pages - 1, 0) * page_size + last``. All int32 on the CPU; with a
+    ``ring`` the four index tensors are ring buffers. Invalid views raise
+    ``ValueError`` naming the row's request and label.
+    """
+    if page_size < 1:
+        raise ValueError(f"expected page_size >= 1, got {page_size}")
+    n = len(segments)
+    if n == 0:
+        zero = np.zeros(1, dtype=np.int32)
+        empty = np.zeros(0, dtype=np.int32)
+        arrays = (zero, zero, empty, empty)
+        kv_lens = empty
+    else:
+        _, _, pages, length, to_compute, start, _ = zip(*segments)
+        length = np.array(length, dtype=np.int64)
+        to_compute = np.array(to_compute, dtype=np.int64)
+        start = np.array(start, dtype=np.int64)
+        num_pages = np.fromiter(map(len, pages), dtype=np.int64, count=n)
+        kv_indptr = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(num_pages, out=kv_indptr[1:])
+        if isinstance(pages[0], np.ndarray):
+            indices = np.concatenate(pages).astype(np.int32, copy=False)
+        else:
+            indices = np.fromiter(
+                itertools.chain.from_iterable(pages), dtype=np.int32, count=int(kv_indptr[-1])
+            )
+        _check_views(segments, page_size, length, to_compute, start, num_pages, indices, kv_indptr)
+        qo_indptr = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(to_compute, out=qo_indptr[1:], dtype=np.int32)
+        last = (start + length) % page_size
+        last[last == 0] = page_size
+        kv_lens = (np.maximum(num_pages - 1, 0) * page_size + last).astype(np.int32)
+        arrays = (qo_indptr, kv_indptr.astype(np.int32), indices, last.astype(np.int32))
+    if ring is None:
+        tensors = [torch.from_numpy(a) for a in arrays]
+    else:
+        tensors = [ring.take(a) for a in arrays]
+    return PagedIndptrs(*tensors, _host_lens(kv_lens))
+
+
+def context_only_views(
+    views: list[SequenceView], query_spans: list[int], page_size: int
+) -> list[SequenceView]:
+    """The views of a step's streams without the tokens the step appends:
+    length shrinks by ``to_compute`` (the pages beyond it dropped; a row that
+    stored nothing keeps none) and ``to_compute`` becomes the row's query
+    count. For attention over the stored context alone."""
+    if len(views) != len(query_spans):
+        raise ValueError(f"expected one query span per view ({len(views)}), got {len(query_spans)}")
+    if page_size < 1:
+        raise ValueError(f"expected page_size >= 1, got {page_size}")
+    out = []
+    for v, queries in zip(views, query_spans):
+        stored = v.length - v.to_compute
+        keep = -(-(v.start + stored) // page_size) if stored > 0 else 0
+        out.append(v._replace(page_idxs=v.page_idxs[:keep], length=stored, to_compute=queries))
+    return out
+
+
+def group_by_plan_label(
+    segments: tuple[Segment, ...], combined_labels: dict[tuple[str, ...], str]
+) -> dict[str, list[Segment]]:
+    """Segments per plan label, in the order of the packed forward.
+
+    A combined plan label (a value of ``combined_labels``) concatenates its
+    source labels' segments label-major: all of the first source in batch
+    order, then the second... Labels in no key stay standalone, in batch order.
+    Combined labels come first (in ``combined_labels`` order), then standalone
+    ones in order of first appearance. KV is the sole producer of this
+    ordering; everyone else reads it from the plan.
+
+    A combined key with a source label that has no segments in the step raises
+    ``KeyError``; a label in two keys, or a plan label that collides with
+    another, raises ``ValueError``.
+    """
+    by_label: dict[str, list[Segment]] = {}
+    for seg in segments:
+        by_label.setdefault(seg.label, []).append(seg)
+    out: dict[str, list[Segment]] = {}
+    sources: set[str] = set()
+    for key, plan_label in combined_labels.items():
+        merged: list[Segment] = []
+        for label in key:
+            if label in sources:
+                raise ValueError(f"expected each label in one combined key, got {label!r} twice")
+            sources.add(label)
+            if label not in by_label:
+                raise KeyError(
+                    f"combined label {plan_label!r} = {key!r}: source label {label!r}"
+                    " has no segments in this step"
+                )
+            merged.extend(by_label[label])
+        if plan_label in out:
+            raise ValueError(f"expected distinct plan labels, got {plan_label!r} twice")
+        out[plan_label] = merged
+    for label, segs in by_label.items():
+        if label in sources:
+            continue
+        if label in out:
+            raise ValueError(
+                f"expected plan label {label!r} to be either combined or standalone, got both"
+            )
+        out[label] = segs
+    return out
+
+
+class KVPlanOutput:
+    """Output of ``KVManager.plan`` for a single plan label.
+
+    ``views`` are built at most once, on first access, when only a
+    ``view_builder`` (a zero-argument callable) was given: the decode hot path
+    never pays for them. ``rows`` is each row's ``(request_id, label)`` in plan
+    order. ``decode_pages``/``decode_offsets`` (numpy int64 ``[B]``), when
+    given, are each row's write page and offset within it.
+    """
+
+    __slots__ = (
+        "cpu_indptrs",
+        "cuda_indptrs",
+        "decode_pages",
+        "decode_offsets",
+        "_rows",
+        "_views",
+        "_view_builder",
+    )
+
+    def __init__(
+        self,
+        cpu_indptrs: PagedIndptrs,
+        views: list[SequenceView] | None = None,
+        cuda_indptrs: PagedIndptrs | None = None,
+        decode_pages: np.ndarray | None = None,
+        decode_offsets: np.ndarray | None = None,
+        rows: list[tuple[str, str]] | None = None,
+        view_builder: Callable[[], list[SequenceView]] | None = None,
+    ) -> None:
+        if views is None and view_builder is None:
+            raise ValueError("expected views or a view_builder, got neither")
+        self.cpu_indptrs = cpu_indptrs
+        self.cuda_indptrs = cuda_indptrs
+        self.decode_pages = decode_pages
+        self.decode_offsets = decode_offsets
+        self._rows = rows
+        self._views = views
+        self._view_builder = view_builder
+
+    @property
+    def views(self) -> list[SequenceView]:
+        if self._views is None:
+            self._views = self._view_builder()
+            self._view_builder = None
+        return self._views
+
+    @property
+    def rows(self) -> list[tuple[str, str]]:
+        if self._rows is None:
+            self._rows = [(v.request_id, v.label) for v in self.views]
+        return self._rows
+
+    def get_total_len(self) -> int:
+        """Query tokens in this plan: ``qo_indptr[-1]``."""
+        return int(self.cpu_indptrs.qo_indptr[-1])
+
+    @property
+    def is_decode(self) -> bool:
+        """True when every row computes exactly one token (read from
+        ``qo_indptr``; never builds views)."""
+        if self.decode_pages is not None:
+            return True
+        return bool(np.all(np.diff(self.cpu_indptrs.qo_indptr.numpy()) == 1))
+
+    def __repr__(self) -> str:
+        rows = len(self.cpu_indptrs.qo_indptr) - 1
+        return f"KVPlanOutput(rows={rows}, tokens={self.get_total_len()}, decode={self.is_decode})"
+
+
+class KVPlanOutputs(dict[str, KVPlanOutput]):
+    """Plan label -> output, plus the label forks of the step it came from.
+
+    A dict subclass so consumers that only want the per-label plans keep
+    reading it as the mapping it is. Positions need the forks too — a fork
+    target inherits the source's counter the way it inherits its pages — and a
+    fork target is not necessarily a segment of the step, so it has nowhere
+    else to ride.
+    """
+
+    __slots__ = ("pre_forks", "post_forks")
+
+    def __init__(
+        self,
+        mapping: dict[str, KVPlanOutput] | None = None,
+        pre_forks: tuple[tuple[str, str], ...] = (),
+        post_forks: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        super().__init__(mapping or {})
+        self.pre_forks = tuple(pre_forks)
+        self.post_forks = tuple(post_forks)
+
+    def __reduce__(self):
+        return (type(self), (dict(self), self.pre_forks, self.post_forks))
+
+    def __copy__(self) -> KVPlanOutputs:
+        return type(self)(self, self.pre_forks, self.post_forks)
+
+    def __repr__(self) -> str:
+        return (
+            f"KVPlanOutputs({dict.__repr__(self)}, pre_forks={self.pre_forks!r},"
+            f" post_forks={self.post_forks!r})"
+        )
