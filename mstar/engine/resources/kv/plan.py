@@ -174,48 +174,30 @@ class PinnedIndexRing:
         return buf[:n]
 
 
-def _ceil_div(a: np.ndarray, b: int) -> np.ndarray:
-    return -(-a // b)
-
-
-def _check_views(
-    segments: Sequence[SequenceView],
-    page_size: int,
-    length: np.ndarray,
-    to_compute: np.ndarray,
-    start: np.ndarray,
-    num_pages: np.ndarray,
-    indices: np.ndarray,
-    kv_indptr: np.ndarray,
-) -> None:
-    """Raise ``ValueError`` naming the first invalid row (vectorized: the
-    common all-valid case costs a few array ops)."""
-    short = num_pages < _ceil_div(start + length, page_size)
-    bad = (length < 0) | (to_compute < 0) | (to_compute > length) | (start < 0) | short
-    negative_page = indices < 0
-    if negative_page.any():
-        bad[np.searchsorted(kv_indptr, np.flatnonzero(negative_page), side="right") - 1] = True
-    if not bad.any():
-        return
-    i = int(np.argmax(bad))
-    v = segments[i]
-    if v.length < 0 or v.to_compute < 0 or v.start < 0:
-        why = (
-            f"expected length, to_compute and start >= 0, got {v.length}, {v.to_compute}, {v.start}"
-        )
-    elif v.to_compute > v.length:
-        why = f"expected to_compute <= length, got to_compute={v.to_compute} > length={v.length}"
-    elif short[i]:
+def _invalid_view(segments: Sequence[SequenceView], page_size: int) -> ValueError:
+    """The error for the first invalid row of ``segments`` (the slow path,
+    taken only once the vectorized check has failed)."""
+    for i, v in enumerate(segments):
         need = -(-(v.start + v.length) // page_size)
-        why = (
-            f"expected at least {need} pages for start + length = {v.start + v.length}"
-            f" at page_size {page_size}, got {len(v.page_idxs)}"
+        if v.length < 0 or v.to_compute < 0 or v.start < 0:
+            why = f"expected length, to_compute and start >= 0, got {v.length}, {v.to_compute}, {v.start}"
+        elif v.to_compute > v.length:
+            why = (
+                f"expected to_compute <= length, got to_compute={v.to_compute} > length={v.length}"
+            )
+        elif len(v.page_idxs) < need:
+            why = (
+                f"expected at least {need} pages for start + length = {v.start + v.length}"
+                f" at page_size {page_size}, got {len(v.page_idxs)}"
+            )
+        elif min(v.page_idxs, default=0) < 0:
+            why = f"expected page indices >= 0, got {min(v.page_idxs)}"
+        else:
+            continue
+        return ValueError(
+            f"invalid view for request {v.request_id!r}, label {v.label!r} (row {i}): {why}"
         )
-    else:
-        why = "expected page indices >= 0, got a negative one"
-    raise ValueError(
-        f"invalid view for request {v.request_id!r}, label {v.label!r} (row {i}): {why}"
-    )
+    raise AssertionError("vectorized check failed but no row is invalid")
 
 
 def build_paged_indptrs(
@@ -233,33 +215,44 @@ def build_paged_indptrs(
     """
     if page_size < 1:
         raise ValueError(f"expected page_size >= 1, got {page_size}")
-    n = len(segments)
-    if n == 0:
-        zero = np.zeros(1, dtype=np.int32)
-        empty = np.zeros(0, dtype=np.int32)
-        arrays = (zero, zero, empty, empty)
-        kv_lens = empty
+    # Column-wise through numpy: a handful of array ops whatever the batch. Each
+    # op costs about a microsecond, so their count is the cost at small batch
+    # (hence ufunc methods over their slower numpy wrappers).
+    _, _, pages, length, to_compute, start, _ = zip(*segments) if segments else ((),) * 7
+    length, start, computed = cols = np.array((length, start, to_compute), dtype=np.int32).reshape(
+        3, -1
+    )
+    qo_indptr = np.zeros(len(segments) + 1, dtype=np.int32)
+    np.add.accumulate(computed, out=qo_indptr[1:])
+    counts = np.fromiter(itertools.chain((0,), map(len, pages)), dtype=np.int32)
+    kv_indptr = np.add.accumulate(counts, dtype=np.int32)
+    num_pages = counts[1:]
+    if pages and isinstance(pages[0], np.ndarray):
+        indices = np.concatenate(pages).astype(np.int32, copy=False)
     else:
-        _, _, pages, length, to_compute, start, _ = zip(*segments)
-        length = np.array(length, dtype=np.int64)
-        to_compute = np.array(to_compute, dtype=np.int64)
-        start = np.array(start, dtype=np.int64)
-        num_pages = np.fromiter(map(len, pages), dtype=np.int64, count=n)
-        kv_indptr = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(num_pages, out=kv_indptr[1:])
-        if isinstance(pages[0], np.ndarray):
-            indices = np.concatenate(pages).astype(np.int32, copy=False)
-        else:
-            indices = np.fromiter(
-                itertools.chain.from_iterable(pages), dtype=np.int32, count=int(kv_indptr[-1])
-            )
-        _check_views(segments, page_size, length, to_compute, start, num_pages, indices, kv_indptr)
-        qo_indptr = np.zeros(n + 1, dtype=np.int32)
-        np.cumsum(to_compute, out=qo_indptr[1:], dtype=np.int32)
-        last = (start + length) % page_size
-        last[last == 0] = page_size
-        kv_lens = (np.maximum(num_pages - 1, 0) * page_size + last).astype(np.int32)
-        arrays = (qo_indptr, kv_indptr.astype(np.int32), indices, last.astype(np.int32))
+        indices = np.fromiter(
+            itertools.chain.from_iterable(pages), dtype=np.int32, count=int(kv_indptr[-1])
+        )
+    end = length + start
+    if segments and (
+        min(
+            np.minimum.reduce(cols, axis=None),
+            np.minimum.reduce(length - computed),
+            np.minimum.reduce(num_pages * page_size - end),
+        )
+        < 0
+        or (indices.size and np.minimum.reduce(indices) < 0)
+    ):
+        raise _invalid_view(segments, page_size)
+    last = end
+    last -= 1
+    last %= page_size
+    last += 1  # (start + length) % page_size or page_size, in three in-place ops
+    kv_lens = num_pages - 1
+    np.maximum(kv_lens, 0, out=kv_lens)
+    kv_lens *= page_size
+    kv_lens += last
+    arrays = (qo_indptr, kv_indptr, indices, last)
     if ring is None:
         tensors = [torch.from_numpy(a) for a in arrays]
     else:

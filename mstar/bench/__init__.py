@@ -1,0 +1,80 @@
+"""Benchmarks behind ``mstar-kv bench`` and ``benchmarks/*.py``.
+
+Every figure is ours against the issue's baseline timed in the same run (the
+machine's noise hits both), so the ratio is the figure that matters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Row:
+    """One configuration: our time, the baseline's, and optionally a floor
+    (the least any implementation must spend, e.g. one copy of the indices)."""
+
+    bench: str
+    config: str
+    ours_us: float
+    baseline_us: float
+    floor_us: float | None = None
+
+    @property
+    def speedup(self) -> float:
+        return self.baseline_us / self.ours_us
+
+    @property
+    def over_floor(self) -> float | None:
+        return None if self.floor_us is None else self.ours_us / self.floor_us
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "speedup": self.speedup, "over_floor": self.over_floor}
+
+
+def time_us(fn: Callable[[], object], *, repeat: int = 5, target_s: float = 0.02) -> float:
+    """Microseconds per call: the best of ``repeat`` runs of a batch of calls
+    sized to take about ``target_s`` (the best run is the least disturbed)."""
+    number = 1
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        elapsed = time.perf_counter() - t0
+        if elapsed >= target_s / 4 or number >= 1 << 20:
+            break
+        number *= 4
+    number = max(1, round(number * target_s / max(elapsed, 1e-9)))
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        best = min(best, time.perf_counter() - t0)
+    return best / number * 1e6
+
+
+def format_table(rows: list[Row]) -> str:
+    """A plain-text table of ``rows``: µs per call, the ratio, the floor."""
+    head = ("bench", "config", "ours µs", "baseline µs", "speedup", "floor µs", "ours/floor")
+    body = [
+        (
+            r.bench,
+            r.config,
+            f"{r.ours_us:.1f}",
+            f"{r.baseline_us:.1f}",
+            f"{r.speedup:.1f}x",
+            "" if r.floor_us is None else f"{r.floor_us:.1f}",
+            "" if r.over_floor is None else f"{r.over_floor:.2f}x",
+        )
+        for r in rows
+    ]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    lines = [
+        "  ".join(x.rjust(w) if i > 1 else x.ljust(w) for i, (x, w) in enumerate(zip(line, widths)))
+        for line in [head, *body]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

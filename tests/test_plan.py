@@ -1,0 +1,457 @@
+"""The plan contract against plain-Python references of its documented rules."""
+
+import copy
+import inspect
+import itertools
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mstar.engine.resources.kv import plan as plan_mod
+from mstar.engine.resources.kv.plan import (
+    HostLens,
+    KVPlanOutput,
+    KVPlanOutputs,
+    PagedIndptrs,
+    PinnedIndexRing,
+    SequenceView,
+    build_paged_indptrs,
+    context_only_views,
+    group_by_plan_label,
+)
+from mstar.engine.resources.step import Segment
+
+# --- references: the issue's rules, row by row, in plain Python -------------------------
+
+
+def ref_indptrs(views, page_size):
+    qo, kvp, idx, last, lens = [0], [0], [], [], []
+    for v in views:
+        qo.append(qo[-1] + v.to_compute)
+        kvp.append(kvp[-1] + len(v.page_idxs))
+        idx.extend(int(p) for p in v.page_idxs)
+        lp = (v.start + v.length) % page_size or page_size
+        last.append(lp)
+        lens.append(max(len(v.page_idxs) - 1, 0) * page_size + lp)
+    return qo, kvp, idx, last, lens
+
+
+def ref_context_only(views, spans, page_size):
+    out = []
+    for v, q in zip(views, spans):
+        stored = v.length - v.to_compute
+        keep = 0 if stored == 0 else -(-(v.start + stored) // page_size)
+        out.append((v.request_id, v.label, list(v.page_idxs[:keep]), stored, q, v.start))
+    return out
+
+
+def ref_group(segments, combined):
+    out = {}
+    sources = [label for key in combined for label in key]
+    for key, plan_label in combined.items():
+        out[plan_label] = [s for label in key for s in segments if s.label == label]
+    for s in segments:
+        if s.label not in sources:
+            out.setdefault(s.label, []).append(s)
+    return out
+
+
+# --- strategies --------------------------------------------------------------------------
+
+
+@st.composite
+def views_and_page_size(draw, min_rows=0, max_rows=8):
+    page_size = draw(st.integers(1, 17))
+    n = draw(st.integers(min_rows, max_rows))
+    as_array = draw(st.booleans())
+    views = []
+    for i in range(n):
+        length = draw(st.integers(0, 60))
+        to_compute = draw(st.integers(0, length))
+        start = draw(st.integers(0, 2 * page_size))
+        need = -(-(start + length) // page_size)
+        pages = draw(st.lists(st.integers(0, 10_000), min_size=need, max_size=need + 2))
+        if as_array:
+            pages = np.array(pages, dtype=np.int32)
+        views.append(
+            SequenceView(f"r{i}", draw(st.sampled_from("ab")), pages, length, to_compute, start, i)
+        )
+    return views, page_size
+
+
+def assert_matches_reference(built, views, page_size):
+    qo, kvp, idx, last, lens = ref_indptrs(views, page_size)
+    for name, want in zip(PagedIndptrs._fields, (qo, kvp, idx, last, lens)):
+        got = getattr(built, name)
+        assert got.dtype == torch.int32, name
+        assert got.device.type == "cpu", name
+        assert got.tolist() == want, name
+    assert isinstance(built.kv_lens, HostLens)
+
+
+# --- the spec's surface ------------------------------------------------------------------
+
+
+def test_spec_signatures():
+    def params(obj):
+        return [(p.name, p.default) for p in inspect.signature(obj).parameters.values()]
+
+    empty = inspect.Parameter.empty
+    assert params(build_paged_indptrs) == [
+        ("segments", empty),
+        ("page_size", empty),
+        ("ring", None),
+    ]
+    assert params(context_only_views) == [
+        ("views", empty),
+        ("query_spans", empty),
+        ("page_size", empty),
+    ]
+    assert params(group_by_plan_label) == [("segments", empty), ("combined_labels", empty)]
+    assert params(KVPlanOutput) == [
+        ("cpu_indptrs", empty),
+        ("views", None),
+        ("cuda_indptrs", None),
+        ("decode_pages", None),
+        ("decode_offsets", None),
+        ("rows", None),
+        ("view_builder", None),
+    ]
+    assert params(KVPlanOutputs) == [("mapping", None), ("pre_forks", ()), ("post_forks", ())]
+    assert params(PinnedIndexRing) == [("numel", 4096), ("depth", 2), ("per_plan", 4)]
+    assert SequenceView._fields == (
+        "request_id",
+        "label",
+        "page_idxs",
+        "length",
+        "to_compute",
+        "start",
+        "generation",
+    )
+    assert SequenceView._field_defaults == {"start": 0, "generation": 0}
+    assert PagedIndptrs._fields == (
+        "qo_indptr",
+        "paged_kv_indptr",
+        "paged_kv_indices",
+        "paged_kv_last_page_len",
+        "kv_lens",
+    )
+    assert PagedIndptrs._field_defaults == {"kv_lens": None}
+    assert Segment._fields == ("request_id", "label", "span")
+    assert issubclass(HostLens, torch.Tensor) and issubclass(KVPlanOutputs, dict)
+    assert set(plan_mod.__all__) == {
+        "build_paged_indptrs",
+        "context_only_views",
+        "group_by_plan_label",
+        "HostLens",
+        "KVPlanOutput",
+        "KVPlanOutputs",
+        "PagedIndptrs",
+        "PinnedIndexRing",
+        "SequenceView",
+    }
+
+
+def test_last_page_len():
+    assert SequenceView("r", "a", [0, 1], 20, 1).last_page_len(16) == 4
+    assert SequenceView("r", "a", [0, 1], 32, 1).last_page_len(16) == 0
+    assert SequenceView("r", "a", [0, 1], 13, 1, start=3).last_page_len(16) == 0
+
+
+# --- build_paged_indptrs -----------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(views_and_page_size())
+def test_build_matches_reference(case):
+    views, page_size = case
+    assert_matches_reference(build_paged_indptrs(views, page_size), views, page_size)
+
+
+@settings(max_examples=100, deadline=None)
+@given(views_and_page_size(), st.integers(1, 8))
+def test_build_with_ring_matches_reference(case, numel):
+    views, page_size = case
+    ring = PinnedIndexRing(numel=numel, depth=2, per_plan=1)
+    ring.begin_plan()
+    built = build_paged_indptrs(views, page_size, ring)
+    assert_matches_reference(built, views, page_size)
+    ptrs = [t.data_ptr() for t in built[:4] if t.numel()]
+    assert len(set(ptrs)) == len(ptrs)
+
+
+def test_build_empty():
+    built = build_paged_indptrs([], 16)
+    assert built.qo_indptr.tolist() == [0] and built.paged_kv_indptr.tolist() == [0]
+    for t in (built.paged_kv_indices, built.paged_kv_last_page_len, built.kv_lens):
+        assert t.numel() == 0 and t.dtype == torch.int32
+    assert isinstance(built.kv_lens, HostLens)
+
+
+def _corrupt(views, i, how, page_size):
+    v = views[i]
+    covering = -(-(v.start + max(v.length, 1)) // page_size)
+    return {
+        "negative length": lambda: v._replace(length=-1, to_compute=0),
+        "negative to_compute": lambda: v._replace(to_compute=-1),
+        "to_compute > length": lambda: v._replace(to_compute=v.length + 1),
+        "too few pages": lambda: v._replace(length=v.length + 1, page_idxs=v.page_idxs[:0]),
+        "negative page": lambda: v._replace(
+            length=max(v.length, 1), page_idxs=[3] * covering + [-1]
+        ),
+    }[how]()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    views_and_page_size(min_rows=1),
+    st.data(),
+    st.sampled_from(
+        [
+            "negative length",
+            "negative to_compute",
+            "to_compute > length",
+            "too few pages",
+            "negative page",
+        ]
+    ),
+)
+def test_build_rejects_invalid_view_naming_the_row(case, data, how):
+    views, page_size = case
+    i = data.draw(st.integers(0, len(views) - 1))
+    bad = list(views)
+    bad[i] = _corrupt(views, i, how, page_size)
+    with pytest.raises(ValueError) as err:
+        build_paged_indptrs(bad, page_size)
+    assert repr(bad[i].request_id) in str(err.value)
+    assert repr(bad[i].label) in str(err.value)
+
+
+@pytest.mark.parametrize("page_size", [0, -3])
+def test_build_rejects_page_size(page_size):
+    with pytest.raises(ValueError, match="page_size"):
+        build_paged_indptrs([SequenceView("r", "a", [0], 1, 1)], page_size)
+
+
+# --- HostLens, PagedIndptrs --------------------------------------------------------------
+
+
+def test_host_lens_iterates_numpy_scalars_and_is_a_tensor_otherwise():
+    lens = build_paged_indptrs(
+        [SequenceView("a", "x", [0, 1], 20, 1), SequenceView("b", "x", [2], 5, 1)], 16
+    ).kv_lens
+    items = list(lens)
+    assert all(type(x) is np.int32 for x in items)
+    assert max(lens).item() == 20 and isinstance(max(lens).item(), int)
+    assert lens.cpu().tolist() == [20, 5]
+    assert lens.min().item() == 5 and len(lens) == 2 and lens[1].item() == 5
+    dst = torch.zeros(2, dtype=torch.int32)
+    dst.copy_(lens)
+    assert dst.tolist() == [20, 5]
+    assert type(lens + 1) is torch.Tensor
+    assert copy.deepcopy(lens).tolist() == [20, 5] and type(copy.deepcopy(lens)) is HostLens
+    assert pickle.loads(pickle.dumps(lens)).tolist() == [20, 5]
+    assert HostLens([3, 4]).tolist() == [3, 4] and HostLens([3]).dtype == torch.int32
+
+
+def test_paged_indptrs_to_device_and_kwargs():
+    built = build_paged_indptrs([SequenceView("a", "x", [0, 1], 20, 4)], 16)
+    moved = built.to_device(torch.device("cpu"))
+    assert moved.kv_lens is built.kv_lens
+    assert all(torch.equal(a, b) for a, b in zip(moved[:4], built[:4]))
+    kwargs = built.to_kwargs_dict()
+    assert list(kwargs) == list(PagedIndptrs._fields)
+    assert kwargs["paged_kv_indices"] is built.paged_kv_indices
+
+
+# --- PinnedIndexRing ---------------------------------------------------------------------
+
+
+def _span(t):
+    return t.data_ptr(), t.data_ptr() + 4 * t.numel()
+
+
+def test_ring_takes_of_one_plan_never_alias():
+    ring = PinnedIndexRing(numel=8, depth=2, per_plan=2)
+    ring.begin_plan()
+    taken = [ring.take(list(range(k, k + 5))) for k in range(7)]  # more takes than per_plan
+    spans = sorted(_span(t) for t in taken)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    assert [t.tolist() for t in taken] == [list(range(k, k + 5)) for k in range(7)]
+    assert all(t.dtype == torch.int32 and t.numel() == 5 for t in taken)
+
+
+def test_ring_reuses_a_set_after_depth_plans():
+    ring = PinnedIndexRing(numel=8, depth=3, per_plan=2)
+    ptrs = []
+    for _ in range(6):
+        ring.begin_plan()
+        ptrs.append((ring.take([1, 2]).data_ptr(), ring.take([3]).data_ptr()))
+    assert ptrs[0] == ptrs[3] and ptrs[1] == ptrs[4] and ptrs[2] == ptrs[5]
+    assert len({ptrs[0], ptrs[1], ptrs[2]}) == 3
+    assert len({p for pair in ptrs[:3] for p in pair}) == 6
+
+
+def test_ring_grows_a_buffer_for_a_long_value_and_takes_before_begin():
+    ring = PinnedIndexRing(numel=4, depth=2, per_plan=1)
+    values = np.arange(50, dtype=np.int64)
+    got = ring.take(values)  # no begin_plan yet: behaves as if it had been called
+    assert got.tolist() == values.tolist() and got.dtype == torch.int32
+    assert ring.take([]).numel() == 0
+
+
+@pytest.mark.parametrize("kwargs", [{"numel": 0}, {"depth": 0}, {"per_plan": 0}])
+def test_ring_rejects_bad_sizes(kwargs):
+    with pytest.raises(ValueError, match="expected"):
+        PinnedIndexRing(**kwargs)
+
+
+# --- context_only_views ------------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(views_and_page_size(), st.data())
+def test_context_only_views_matches_reference(case, data):
+    views, page_size = case
+    spans = [data.draw(st.integers(0, 5)) for _ in views]
+    got = context_only_views(views, spans, page_size)
+    want = ref_context_only(views, spans, page_size)
+    assert [
+        (v.request_id, v.label, list(v.page_idxs), v.length, v.to_compute, v.start) for v in got
+    ] == want
+    assert [v.generation for v in got] == [v.generation for v in views]
+
+
+def test_context_only_views_rejects_mismatched_spans():
+    with pytest.raises(ValueError, match="one query span per view"):
+        context_only_views([SequenceView("r", "a", [0], 3, 1)], [1, 2], 16)
+
+
+# --- group_by_plan_label -----------------------------------------------------------------
+
+
+@st.composite
+def step_and_combined(draw):
+    labels = draw(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=6, unique=True))
+    segments = []
+    for r in range(draw(st.integers(1, 5))):
+        for label in draw(st.lists(st.sampled_from(labels), unique=True)):
+            segments.append(Segment(f"r{r}", label, draw(st.integers(0, 4))))
+    draw(st.randoms()).shuffle(segments)
+    present = list(dict.fromkeys(s.label for s in segments))
+    pool = list(present)
+    combined = {}
+    while len(pool) >= 1 and draw(st.booleans()):
+        k = draw(st.integers(1, len(pool)))
+        key = tuple(pool[:k])
+        pool = pool[k:]
+        combined[key] = "+".join(key)
+    return tuple(segments), combined
+
+
+@settings(max_examples=200, deadline=None)
+@given(step_and_combined())
+def test_group_by_plan_label_matches_reference(case):
+    segments, combined = case
+    got = group_by_plan_label(segments, combined)
+    want = ref_group(segments, combined)
+    assert list(got) == list(want)
+    assert got == want
+
+
+def test_group_combined_first_then_standalone_by_first_appearance():
+    segs = (
+        Segment("r1", "x", 1),
+        Segment("r1", "u", 1),
+        Segment("r2", "c", 1),
+        Segment("r2", "u", 1),
+    )
+    got = group_by_plan_label(segs, {("c", "u"): "cfg"})
+    assert list(got) == ["cfg", "x"]
+    assert got["cfg"] == [segs[2], segs[1], segs[3]]
+
+
+def test_group_missing_combined_source_is_key_error_naming_it():
+    with pytest.raises(KeyError) as err:
+        group_by_plan_label((Segment("r", "cond", 1),), {("cond", "uncond"): "cfg"})
+    assert "'uncond'" in str(err.value) and "('cond', 'uncond')" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "combined",
+    [{("a",): "p", ("a", "b"): "q"}, {("a",): "p", ("b",): "p"}, {("a",): "b"}],
+)
+def test_group_rejects_ambiguous_combined_labels(combined):
+    with pytest.raises(ValueError, match="expected"):
+        group_by_plan_label((Segment("r", "a", 1), Segment("r", "b", 1)), combined)
+
+
+# --- KVPlanOutput, KVPlanOutputs ---------------------------------------------------------
+
+
+def _decode_views():
+    return [SequenceView("r1", "main", [0], 5, 1), SequenceView("r2", "main", [1, 2], 17, 1)]
+
+
+def test_plan_output_builds_views_lazily_and_once():
+    views = _decode_views()
+    indptrs = build_paged_indptrs(views, 16)
+    calls = []
+
+    def builder():
+        calls.append(1)
+        return views
+
+    out = KVPlanOutput(indptrs, view_builder=builder)
+    assert out.get_total_len() == 2 and out.is_decode
+    assert calls == []
+    assert out.views is views and out.views is views
+    assert out.rows == [("r1", "main"), ("r2", "main")]
+    assert calls == [1]
+
+
+def test_plan_output_rows_given_do_not_build_views():
+    indptrs = build_paged_indptrs(_decode_views(), 16)
+
+    def builder():
+        raise AssertionError("views built")
+
+    out = KVPlanOutput(indptrs, rows=[("r1", "main"), ("r2", "main")], view_builder=builder)
+    assert out.rows == [("r1", "main"), ("r2", "main")]
+
+
+def test_plan_output_is_decode():
+    prefill = [SequenceView("r1", "main", [0], 5, 5), SequenceView("r2", "main", [1], 1, 1)]
+    out = KVPlanOutput(build_paged_indptrs(prefill, 16), views=prefill)
+    assert not out.is_decode and out.get_total_len() == 6
+    pages, offsets = np.array([0, 1]), np.array([4, 0])
+    out = KVPlanOutput(
+        build_paged_indptrs(prefill, 16), views=prefill, decode_pages=pages, decode_offsets=offsets
+    )
+    assert out.is_decode and out.decode_pages is pages and out.decode_offsets is offsets
+    # a zero-token row is not a decode row even when the total equals the row count
+    odd = [SequenceView("r1", "main", [0], 5, 2), SequenceView("r2", "main", [1], 1, 0)]
+    assert not KVPlanOutput(build_paged_indptrs(odd, 16), views=odd).is_decode
+
+
+def test_plan_output_needs_views_or_builder():
+    with pytest.raises(ValueError, match="view_builder"):
+        KVPlanOutput(build_paged_indptrs([], 16))
+
+
+def test_plan_outputs_keep_forks_through_pickle_and_copy():
+    views = _decode_views()
+    out = KVPlanOutput(build_paged_indptrs(views, 16), views=views)
+    outs = KVPlanOutputs({"main": out}, pre_forks=(("main", "s1"),), post_forks=(("main", "s2"),))
+    assert outs["main"] is out and list(outs) == ["main"] and isinstance(outs, dict)
+    for clone in (pickle.loads(pickle.dumps(outs)), copy.copy(outs)):
+        assert type(clone) is KVPlanOutputs
+        assert clone.pre_forks == (("main", "s1"),) and clone.post_forks == (("main", "s2"),)
+        assert list(clone) == ["main"] and clone["main"].rows == [("r1", "main"), ("r2", "main")]
+    assert not hasattr(outs, "__dict__")
+    empty = KVPlanOutputs()
+    assert empty == {} and empty.pre_forks == () and empty.post_forks == ()
