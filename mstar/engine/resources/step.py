@@ -7,6 +7,7 @@ downstream of the plan sees these records.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
@@ -19,3 +20,26 @@ class Segment(NamedTuple):
     request_id: str
     label: str
     span: int
+
+
+@dataclass(frozen=True, eq=False)
+class KVStep:
+    """Everything one step asks of the KV manager.
+
+    ``combined_labels`` maps a tuple of source labels to the plan label that
+    packs them (see ``group_by_plan_label``). A fork ``(from_label, to_label)``
+    applies to every request with a segment in the step: ``pre_forks`` before
+    the step's spans, ``post_forks`` after them. ``commit=False`` marks a step
+    whose tokens are not kept. Compared by identity: a step is an event.
+    """
+
+    segments: tuple[Segment, ...]
+    combined_labels: dict[tuple[str, ...], str] = field(default_factory=dict)
+    pre_forks: tuple[tuple[str, str], ...] = ()
+    post_forks: tuple[tuple[str, str], ...] = ()
+    commit: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "segments", tuple(self.segments))
+        object.__setattr__(self, "pre_forks", tuple(tuple(f) for f in self.pre_forks))
+        object.__setattr__(self, "post_forks", tuple(tuple(f) for f in self.post_forks))

@@ -1,0 +1,589 @@
+"""KVManager: scenario tests for each rule, and a state machine against a model."""
+
+import queue
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from mstar.engine.resources.kv.manager import (
+    AllocationFailed,
+    InvalidStep,
+    KVError,
+    KVManager,
+    UnknownStream,
+)
+from mstar.engine.resources.kv.plan import (
+    KVPlanOutputs,
+    PinnedIndexRing,
+    build_paged_indptrs,
+    group_by_plan_label,
+)
+from mstar.engine.resources.step import KVStep, Segment
+
+
+class TokenCache:
+    """A fake KV cache holding a token id per slot, so a stream's pages can be
+    read back and compared with the tokens it was given."""
+
+    def __init__(self, num_pages, page_size):
+        self.page_size = page_size
+        self.slots = np.full((num_pages, page_size), -1, dtype=np.int64)
+        self.copies = []
+
+    def copy_pages(self, src, dst):
+        self.copies.append((list(src), list(dst)))
+        self.slots[np.asarray(dst)] = self.slots[np.asarray(src)]
+
+    def write(self, view, tokens):
+        assert len(tokens) == view.to_compute
+        for j, token in enumerate(tokens):
+            pos = view.length - view.to_compute + j
+            self.slots[view.page_idxs[pos // self.page_size], pos % self.page_size] = token
+
+    def read(self, view, n):
+        return [
+            int(self.slots[view.page_idxs[p // self.page_size], p % self.page_size])
+            for p in range(n)
+        ]
+
+
+def run_step(mgr, *segments, **kwargs):
+    step = KVStep(segments=tuple(Segment(*s) for s in segments), **kwargs)
+    mgr.admit(step)
+    plans = mgr.plan(step)
+    mgr.commit(step)
+    return plans
+
+
+def one_view(plans, request_id, label):
+    for out in plans.values():
+        for view in out.views:
+            if (view.request_id, view.label) == (request_id, label):
+                return view
+    raise AssertionError(f"no view for {request_id}/{label}")
+
+
+def snapshot(mgr, streams):
+    return mgr.num_free_pages, [mgr.stored_len(r, label) for r, label in streams]
+
+
+# --- the basic protocol ------------------------------------------------------------------
+
+
+def test_admit_plan_commit_views_and_indices():
+    mgr = KVManager(num_pages=64, page_size=4)
+    plans = run_step(mgr, ("r1", "main", 7), ("r2", "main", 1))
+    assert isinstance(plans, KVPlanOutputs) and list(plans) == ["main"]
+    out = plans["main"]
+    v1, v2 = out.views
+    assert (v1.length, v1.to_compute, len(v1.page_idxs)) == (7, 7, 2)
+    assert (v2.length, v2.to_compute, len(v2.page_idxs)) == (1, 1, 1)
+    assert out.rows == [("r1", "main"), ("r2", "main")]
+    assert out.cpu_indptrs.qo_indptr.tolist() == [0, 7, 8]
+    assert out.cpu_indptrs.paged_kv_last_page_len.tolist() == [3, 1]
+    assert mgr.stored_len("r1", "main") == 7 and mgr.stored_len("r2", "main") == 1
+    assert mgr.num_free_pages == 61
+    plans = run_step(mgr, ("r1", "main", 2))
+    v = plans["main"].views[0]
+    assert (v.length, v.to_compute, list(v.page_idxs[:2])) == (9, 2, list(v1.page_idxs))
+    assert v.generation != v1.generation
+    mgr.check_invariants()
+
+
+def test_zero_span_reads_without_extending():
+    mgr = KVManager(num_pages=8, page_size=4)
+    run_step(mgr, ("r", "a", 6))
+    free = mgr.num_free_pages
+    plans = run_step(mgr, ("r", "a", 0))
+    v = plans["a"].views[0]
+    assert (v.length, v.to_compute, len(v.page_idxs)) == (6, 0, 2)
+    assert plans["a"].get_total_len() == 0
+    assert mgr.stored_len("r", "a") == 6 and mgr.num_free_pages == free
+
+
+def test_commit_false_keeps_the_reservation_not_the_tokens():
+    mgr = KVManager(num_pages=8, page_size=4)
+    run_step(mgr, ("r", "a", 4))
+    plans = run_step(mgr, ("r", "a", 3), commit=False)
+    assert mgr.stored_len("r", "a") == 4 and mgr.num_free_pages == 6
+    again = run_step(mgr, ("r", "a", 3))
+    assert mgr.num_free_pages == 6  # the reserved page was reused, not allocated again
+    assert list(again["a"].views[0].page_idxs) == list(plans["a"].views[0].page_idxs)
+    assert mgr.stored_len("r", "a") == 7
+    mgr.check_invariants()
+
+
+def test_combined_labels_order_and_outputs_carry_forks():
+    mgr = KVManager(num_pages=32, page_size=4)
+    run_step(mgr, ("r1", "cond", 3), ("r1", "uncond", 2), ("r2", "main", 1))
+    segs = (Segment("r2", "main", 1), Segment("r1", "uncond", 1), Segment("r1", "cond", 1))
+    step = KVStep(segs, combined_labels={("cond", "uncond"): "cfg"})
+    mgr.admit(step)
+    plans = mgr.plan(step)
+    assert list(plans) == list(group_by_plan_label(segs, step.combined_labels)) == ["cfg", "main"]
+    assert plans["cfg"].rows == [("r1", "cond"), ("r1", "uncond")]
+    mgr.commit(step)
+    plans = run_step(
+        mgr, ("r2", "main", 1), pre_forks=(("main", "x"),), post_forks=(("main", "y"),)
+    )
+    assert plans.pre_forks == (("main", "x"),) and plans.post_forks == (("main", "y"),)
+
+
+# --- refusals change nothing -------------------------------------------------------------
+
+
+def test_allocation_failed_is_all_or_nothing():
+    mgr = KVManager(num_pages=5, page_size=4)
+    run_step(mgr, ("r1", "a", 8))
+    before = snapshot(mgr, [("r1", "a")])
+    step = KVStep((Segment("r1", "a", 4), Segment("r2", "a", 9)))
+    with pytest.raises(AllocationFailed) as err:
+        mgr.admit(step)
+    assert isinstance(err.value, KVError)
+    assert err.value.pages_short == 1
+    assert (err.value.request_id, err.value.label) == ("r2", "a")
+    assert "'r2'" in str(err.value) and "'a'" in str(err.value)
+    assert snapshot(mgr, [("r1", "a")]) == before and mgr.labels("r2") == []
+    mgr.check_invariants()
+    with pytest.raises(InvalidStep, match="not admitted"):
+        mgr.plan(step)
+
+
+def test_fork_pages_count_at_admit():
+    mgr = KVManager(num_pages=3, page_size=4)
+    run_step(mgr, ("r", "a", 6))  # two pages, the last partial
+    with pytest.raises(AllocationFailed) as err:  # the copied tail and b's new span: 2 > 1
+        mgr.admit(KVStep((Segment("r", "b", 3),), pre_forks=(("a", "b"),)))
+    assert (err.value.pages_short, err.value.label) == (1, "b")
+    with pytest.raises(UnknownStream):  # b does not exist before the pre-fork creates it
+        mgr.admit(KVStep((Segment("r", "a", 0),), pre_forks=(("b", "c"),)))
+    run_step(mgr, ("r", "a", 0), pre_forks=(("a", "b"),))
+    assert mgr.num_free_pages == 0 and mgr.stored_len("r", "b") == 6
+
+
+@pytest.mark.parametrize(
+    "segments, kwargs, match",
+    [
+        ((("r1", "a", -1),), {}, "span >= 0"),
+        ((("r1", "a", 1), ("r1", "a", 2)), {}, "one segment per stream"),
+        ((("r1", "a", 1),), {"pre_forks": (("zz", "b"),)}, "no stream 'zz'"),
+        ((("r1", "a", 1),), {"post_forks": (("a", "a"),)}, "between two labels"),
+        ((("r1", "a", 1),), {"combined_labels": {("a", "b"): "ab"}}, "combined_labels"),
+    ],
+)
+def test_bad_steps_raise_naming_request_and_label(segments, kwargs, match):
+    mgr = KVManager(num_pages=16, page_size=4)
+    run_step(mgr, ("r1", "a", 5))
+    before = snapshot(mgr, [("r1", "a")])
+    with pytest.raises(KVError, match=match) as err:
+        mgr.admit(KVStep(tuple(Segment(*s) for s in segments), **kwargs))
+    assert err.value.request_id == "r1" and err.value.label is not None
+    assert snapshot(mgr, [("r1", "a")]) == before
+    mgr.check_invariants()
+    run_step(mgr, ("r1", "a", 1))  # and the manager still works
+
+
+def test_plan_or_commit_of_a_step_not_admitted():
+    mgr = KVManager(num_pages=16, page_size=4)
+    step = KVStep((Segment("r1", "a", 1),))
+    for call in (mgr.plan, mgr.commit):
+        with pytest.raises(InvalidStep, match="not admitted") as err:
+            call(step)
+        assert (err.value.request_id, err.value.label) == ("r1", "a")
+    mgr.admit(step)
+    with pytest.raises(InvalidStep, match="already admitted"):
+        mgr.admit(step)
+    with pytest.raises(InvalidStep, match="already in an admitted step"):
+        mgr.admit(KVStep((Segment("r1", "b", 1),)))
+    with pytest.raises(InvalidStep, match="commit it first"):
+        mgr.release("r1")
+    mgr.plan(step)
+    with pytest.raises(InvalidStep, match="already planned"):
+        mgr.plan(step)
+    mgr.commit(step)
+    with pytest.raises(InvalidStep, match="not admitted"):
+        mgr.commit(step)
+
+
+def test_commit_without_plan_applies_the_step():
+    mgr = KVManager(num_pages=16, page_size=4)
+    run_step(mgr, ("r", "a", 6))
+    step = KVStep((Segment("r", "a", 2),), pre_forks=(("a", "b"),))
+    mgr.admit(step)
+    mgr.commit(step)
+    assert mgr.stored_len("r", "a") == 8 and mgr.stored_len("r", "b") == 6
+    mgr.check_invariants()
+
+
+def test_release_unknown_request_or_label():
+    mgr = KVManager(num_pages=16, page_size=4)
+    run_step(mgr, ("r", "a", 6))
+    with pytest.raises(UnknownStream, match="'nobody'"):
+        mgr.release("nobody")
+    with pytest.raises(UnknownStream, match=r"'r'.*'zz'"):
+        mgr.release("r", "zz")
+    with pytest.raises(UnknownStream, match=r"'r'.*'zz'"):
+        mgr.stored_len("r", "zz")
+    assert mgr.stored_len("r", "a") == 6
+
+
+# --- forks -------------------------------------------------------------------------------
+
+
+def test_pre_fork_shares_full_pages_and_copies_the_tail():
+    cache = TokenCache(16, 4)
+    mgr = KVManager(num_pages=16, page_size=4, cache=cache)
+    src = run_step(mgr, ("r", "a", 6))["a"].views[0]
+    plans = run_step(mgr, ("r", "b", 1), pre_forks=(("a", "b"),))
+    dst = plans["b"].views[0]
+    assert plans.pre_forks == (("a", "b"),)
+    assert dst.length == 7 and dst.page_idxs[0] == src.page_idxs[0]  # the full page, shared
+    assert dst.page_idxs[1] != src.page_idxs[1]  # the partial page, copied
+    assert cache.copies == [([src.page_idxs[1]], [dst.page_idxs[1]])]
+    assert mgr.shared_pages() == 1
+    mgr.check_invariants()
+
+
+def test_post_fork_copies_the_source_after_the_step():
+    mgr = KVManager(num_pages=16, page_size=4)
+    run_step(mgr, ("r", "a", 6), post_forks=(("a", "b"), ("a", "c")))
+    assert mgr.stored_len("r", "b") == mgr.stored_len("r", "c") == 6
+    run_step(mgr, ("r", "a", 2), post_forks=(("a", "d"),), commit=False)
+    assert mgr.stored_len("r", "d") == 6  # not committed: the source as stored
+    mgr.check_invariants()
+
+
+def test_fork_replaces_an_existing_target_and_frees_its_pages():
+    mgr = KVManager(num_pages=16, page_size=4)
+    run_step(mgr, ("r", "a", 4), ("r", "b", 12))
+    assert mgr.num_free_pages == 12
+    run_step(mgr, ("r", "a", 0), post_forks=(("a", "b"),))
+    assert mgr.stored_len("r", "b") == 4 and mgr.num_free_pages == 15  # b's 3 pages went back
+    mgr.check_invariants()
+
+
+def test_fork_applies_to_every_request_of_the_step():
+    mgr = KVManager(num_pages=16, page_size=4)
+    run_step(mgr, ("r1", "a", 3), ("r2", "a", 5), post_forks=(("a", "s"),))
+    assert mgr.stored_len("r1", "s") == 3 and mgr.stored_len("r2", "s") == 5
+
+
+def test_a_page_returns_when_its_last_owner_releases():
+    mgr = KVManager(num_pages=8, page_size=4)
+    run_step(mgr, ("r", "a", 8), post_forks=(("a", "b"),))
+    assert mgr.num_free_pages == 6  # two full pages, shared
+    mgr.release("r", "a")
+    assert mgr.num_free_pages == 6 and mgr.labels("r") == ["b"]
+    mgr.release("r")
+    assert mgr.num_free_pages == 8 and mgr.labels("r") == []
+    mgr.check_invariants()
+
+
+# --- decode ------------------------------------------------------------------------------
+
+
+def decode_step(rows, label="main"):
+    return KVStep(tuple(Segment(r, label, 1) for r in rows))
+
+
+def assert_same_as_fresh_build(out, page_size):
+    """A decode output equals the index arrays built from its own views."""
+    views = out.views
+    fresh = build_paged_indptrs(views, page_size)
+    for a, b in zip(out.cpu_indptrs, fresh):
+        assert a.tolist() == b.tolist()
+    assert out.rows == [(v.request_id, v.label) for v in views]
+    for view, page, offset in zip(views, out.decode_pages, out.decode_offsets):
+        pos = view.length - 1
+        assert (page, offset) == (view.page_idxs[pos // page_size], pos % page_size)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_repeated_decode_steps_plan_off_the_previous_one(page_size):
+    mgr = KVManager(num_pages=512, page_size=page_size)
+    rows = [f"r{i}" for i in range(5)]
+    run_step(mgr, *((r, "main", 3 * i + 1) for i, r in enumerate(rows)))
+    for k in range(2 * page_size + 3):
+        step = decode_step(rows)
+        mgr.admit(step)
+        plans = mgr.plan(step)
+        out = plans["main"]
+        assert out.is_decode and out.decode_pages.dtype == np.int64
+        assert out.decode_offsets.dtype == np.int64
+        if k:  # from the second decode step on, views are built lazily
+            assert out._views is None
+        mgr.commit(step)
+        assert_same_as_fresh_build(out, page_size)
+        mgr.check_invariants()
+    assert [mgr.stored_len(r, "main") for r in rows] == [
+        3 * i + 1 + 2 * page_size + 3 for i in range(5)
+    ]
+
+
+def test_repeated_decode_after_commit_false_and_allocation_failure():
+    mgr = KVManager(num_pages=4, page_size=2)
+    run_step(mgr, ("a", "main", 1), ("b", "main", 1))
+    run_step(mgr, ("a", "main", 1), ("b", "main", 1))  # cached
+    run_step(mgr, ("a", "main", 1), ("b", "main", 1), commit=False)  # repeat, not kept
+    assert mgr.stored_len("a", "main") == 2 and mgr.num_free_pages == 0
+    plans = run_step(mgr, ("a", "main", 1), ("b", "main", 1))  # the reserved pages serve
+    assert_same_as_fresh_build(plans["main"], 2)
+    step = decode_step(["a", "b"])
+    mgr.admit(step)
+    mgr.commit(step)  # a decode step committed without a plan
+    with pytest.raises(AllocationFailed) as err:
+        mgr.admit(decode_step(["a", "b"]))
+    assert (err.value.pages_short, err.value.request_id) == (2, "a")
+    mgr.release("b")
+    plans = run_step(mgr, ("a", "main", 1))
+    assert_same_as_fresh_build(plans["main"], 2)
+    mgr.check_invariants()
+
+
+def test_decode_with_combined_labels_and_a_ring():
+    ring = PinnedIndexRing(numel=4, depth=2, per_plan=2)
+    mgr = KVManager(num_pages=64, page_size=2, ring=ring)
+    run_step(mgr, ("g", "cond", 3), ("g", "uncond", 2), ("x", "main", 1))
+    combined = {("cond", "uncond"): "cfg"}
+    segs = (Segment("g", "cond", 1), Segment("x", "main", 1), Segment("g", "uncond", 1))
+    previous, previous_indices = None, None
+    for _ in range(5):
+        plans = run_step(mgr, *segs, combined_labels=combined)
+        assert list(plans) == ["cfg", "main"]
+        assert plans["cfg"].rows == [("g", "cond"), ("g", "uncond")]
+        for out in plans.values():
+            assert_same_as_fresh_build(out, 2)
+        if previous is not None:  # a ring set is not rewritten by the very next plan
+            assert previous["cfg"].cpu_indptrs.paged_kv_indices.tolist() == previous_indices
+        previous = plans
+        previous_indices = plans["cfg"].cpu_indptrs.paged_kv_indices.tolist()
+
+
+def test_threads_admit_and_commit_while_another_plans():
+    mgr = KVManager(num_pages=256, page_size=4, ring=PinnedIndexRing())
+    planned_rows, other_rows = ["p0", "p1", "p2"], ["o0", "o1"]
+    run_step(mgr, *((r, "main", 5) for r in planned_rows + other_rows))
+    to_plan, done = queue.Queue(), queue.Queue()
+
+    def planner():
+        while (step := to_plan.get()) is not None:
+            try:
+                done.put(mgr.plan(step))
+            except Exception as e:  # handed back to the main thread
+                done.put(e)
+
+    thread = threading.Thread(target=planner)
+    thread.start()
+    for i in range(100):
+        step = decode_step(planned_rows)
+        mgr.admit(step)
+        to_plan.put(step)
+        run_step(mgr, *((r, "main", 1 + i % 3) for r in other_rows))  # while the plan runs
+        mgr.release("tmp") if i % 2 else run_step(mgr, ("tmp", "main", 7))
+        plans = done.get()
+        assert not isinstance(plans, Exception), plans
+        assert_same_as_fresh_build(plans["main"], 4)
+        mgr.commit(step)
+    to_plan.put(None)
+    thread.join()
+    assert [mgr.stored_len(r, "main") for r in planned_rows] == [105] * 3
+    assert mgr.stored_len("o0", "main") == 5 + sum(1 + i % 3 for i in range(100))
+    mgr.check_invariants()
+
+
+# --- the invariant checker itself ---------------------------------------------------------
+
+
+def test_check_invariants_names_the_broken_rule():
+    mgr = KVManager(num_pages=8, page_size=4)
+    run_step(mgr, ("r", "a", 6), post_forks=(("a", "b"),))
+    mgr.check_invariants()
+    mgr._refcount[mgr._free[0]] = 1
+    with pytest.raises(AssertionError, match="owner counts"):
+        mgr.check_invariants()
+
+
+# --- the state machine ---------------------------------------------------------------------
+
+REQUESTS = ["r0", "r1", "r2"]
+LABELS = ["a", "b", "c"]
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """Random steps against a model of the rules: each stream's token history
+    and page count. A TokenCache makes the pages' contents checkable, so a
+    fork that shares the wrong page, or a step that writes a shared page,
+    shows up as a wrong history."""
+
+    @initialize(page_size=st.sampled_from([1, 2, 3, 5]), num_pages=st.integers(3, 30))
+    def setup(self, page_size, num_pages):
+        self.ps = page_size
+        self.cache = TokenCache(num_pages, page_size)
+        self.mgr = KVManager(num_pages=num_pages, page_size=page_size, cache=self.cache)
+        self.hist = {}  # (request, label) -> token ids
+        self.pages = {}  # (request, label) -> pages held
+        self.next_token = 0
+        self.last_decode = None
+
+    # -- the model of admission ------------------------------------------------------
+
+    def model_need(self, step):
+        """Pages the step needs, or the (request, label) of a missing fork source."""
+        need = 0
+        for request in dict.fromkeys(s.request_id for s in step.segments):
+            sim = {
+                lab: (len(h), self.pages[(r, lab)])
+                for (r, lab), h in self.hist.items()
+                if r == request
+            }
+            for src, dst in step.pre_forks:
+                if src not in sim:
+                    return None, (request, src)
+                need += sim[src][0] % self.ps != 0
+                sim[dst] = (sim[src][0], -(-sim[src][0] // self.ps))
+            for seg in (s for s in step.segments if s.request_id == request):
+                stored, pages = sim.get(seg.label, (0, 0))
+                want = -(-(stored + seg.span) // self.ps)
+                need += max(want - pages, 0)
+                sim[seg.label] = (stored + seg.span * step.commit, max(pages, want))
+            for src, dst in step.post_forks:
+                if src not in sim:
+                    return None, (request, src)
+                need += sim[src][0] % self.ps != 0
+                sim[dst] = (sim[src][0], -(-sim[src][0] // self.ps))
+        return need, None
+
+    def apply_fork(self, request, src, dst):
+        self.hist[(request, dst)] = list(self.hist[(request, src)])
+        self.pages[(request, dst)] = -(-len(self.hist[(request, dst)]) // self.ps)
+
+    # -- rules ---------------------------------------------------------------------------
+
+    @rule(data=st.data())
+    def step(self, data):
+        segments = []
+        for request in data.draw(st.lists(st.sampled_from(REQUESTS), unique=True, max_size=3)):
+            for label in data.draw(
+                st.lists(st.sampled_from(LABELS), unique=True, min_size=1, max_size=2)
+            ):
+                segments.append(Segment(request, label, data.draw(st.integers(0, 7))))
+        if data.draw(st.booleans()):  # a decode step
+            segments = [s._replace(span=1) for s in segments]
+        present = list(dict.fromkeys(s.label for s in segments))
+        combined = {}
+        if len(present) >= 2 and data.draw(st.booleans()):
+            combined = {tuple(present[:2]): "combo"}
+
+        def forks():  # mostly none; a source the step names, so most are valid
+            if not present or data.draw(st.integers(0, 2)):
+                return ()
+            src = data.draw(st.sampled_from(present))
+            return ((src, data.draw(st.sampled_from([lab for lab in LABELS if lab != src]))),)
+
+        step = KVStep(
+            tuple(segments),
+            combined_labels=combined,
+            pre_forks=forks(),
+            post_forks=forks(),
+            commit=data.draw(st.integers(0, 3)) > 0,
+        )
+        self.run(step)
+
+    @rule()
+    def repeat_decode(self):
+        if self.last_decode is not None:
+            self.run(
+                KVStep(self.last_decode.segments, combined_labels=self.last_decode.combined_labels)
+            )
+
+    @rule(data=st.data())
+    def release(self, data):
+        request = data.draw(st.sampled_from(REQUESTS))
+        labels = [lab for (r, lab) in self.hist if r == request]
+        label = data.draw(st.sampled_from([None, *LABELS]))
+        if not labels or (label is not None and label not in labels):
+            before = self.mgr.num_free_pages
+            with pytest.raises(UnknownStream):
+                self.mgr.release(request, label)
+            assert self.mgr.num_free_pages == before
+            return
+        self.mgr.release(request, label)
+        for lab in labels if label is None else [label]:
+            del self.hist[(request, lab)], self.pages[(request, lab)]
+
+    # -- running one step against the model ------------------------------------------------
+
+    def run(self, step):
+        need, missing = self.model_need(step)
+        free = self.mgr.num_free_pages
+        if missing is not None:
+            with pytest.raises(UnknownStream) as err:
+                self.mgr.admit(step)
+            assert (err.value.request_id, err.value.label) == missing
+            assert self.mgr.num_free_pages == free
+            return
+        if need > free:
+            with pytest.raises(AllocationFailed) as err:
+                self.mgr.admit(step)
+            assert err.value.pages_short == need - free
+            assert self.mgr.num_free_pages == free
+            return
+        self.mgr.admit(step)
+        assert self.mgr.num_free_pages == free - need
+        plans = self.mgr.plan(step)
+        requests = list(dict.fromkeys(s.request_id for s in step.segments))
+        for src, dst in step.pre_forks:
+            for request in requests:
+                self.apply_fork(request, src, dst)
+        assert list(plans) == list(group_by_plan_label(step.segments, step.combined_labels))
+        assert (plans.pre_forks, plans.post_forks) == (step.pre_forks, step.post_forks)
+        decode = bool(step.segments) and all(s.span == 1 for s in step.segments)
+        new_tokens = {}
+        for plan_label, segs in group_by_plan_label(step.segments, step.combined_labels).items():
+            out = plans[plan_label]
+            assert out.rows == [(s.request_id, s.label) for s in segs]
+            assert (out.decode_pages is not None) == decode
+            assert out.is_decode == all(s.span == 1 for s in segs)
+            for seg, view in zip(segs, out.views):
+                key = (seg.request_id, seg.label)
+                stored = self.hist.setdefault(key, [])
+                self.pages[key] = max(
+                    self.pages.get(key, 0), -(-(len(stored) + seg.span) // self.ps)
+                )
+                assert (view.length, view.to_compute) == (len(stored) + seg.span, seg.span)
+                assert len(view.page_idxs) == -(-view.length // self.ps)
+                assert self.cache.read(view, len(stored)) == stored, (
+                    "a stream's pages lost its tokens"
+                )
+                tokens = list(range(self.next_token, self.next_token + seg.span))
+                self.next_token += seg.span
+                self.cache.write(view, tokens)
+                new_tokens[key] = tokens
+            if decode:
+                assert_same_as_fresh_build(out, self.ps)
+        self.mgr.commit(step)
+        if step.commit:
+            for key, tokens in new_tokens.items():
+                self.hist[key].extend(tokens)
+        for src, dst in step.post_forks:
+            for request in requests:
+                self.apply_fork(request, src, dst)
+        self.last_decode = step if decode else self.last_decode
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "mgr"):
+            return
+        self.mgr.check_invariants()
+        for (request, label), tokens in self.hist.items():
+            assert self.mgr.stored_len(request, label) == len(tokens)
+        for r in REQUESTS:
+            assert set(self.mgr.labels(r)) == {lab for (q, lab) in self.hist if q == r}
+
+
+TestManagerMachine = ManagerMachine.TestCase
+TestManagerMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
