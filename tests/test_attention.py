@@ -1,0 +1,167 @@
+"""paged_attention against a dense per-row oracle over the full K/V history."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from oracles import Scenario, dense_attention
+
+from mstar.engine.resources.attn.paged import paged_attention
+from mstar.engine.resources.kv.plan import PagedIndptrs, build_paged_indptrs, context_only_views
+
+HEAD_DIM = 8
+TOL = 1e-5
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.shape == expected.shape
+    err = (actual - expected).abs().max().item() if actual.numel() else 0.0
+    assert err <= TOL, f"max abs error {err}"
+
+
+heads = st.sampled_from([(4, 2), (4, 1)])
+page_sizes = st.sampled_from([1, 3, 16])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 6)), min_size=1, max_size=4),
+    page_size=page_sizes,
+    heads=heads,
+    causal=st.booleans(),
+    window_left=st.sampled_from([-1, 0, 2, 7]),
+    sm_scale=st.sampled_from([None, 0.3]),
+    seed=st.integers(0, 2**16),
+)
+@example(  # always: a chunk, a decode row, a fresh prompt and a row with no queries
+    rows=[(7, 5), (10, 1), (0, 3), (4, 0)],
+    page_size=3,
+    heads=(4, 2),
+    causal=True,
+    window_left=-1,
+    sm_scale=None,
+    seed=0,
+)
+def test_mixed_step_matches_dense(rows, page_size, heads, causal, window_left, sm_scale, seed):
+    """Prefill chunks, decode rows and rows with no queries in one plan."""
+    num_qo_heads, num_kv_heads = heads
+    case = Scenario(rows, page_size, num_kv_heads, seed)
+    plan = case.step()
+    qs = case.queries([n for _, n in rows], num_qo_heads)
+    opts = {"causal": causal, "sm_scale": sm_scale, "window_left": window_left}
+    out = paged_attention(torch.cat(qs), case.cache.layer(0), plan.cpu_indptrs, **opts)
+    expected = [dense_attention(q, *case.kv[name], **opts) for q, name in zip(qs, case.names)]
+    _assert_close(out, torch.cat(expected))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    history=st.lists(st.integers(0, 40), min_size=1, max_size=5),
+    page_size=page_sizes,
+    heads=heads,
+    seed=st.integers(0, 2**16),
+)
+def test_decode_plan_matches_dense(history, page_size, heads, seed):
+    """A decode-only plan, written through decode_pages (its views raise)."""
+    num_qo_heads, num_kv_heads = heads
+    case = Scenario([(h, 1) for h in history], page_size, num_kv_heads, seed)
+    plan = case.step(decode=True)
+    qs = case.queries([1] * len(history), num_qo_heads)
+    out = paged_attention(torch.cat(qs), case.cache.layer(0), plan.cpu_indptrs)
+    expected = [dense_attention(q, *case.kv[name]) for q, name in zip(qs, case.names)]
+    _assert_close(out, torch.cat(expected))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 5)), min_size=1, max_size=4),
+    page_size=page_sizes,
+    data=st.data(),
+    seed=st.integers(0, 2**16),
+)
+def test_context_only_sees_exactly_the_stored_tokens(rows, page_size, data, seed):
+    """The step's own tokens are in the cache, yet context-only queries see
+    only what was stored before it."""
+    case = Scenario(rows, page_size, 2, seed)
+    views = case.step().views
+    spans = [data.draw(st.integers(0, h)) for h, _ in rows]
+    indptrs = build_paged_indptrs(context_only_views(views, spans, page_size), page_size)
+    qs = case.queries(spans, 4)
+    out = paged_attention(torch.cat(qs), case.cache.layer(0), indptrs, causal=False)
+    expected = [
+        dense_attention(q, *case.kv[name][:, :h], causal=False)
+        for q, name, (h, _) in zip(qs, case.names, rows)
+    ]
+    _assert_close(out, torch.cat(expected))
+
+
+def _indptrs(qo, kv, indices, last) -> PagedIndptrs:
+    return PagedIndptrs(*(torch.tensor(a, dtype=torch.int32) for a in (qo, kv, indices, last)))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_rows_without_keys_give_zeros(causal):
+    """A 0-page row's queries, and causal queries before the row's first key,
+    give zeros; the other rows are unaffected."""
+    page_size = 4
+    layer = torch.randn(3, 2, page_size, 1, HEAD_DIM)
+    # Row 0: no pages, 2 queries. Row 1: 3 keys on page 2, 5 queries.
+    indptrs = _indptrs([0, 2, 7], [0, 0, 1], [2], [page_size, 3])
+    q = torch.randn(7, 2, HEAD_DIM)
+    out = paged_attention(q, layer, indptrs, causal=causal)
+    assert torch.equal(out[:2], torch.zeros(2, 2, HEAD_DIM))
+    k, v = layer[2, 0, :3], layer[2, 1, :3]
+    _assert_close(out[2:], dense_attention(q[2:], k, v, causal=causal))
+    if causal:  # positions -2 and -1 precede every key
+        assert torch.equal(out[2:4], torch.zeros(2, 2, HEAD_DIM))
+
+
+def test_rows_without_queries_are_never_read():
+    """A row with no queries is skipped whole: even an out-of-range page of
+    its own is not gathered."""
+    layer = torch.randn(2, 2, 4, 1, HEAD_DIM)
+    indptrs = _indptrs([0, 0, 2], [0, 1, 2], [10**6, 1], [4, 4])
+    q = torch.randn(2, 2, HEAD_DIM)
+    out = paged_attention(q, layer, indptrs)
+    _assert_close(out, dense_attention(q, layer[1, 0], layer[1, 1]))
+
+
+def test_low_precision_returns_q_dtype():
+    """bfloat16 in, bfloat16 out, within bfloat16 rounding of the oracle."""
+    layer = torch.randn(1, 2, 4, 1, HEAD_DIM).bfloat16()
+    q = torch.randn(3, 2, HEAD_DIM).bfloat16()
+    out = paged_attention(q, layer, _indptrs([0, 3], [0, 1], [0], [4]))
+    assert out.dtype == torch.bfloat16
+    expected = dense_attention(q.float(), layer[0, 0].float(), layer[0, 1].float())
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def _bad(**overrides):
+    args = {
+        "q": torch.randn(3, 4, HEAD_DIM),
+        "kv_layer": torch.randn(2, 2, 4, 2, HEAD_DIM),
+        "indptrs": _indptrs([0, 3], [0, 1], [0], [4]),
+    }
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (_bad(q=torch.randn(3, 4 * HEAD_DIM)), "expected q of shape"),
+        (_bad(q=torch.randn(3, 4, HEAD_DIM + 1)), "expected q head_dim 8"),
+        (_bad(q=torch.randn(3, 3, HEAD_DIM)), "multiple of num_kv_heads 2, got 3"),
+        (_bad(q=torch.randn(3, 4, HEAD_DIM, dtype=torch.float64)), "dtype torch.float32"),
+        (_bad(q=torch.randn(3, 4, HEAD_DIM, device="meta")), "on cpu"),
+        (_bad(q=torch.randn(2, 4, HEAD_DIM)), "expected 3 query tokens"),
+        (_bad(kv_layer=torch.randn(2, 3, 4, 2, HEAD_DIM)), "expected kv_layer of shape"),
+        (_bad(kv_layer=torch.randn(2, 4, 2, HEAD_DIM)), "expected kv_layer of shape"),
+        (_bad(indptrs=_indptrs([0, 3], [0, 1, 1], [0], [4, 4])), "of equal length"),
+    ],
+)
+def test_bad_input_raises(args, message):
+    with pytest.raises(ValueError, match=message):
+        paged_attention(**args)

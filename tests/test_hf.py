@@ -1,0 +1,199 @@
+"""A Hugging Face decoder run step by step through plans matches its own
+full-sequence forward (logits) and its own generate (greedy tokens)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from oracles import Streams
+
+transformers = pytest.importorskip("transformers")
+
+from mstar.engine.resources.attn.flashinfer import FlashInferPagedAttention  # noqa: E402
+from mstar.engine.resources.kv.cache import KVCache  # noqa: E402
+from mstar.engine.resources.kv.plan import KVPlanOutput  # noqa: E402
+from mstar.integrations.hf import forward_step, register  # noqa: E402
+
+SIZES = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    # No end-of-sequence token: generate always runs max_new_tokens.
+    "bos_token_id": None,
+    "eos_token_id": None,
+}
+TOL = 1e-4
+
+
+def _models(model_cls, config) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A seeded model (the oracle, SDPA attention) and its twin on the plan."""
+    torch.manual_seed(0)
+    reference = model_cls(config).eval()
+    paged = copy.deepcopy(reference)
+    paged.set_attn_implementation(register())
+    return reference, paged
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _models(transformers.LlamaForCausalLM, transformers.LlamaConfig(**SIZES))
+
+
+class Runner:
+    """Feeds streams through ``forward_step`` with hand-built plans and
+    keeps each stream's tokens and logits."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        page_size: int,
+        num_pages: int = 64,
+        flashinfer: FlashInferPagedAttention | None = None,
+    ) -> None:
+        config = model.config
+        self.model = model
+        self.flashinfer = flashinfer
+        self.streams = Streams(num_pages, page_size, seed=1)
+        head_dim = config.hidden_size // config.num_attention_heads
+        self.cache = KVCache(
+            config.num_hidden_layers, num_pages, page_size, config.num_key_value_heads, head_dim
+        )
+        self.tokens: dict[str, list[int]] = {}
+        self.logits: dict[str, list[torch.Tensor]] = {}
+
+    def prefill(self, chunks: list[tuple[str, list[int]]]) -> None:
+        """One general step; a chunk of one token is a decode row in it."""
+        self._run(self.streams.plan([(name, len(ids)) for name, ids in chunks]), chunks)
+
+    def decode(self, names: list[str]) -> None:
+        """One decode-plan step feeding each stream its greedy next token."""
+        feeds = [(name, [self.next_token(name)]) for name in names]
+        self._run(self.streams.decode_plan(names, allow_views=True), feeds)
+
+    def next_token(self, name: str) -> int:
+        return int(self.logits[name][-1][-1].argmax())
+
+    def _run(self, plan: KVPlanOutput, feeds: list[tuple[str, list[int]]]) -> None:
+        ids = torch.tensor([t for _, chunk in feeds for t in chunk])
+        logits = forward_step(self.model, ids, plan, self.cache, flashinfer=self.flashinfer)
+        for (name, chunk), rows in zip(feeds, logits.split([len(c) for _, c in feeds])):
+            self.tokens.setdefault(name, []).extend(chunk)
+            self.logits.setdefault(name, []).append(rows)
+
+
+def _check_stream(reference: torch.nn.Module, run: Runner, name: str, prompt_len: int) -> None:
+    """Logits of every step against one full forward; greedy tokens against
+    generate from the prompt."""
+    tokens = torch.tensor([run.tokens[name]])
+    with torch.no_grad():
+        expected = reference(tokens, use_cache=False).logits[0]
+    got = torch.cat(run.logits[name])
+    err = (got - expected).abs().max().item()
+    assert err <= TOL, f"{name}: max abs logit error {err}"
+    new = tokens.shape[1] - prompt_len + 1
+    generated = reference.generate(tokens[:, :prompt_len], max_new_tokens=new, do_sample=False)
+    greedy = [*run.tokens[name][prompt_len:], run.next_token(name)]
+    assert generated[0, prompt_len:].tolist() == greedy
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, SIZES["vocab_size"], (n,), generator=gen).tolist()
+
+
+def test_chunked_prefill_then_decode(llama):
+    reference, paged = llama
+    prompt = _prompt(11, seed=0)
+    run = Runner(paged, page_size=3)
+    for lo, hi in ((0, 4), (4, 9), (9, 11)):
+        run.prefill([("a", prompt[lo:hi])])
+    for _ in range(4):
+        run.decode(["a"])
+    _check_stream(reference, run, "a", len(prompt))
+
+
+def test_two_streams_batched(llama):
+    """Chunks and decode rows of two streams share steps."""
+    reference, paged = llama
+    a, b = _prompt(7, seed=1), _prompt(5, seed=2)
+    run = Runner(paged, page_size=4)
+    run.prefill([("a", a[:4]), ("b", b)])
+    run.prefill([("b", [run.next_token("b")]), ("a", a[4:])])
+    for _ in range(3):
+        run.decode(["a", "b"])
+    _check_stream(reference, run, "a", len(a))
+    _check_stream(reference, run, "b", len(b))
+
+
+def test_sliding_window_follows_the_model():
+    """Mistral passes its sliding window per layer; the plan's attention
+    honours it (the sequence is longer than the window)."""
+    config = transformers.MistralConfig(**SIZES, sliding_window=4)
+    reference, paged = _models(transformers.MistralForCausalLM, config)
+    prompt = _prompt(10, seed=3)
+    run = Runner(paged, page_size=3)
+    run.prefill([("a", prompt[:6])])
+    run.prefill([("a", prompt[6:])])
+    for _ in range(3):
+        run.decode(["a"])
+    _check_stream(reference, run, "a", len(prompt))
+
+
+def test_flashinfer_adapter_is_planned_once_per_step(llama, fake_flashinfer):
+    """Through a FlashInfer adapter (a stand-in here), every layer runs on
+    one plan per step and the logits are those of the portable path."""
+    _, paged = llama
+    adapter, log = fake_flashinfer()
+    prompt = _prompt(9, seed=4)
+    plain, fused = Runner(paged, page_size=4), Runner(paged, page_size=4, flashinfer=adapter)
+    for run in (plain, fused):
+        run.prefill([("a", prompt)])
+        run.decode(["a"])
+        run.decode(["a"])
+    assert [kind for kind, _ in log] == ["prefill", "decode", "decode"]
+    assert torch.equal(torch.cat(fused.logits["a"]), torch.cat(plain.logits["a"]))
+
+
+def test_forward_step_rejects_bad_input(llama):
+    reference, paged = llama
+    run = Runner(paged, page_size=4)
+    plan = run.streams.plan([("a", 3)])
+    with pytest.raises(ValueError, match="expected the model's attention implementation"):
+        forward_step(reference, torch.zeros(3, dtype=torch.long), plan, run.cache)
+    with pytest.raises(ValueError, match=r"expected input_ids of shape \(3,\), got \(1, 3\)"):
+        forward_step(paged, torch.zeros(1, 3, dtype=torch.long), plan, run.cache)
+
+
+def test_attention_needs_the_plan(llama):
+    """Called without forward_step, the attention function says so."""
+    _, paged = llama
+    with pytest.raises(ValueError, match="expected mstar_plan and mstar_cache"), torch.no_grad():
+        paged(torch.zeros(1, 3, dtype=torch.long), use_cache=False)
+
+
+@pytest.mark.parametrize(
+    ("batch", "extra", "message"),
+    [
+        (1, {"softcap": 30.0}, "expected no softcap"),
+        (1, {"s_aux": torch.zeros(4)}, "expected no s_aux"),
+        (2, {}, "expected a packed batch of 1, got batch 2"),
+    ],
+)
+def test_attention_rejects_what_it_cannot_honour(llama, batch, extra, message):
+    """Logit soft-capping and attention sinks would be silently dropped, and a
+    plan describes one packed batch."""
+    _, paged = llama
+    run = Runner(paged, page_size=4)
+    attention = transformers.AttentionInterface()[register()]
+    q, kv = torch.zeros(batch, 4, 3, 16), torch.zeros(batch, 2, 3, 16)
+    plan = run.streams.plan([("a", 3)])
+    module = paged.model.layers[0].self_attn
+    with pytest.raises(ValueError, match=message):
+        attention(
+            module, q, kv, kv, None, scaling=0.25, mstar_plan=plan, mstar_cache=run.cache, **extra
+        )
