@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -21,6 +21,7 @@ class Row:
     ours_us: float
     baseline_us: float
     floor_us: float | None = None
+    params: dict[str, int] = field(default_factory=dict)  # the config, as numbers
 
     @property
     def speedup(self) -> float:

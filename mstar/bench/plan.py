@@ -59,6 +59,7 @@ def run(batches=(1, 32, 128, 256), pages=(1, 10, 256)) -> list[Row]:
                     f"batch={batch} pages/row={per_row}",
                     time_us(lambda v=views: build_paged_indptrs(v, PAGE_SIZE)),
                     time_us(lambda v=views: baseline_build(v, PAGE_SIZE)),
+                    params={"batch": batch, "pages_per_row": per_row},
                 )
             )
     values = np.arange(128, dtype=np.int32) * 7 % 1000
