@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,12 +28,12 @@ import numpy as np
 import torch
 
 from mstar.engine.resources.kv.plan import (
+    HostLens,
     KVPlanOutput,
     KVPlanOutputs,
     PagedIndptrs,
     PinnedIndexRing,
     SequenceView,
-    _host_lens,
     build_paged_indptrs,
     group_by_plan_label,
 )
@@ -67,6 +68,9 @@ class InvalidStep(KVError, ValueError):
 
 class UnknownStream(KVError, LookupError):
     """A (request, label) stream the manager does not hold."""
+
+
+_NO_PAGES = np.zeros(0, dtype=np.int32)
 
 
 def _pages_for(tokens: int, page_size: int) -> int:
@@ -112,6 +116,25 @@ class _DecodeLabel:
     num_pages: np.ndarray  # int64 [B]
     kv_indptr: np.ndarray  # int32 [B + 1]
     indices: np.ndarray  # int32 [kv_indptr[-1]]
+
+    @classmethod
+    def of(
+        cls, rows: list[tuple[str, str]], slots: np.ndarray, indptrs: PagedIndptrs
+    ) -> _DecodeLabel:
+        """From a freshly built plan (copied: a ring's buffers get reused)."""
+        kv_indptr = indptrs.paged_kv_indptr.numpy().copy()
+        return cls(
+            rows,
+            slots,
+            indptrs.qo_indptr.numpy().copy(),
+            np.diff(kv_indptr).astype(np.int64),
+            kv_indptr,
+            indptrs.paged_kv_indices.numpy().copy(),
+        )
+
+    def write_pages(self) -> np.ndarray:
+        """Each row's last page, where its one new token goes: int64 [B]."""
+        return self.indices[self.kv_indptr[1:] - 1].astype(np.int64)
 
 
 @dataclass(eq=False)
@@ -413,6 +436,8 @@ class KVManager:
             return
         rec.planned = True
         if rec.decode is not None:  # one page for each row that starts one
+            if not len(rec.pool):
+                return
             slots = rec.decode.slots[rec.grow]
             pages = self._reserved(rec, len(slots))
             for slot, n, page in zip(slots.tolist(), self._npages[slots].tolist(), pages.tolist()):
@@ -432,60 +457,49 @@ class KVManager:
                 self._append(slot, self._reserved(rec, want - int(self._npages[slot])))
 
     def _plan_general(self, step: KVStep, rec: _Admitted) -> dict[str, KVPlanOutput]:
-        ps = self.page_size
+        """Views per plan label, then ``build_paged_indptrs``; a decode step
+        is also cached for the next one to be planned off."""
         decode = bool(step.segments) and all(s.span == 1 for s in step.segments)
         outs, labels = {}, {}
         for plan_label, segs in rec.groups.items():
-            slots = np.array([self._streams[s.request_id][s.label] for s in segs], dtype=np.int64)
-            views = []
-            for seg, slot in zip(segs, slots.tolist()):
-                length = int(self._stored[slot]) + seg.span
-                pages = self._tables[slot][: _pages_for(length, ps)]
-                pages.flags.writeable = False
-                views.append(
-                    SequenceView(
-                        seg.request_id, seg.label, pages, length, seg.span, 0, int(self._gen[slot])
-                    )
-                )
-            indptrs = build_paged_indptrs(views, ps, self.ring)
+            slots = self._slots(segs)
+            views = self._views(segs, slots)
+            indptrs = build_paged_indptrs(views, self.page_size, self.ring)
             rows = [(s.request_id, s.label) for s in segs]
             if not decode:
                 outs[plan_label] = KVPlanOutput(indptrs, views=views, rows=rows)
                 continue
-            kv_indptr = (
-                indptrs.paged_kv_indptr.numpy().copy()
-            )  # own copies: ring buffers get reused
-            indices = indptrs.paged_kv_indices.numpy().copy()
-            lab = _DecodeLabel(
-                rows,
-                slots,
-                indptrs.qo_indptr.numpy().copy(),
-                np.diff(kv_indptr).astype(np.int64),
-                kv_indptr,
-                indices,
-            )
-            labels[plan_label] = lab
-            stored = self._stored[slots]
+            lab = labels[plan_label] = _DecodeLabel.of(rows, slots, indptrs)
             outs[plan_label] = KVPlanOutput(
                 indptrs,
                 views=views,
-                decode_pages=indices[kv_indptr[1:] - 1].astype(np.int64),
-                decode_offsets=stored % ps,
+                decode_pages=lab.write_pages(),
+                decode_offsets=self._stored[slots] % self.page_size,
                 rows=rows,
             )
         if decode:
-            slots = np.array(
-                [self._streams[s.request_id][s.label] for s in step.segments], dtype=np.int64
-            )
+            slots = self._slots(step.segments)
+            epochs = self._epoch[slots]
             self._decode = _DecodeCache(
-                step.segments,
-                dict(step.combined_labels),
-                slots,
-                self._epoch[slots],
-                labels,
-                rec.requests,
+                step.segments, dict(step.combined_labels), slots, epochs, labels, rec.requests
             )
         return outs
+
+    def _slots(self, segs: Sequence[Segment]) -> np.ndarray:
+        """The segments' stream slots, int64."""
+        return np.array([self._streams[s.request_id][s.label] for s in segs], dtype=np.int64)
+
+    def _views(self, segs: Sequence[Segment], slots: np.ndarray) -> list[SequenceView]:
+        """The segments' views; ``page_idxs`` are read-only slices of the page
+        tables, which are only ever appended to (so a view stays valid)."""
+        views = []
+        for seg, slot in zip(segs, slots.tolist()):
+            length = int(self._stored[slot]) + seg.span
+            pages = self._tables[slot][: _pages_for(length, self.page_size)]
+            pages.flags.writeable = False
+            gen = int(self._gen[slot])
+            views.append(SequenceView(seg.request_id, seg.label, pages, length, seg.span, 0, gen))
+        return views
 
     def _plan_repeated_decode(self, rec: _Admitted) -> dict[str, KVPlanOutput]:
         """A decode step with the previous one's rows: each label's index arrays
@@ -507,10 +521,10 @@ class KVManager:
                 tensors = [torch.from_numpy(a) for a in arrays]
             else:
                 tensors = [self.ring.take(a) for a in arrays]
-            indptrs = PagedIndptrs(*tensors, _host_lens(kv_lens))
+            indptrs = PagedIndptrs(*tensors, HostLens(kv_lens))
             outs[plan_label] = KVPlanOutput(
                 indptrs,
-                decode_pages=lab.indices[lab.kv_indptr[1:] - 1].astype(np.int64),
+                decode_pages=lab.write_pages(),
                 decode_offsets=stored % ps,
                 rows=list(lab.rows),
                 view_builder=_DecodeViews(
@@ -624,6 +638,8 @@ class KVManager:
     # --- pages -----------------------------------------------------------------------------
 
     def _alloc(self, n: int) -> np.ndarray:
+        if n == 0:
+            return _NO_PAGES
         pages = self._free[self._n_free - n : self._n_free].copy()
         self._n_free -= n
         self._refcount[pages] = 1

@@ -48,6 +48,7 @@ class HostLens(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __new__(cls, data: Any = ()) -> HostLens:
+        """Wrap ``data`` as int32 on the host; an int32 numpy row is not copied."""
         values = np.ascontiguousarray(data, dtype=np.int32).reshape(-1)
         return torch.Tensor._make_subclass(cls, torch.from_numpy(values))
 
@@ -56,11 +57,6 @@ class HostLens(torch.Tensor):
 
     def __deepcopy__(self, memo: dict) -> HostLens:
         return HostLens(self.numpy().copy())
-
-
-def _host_lens(values: np.ndarray) -> HostLens:
-    """Wrap an int32 numpy row without a copy (the hot-path constructor)."""
-    return torch.Tensor._make_subclass(HostLens, torch.from_numpy(values))
 
 
 class SequenceView(NamedTuple):
@@ -257,7 +253,7 @@ def build_paged_indptrs(
         tensors = [torch.from_numpy(a) for a in arrays]
     else:
         tensors = [ring.take(a) for a in arrays]
-    return PagedIndptrs(*tensors, _host_lens(kv_lens))
+    return PagedIndptrs(*tensors, HostLens(kv_lens))
 
 
 def context_only_views(
