@@ -159,6 +159,16 @@ def test_flashinfer_adapter_is_planned_once_per_step(llama, fake_flashinfer):
     assert torch.equal(torch.cat(fused.logits["a"]), torch.cat(plain.logits["a"]))
 
 
+def test_a_step_with_no_tokens_gives_no_logits(llama):
+    """A zero-span step (one that only reads, or only forks) runs no forward."""
+    _, paged = llama
+    run = Runner(paged, page_size=4)
+    run.prefill([("a", [5, 6, 7])])
+    plan = run.streams.plan([("a", 0)])
+    logits = forward_step(paged, torch.tensor([], dtype=torch.long), plan, run.cache)
+    assert logits.shape == (0, paged.config.vocab_size)
+
+
 def test_forward_step_rejects_bad_input(llama):
     reference, paged = llama
     run = Runner(paged, page_size=4)

@@ -58,6 +58,8 @@ def forward_step(
         raise ValueError(
             f"expected input_ids of shape ({plan.get_total_len()},), got {tuple(input_ids.shape)}"
         )
+    if input_ids.shape[0] == 0:  # a zero-span step: nothing to compute
+        return torch.empty(0, model.config.vocab_size, device=input_ids.device)
     position_ids = positions(plan).to(input_ids.device)
     with torch.no_grad():
         output = model(
