@@ -35,19 +35,25 @@ class Row:
         return {**asdict(self), "speedup": self.speedup, "over_floor": self.over_floor}
 
 
-def time_us(fn: Callable[[], object], *, repeat: int = 5, target_s: float = 0.02) -> float:
+def time_us(
+    fn: Callable[[], object], *, repeat: int = 5, target_s: float = 0.02, max_calls: int = 1 << 20
+) -> float:
     """Microseconds per call: the best of ``repeat`` runs of a batch of calls
-    sized to take about ``target_s`` (the best run is the least disturbed)."""
-    number = 1
+    sized to take about ``target_s`` (the best run is the least disturbed).
+    At most ``max_calls`` calls in all, for ``fn`` that consume something
+    (a decode step takes pages)."""
+    number, calls = 1, 0
     while True:
         t0 = time.perf_counter()
         for _ in range(number):
             fn()
         elapsed = time.perf_counter() - t0
-        if elapsed >= target_s / 4 or number >= 1 << 20:
+        calls += number
+        if elapsed >= target_s / 4 or calls + 4 * number > max_calls // 2:
             break
         number *= 4
-    number = max(1, round(number * target_s / max(elapsed, 1e-9)))
+    per_call = max(elapsed, 1e-9) / number
+    number = max(1, min(round(target_s / per_call), (max_calls - calls) // repeat))
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()

@@ -15,7 +15,8 @@ from mstar.engine.resources.kv.plan import SequenceView
 from mstar.engine.resources.step import KVStep, Segment
 
 PAGE_SIZE = 16
-HEADROOM_PAGES = 256  # per row: decode steps the timing loop may take
+MAX_STEPS = 4096  # decode steps timed per configuration, at most
+HEADROOM_PAGES = MAX_STEPS // PAGE_SIZE + 2  # per row, for those steps
 
 
 class ListManager:
@@ -80,8 +81,8 @@ def run(batches=(1, 32, 256), contexts=(1024, 4096, 32768)) -> list[Row]:
                 Row(
                     "decode step",
                     f"batch={batch} context={context}",
-                    time_us(lambda m=mgr, s=segments: decode_once(m, s)),
-                    time_us(lambda b=base, n=names: b.decode(n)),
+                    time_us(lambda m=mgr, s=segments: decode_once(m, s), max_calls=MAX_STEPS - 1),
+                    time_us(lambda b=base, n=names: b.decode(n), max_calls=MAX_STEPS - 1),
                     time_us(lambda a=indices: np.copy(a)),
                     params={"batch": batch, "context": context},
                 )
