@@ -47,7 +47,6 @@ class Request:
     fed: dict[str, int] = field(default_factory=dict)
     outputs: dict[str, list[int]] = field(default_factory=dict)  # label -> generated
     pending: dict[str, torch.Tensor] = field(default_factory=dict)  # guided: last logits
-    preemptions: int = 0
 
     def restart(self) -> None:
         """Back to nothing computed (greedy decoding recomputes the same tokens)."""
@@ -181,8 +180,8 @@ class Server:
     @staticmethod
     def combined(segments: list[Segment]) -> dict[tuple[str, ...], str]:
         """Pack every text label into one plan label, and cond/uncond into
-        another when both decode this step (a combined source must have
-        segments in the step)."""
+        another when both have segments this step (a combined source with
+        none would be refused)."""
         labels = list(dict.fromkeys(s.label for s in segments))
         out = {}
         text = tuple(label for label in labels if label not in GUIDED)
@@ -221,7 +220,6 @@ class Server:
         req = max(holding, key=lambda r: r.arrival)
         self.mgr.release(req.id)
         req.restart()
-        req.preemptions += 1
         self.stats.preemptions += 1
         return req
 
