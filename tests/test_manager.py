@@ -402,7 +402,7 @@ def test_check_invariants_names_the_broken_rule():
     mgr = KVManager(num_pages=8, page_size=4)
     run_step(mgr, ("r", "a", 6), post_forks=(("a", "b"),))
     mgr.check_invariants()
-    mgr._refcount[mgr._free[0]] = 1
+    mgr._pages.refcount[mgr._pages.free_pages()[0]] = 1
     with pytest.raises(AssertionError, match="owner counts"):
         mgr.check_invariants()
 

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mstar.engine.resources.kv.pages import PagePool
 from mstar.engine.resources.kv.plan import (
     HostLens,
     KVPlanOutput,
@@ -68,9 +69,6 @@ class InvalidStep(KVError, ValueError):
 
 class UnknownStream(KVError, LookupError):
     """A (request, label) stream the manager does not hold."""
-
-
-_NO_PAGES = np.zeros(0, dtype=np.int32)
 
 
 def _pages_for(tokens: int, page_size: int) -> int:
@@ -180,9 +178,7 @@ class KVManager:
         self.cache = cache
         self.ring = ring
         self._lock = threading.Lock()
-        self._refcount = np.zeros(num_pages, dtype=np.int32)
-        self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int32)  # a stack: top at the end
-        self._n_free = num_pages
+        self._pages = PagePool(num_pages)
         self._streams: dict[str, dict[str, int]] = {}  # request -> label -> slot
         self._tables: list[np.ndarray | None] = []
         self._stored = np.zeros(0, dtype=np.int64)
@@ -199,7 +195,7 @@ class KVManager:
 
     @property
     def num_free_pages(self) -> int:
-        return self._n_free
+        return self._pages.num_free
 
     def stored_len(self, request_id: str, label: str) -> int:
         """Tokens committed to the stream."""
@@ -214,7 +210,7 @@ class KVManager:
     def shared_pages(self) -> int:
         """Page references saved by sharing: sum over pages of owners - 1."""
         with self._lock:
-            return int(np.maximum(self._refcount - 1, 0).sum())
+            return self._pages.shared()
 
     # --- the step protocol -------------------------------------------------------------
 
@@ -230,10 +226,10 @@ class KVManager:
                 return
             groups = self._validate(step)
             need, short_at = self._pages_needed(step)
-            if need > self._n_free:
-                raise AllocationFailed(need - self._n_free, *short_at)
+            if need > self._pages.num_free:
+                raise AllocationFailed(need - self._pages.num_free, *short_at)
             requests = dict.fromkeys(s.request_id for s in step.segments)
-            self._admitted[step] = _Admitted(self._alloc(need), groups, requests=requests)
+            self._admitted[step] = _Admitted(self._pages.alloc(need), groups, requests=requests)
 
     def plan(self, step: KVStep) -> KVPlanOutputs:
         """Apply the pre-forks and return one ``KVPlanOutput`` per plan label,
@@ -295,26 +291,27 @@ class KVManager:
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` naming the first broken rule."""
         with self._lock:
-            free = self._free[: self._n_free]
+            pool = self._pages
+            free = pool.free_pages()
             owners = [self._tables[s][: self._npages[s]] for s in self._live_slots()]
             owners += [rec.pool[rec.used :] for rec in self._admitted.values()]
             held = np.concatenate([np.zeros(0, np.int32), *owners])
             counts = np.bincount(held, minlength=self.num_pages)
             if len(np.unique(free)) != len(free) or counts[free].any():
                 raise AssertionError("broken rule: every page is free xor owned")
-            if not np.array_equal(counts, self._refcount):
-                bad = int(np.flatnonzero(counts != self._refcount)[0])
+            if not np.array_equal(counts, pool.refcount):
+                bad = int(np.flatnonzero(counts != pool.refcount)[0])
                 raise AssertionError(
                     f"broken rule: owner counts equal the streams naming each page"
-                    f" (page {bad}: refcount {self._refcount[bad]}, named {counts[bad]} times)"
+                    f" (page {bad}: refcount {pool.refcount[bad]}, named {counts[bad]} times)"
                 )
             for slot in self._live_slots():
                 full = self._stored[slot] // self.page_size
                 if self._npages[slot] < _pages_for(int(self._stored[slot]), self.page_size):
                     raise AssertionError("broken rule: a stream holds the pages of its length")
-                if (self._refcount[self._tables[slot][full : self._npages[slot]]] != 1).any():
+                if (pool.refcount[self._tables[slot][full : self._npages[slot]]] != 1).any():
                     raise AssertionError("broken rule: no stream's still-writable page is shared")
-            if self._n_free + np.count_nonzero(counts) != self.num_pages:
+            if pool.num_free + np.count_nonzero(counts) != self.num_pages:
                 raise AssertionError("broken rule: free + owned == num_pages")
 
     # --- admission ---------------------------------------------------------------------
@@ -364,7 +361,7 @@ class KVManager:
         for request_id, segs in by_request.items():
             for label, pages in self._request_pages(step, request_id, segs):
                 need += pages
-                if need > self._n_free and short_at is None:
+                if need > self._pages.num_free and short_at is None:
                     short_at = (request_id, label)
         return need, short_at
 
@@ -421,11 +418,12 @@ class KVManager:
     def _admit_repeated_decode(self, step: KVStep, cache: _DecodeCache) -> None:
         grow = self._stored[cache.slots] >= self._npages[cache.slots] * self.page_size
         need = int(np.count_nonzero(grow))
-        if need > self._n_free:
-            row = cache.segments[int(np.flatnonzero(grow)[self._n_free])]
-            raise AllocationFailed(need - self._n_free, row.request_id, row.label)
+        free = self._pages.num_free
+        if need > free:
+            row = cache.segments[int(np.flatnonzero(grow)[free])]
+            raise AllocationFailed(need - free, row.request_id, row.label)
         self._admitted[step] = _Admitted(
-            self._alloc(need), decode=cache, grow=grow, requests=cache.requests
+            self._pages.alloc(need), decode=cache, grow=grow, requests=cache.requests
         )
 
     # --- applying a step -----------------------------------------------------------------
@@ -570,7 +568,7 @@ class KVManager:
         stored = int(self._stored[src_slot])
         full, tail = divmod(stored, ps)
         table = self._tables[src_slot][: full + (tail > 0)].copy()
-        self._refcount[table[:full]] += 1
+        self._pages.share(table[:full])
         if tail:
             page = self._reserved(rec, 1)
             if self.cache is not None:
@@ -597,11 +595,7 @@ class KVManager:
         slot = labels.pop(label)
         if not labels:
             del self._streams[request_id]
-        pages = self._tables[slot][: self._npages[slot]]
-        self._refcount[pages] -= 1
-        dead = pages[self._refcount[pages] == 0]
-        self._free[self._n_free : self._n_free + len(dead)] = dead
-        self._n_free += len(dead)
+        self._pages.release(self._tables[slot][: self._npages[slot]])
         self._tables[slot] = None
         self._npages[slot] = self._stored[slot] = 0
         self._epoch[slot] = -1
@@ -635,15 +629,7 @@ class KVManager:
     def _live_slots(self) -> list[int]:
         return [slot for labels in self._streams.values() for slot in labels.values()]
 
-    # --- pages -----------------------------------------------------------------------------
-
-    def _alloc(self, n: int) -> np.ndarray:
-        if n == 0:
-            return _NO_PAGES
-        pages = self._free[self._n_free - n : self._n_free].copy()
-        self._n_free -= n
-        self._refcount[pages] = 1
-        return pages
+    # --- lookups -----------------------------------------------------------------------------
 
     def _reserved(self, rec: _Admitted, n: int) -> np.ndarray:
         pages = rec.pool[rec.used : rec.used + n]
