@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from mstar.engine.resources.kv.plan import KVPlanOutput
+from mstar.engine.resources.position import positions
 
 __all__ = ["KVCache"]
 
@@ -114,13 +115,10 @@ def _write_slots(plan: KVPlanOutput, page_size: int) -> tuple[np.ndarray, np.nda
     if plan.decode_pages is not None:
         return plan.decode_pages, plan.decode_offsets
     indptrs = plan.cpu_indptrs
-    qo_indptr = indptrs.qo_indptr.numpy().astype(np.int64)
+    counts = np.diff(indptrs.qo_indptr.numpy().astype(np.int64))
+    starts = np.fromiter((view.start for view in plan.views), np.int64, len(counts))
+    # A token's place in its row's page space: its position, shifted by the row's start.
+    pos = positions(plan).numpy() + np.repeat(starts, counts)
     kv_indptr = indptrs.paged_kv_indptr.numpy().astype(np.int64)
-    views = plan.views
-    first = np.fromiter(
-        (view.start + view.length - view.to_compute for view in views), np.int64, len(views)
-    )
-    counts = np.diff(qo_indptr)
-    pos = np.repeat(first - qo_indptr[:-1], counts) + np.arange(qo_indptr[-1])
     slot = np.repeat(kv_indptr[:-1], counts) + pos // page_size
     return indptrs.paged_kv_indices.numpy()[slot].astype(np.int64), pos % page_size
