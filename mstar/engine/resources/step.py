@@ -7,6 +7,7 @@ downstream of the plan sees these records.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -15,11 +16,14 @@ class Segment(NamedTuple):
     """One step's addition to the (request_id, label) stream.
 
     ``span`` may be 0: the segment reads its stream without extending it.
+    ``tokens``, when given, are the ``span`` token ids the segment appends
+    (the prefix cache keys full pages by them; nothing else reads them).
     """
 
     request_id: str
     label: str
     span: int
+    tokens: Sequence[int] | None = None
 
 
 @dataclass(frozen=True, eq=False)
