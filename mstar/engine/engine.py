@@ -29,7 +29,10 @@ from mstar.engine.scheduler import kv_step, schedule
 from mstar.integrations.hf import forward_step, register
 
 Prompt = str | Sequence[int]
-KV_MEMORY_FRACTION = 0.25  # of the free device (or host) memory, when num_pages is None
+# num_pages=None: the pool takes this share of the free device memory (on the
+# CPU, of the free host memory, at most HOST_POOL_BYTES: the host is shared)
+KV_MEMORY_FRACTION = 0.25
+HOST_POOL_BYTES = 1 << 30
 
 
 class RequestTooLarge(ValueError):
@@ -57,7 +60,7 @@ class Engine:
 
     ``model`` is switched to the paged attention implementation (it serves
     only through the engine afterwards). ``num_pages=None`` sizes the pool to
-    ``KV_MEMORY_FRACTION`` of the free memory. String prompts need
+    ``KV_MEMORY_FRACTION`` of the free memory (see ``_pool_pages``). String prompts need
     ``tokenizer`` (no chat template is applied); outputs get ``.text`` with one.
     """
 
@@ -413,13 +416,15 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
 def _pool_pages(
     kv_shape: tuple[int, int, int], page_size: int, dtype: torch.dtype, device: torch.device
 ) -> int:
-    """Pages filling ``KV_MEMORY_FRACTION`` of the free memory of ``device``."""
+    """Pages filling ``KV_MEMORY_FRACTION`` of the free memory of ``device``
+    (on the host, at most ``HOST_POOL_BYTES``)."""
     layers, kv_heads, head_dim = kv_shape
     page_bytes = layers * 2 * page_size * kv_heads * head_dim * dtype.itemsize
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        free = min(free, int(HOST_POOL_BYTES / KV_MEMORY_FRACTION))
     return max(1, int(free * KV_MEMORY_FRACTION) // page_bytes)
 
 

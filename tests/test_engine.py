@@ -1,0 +1,266 @@
+"""``mstar.engine.Engine`` on the seeded tiny random Llama, against the model
+alone (HF ``generate``, or its own forward replayed through the sampler)."""
+
+import copy
+import random
+
+import pytest
+
+pytest.importorskip("transformers")
+import torch
+
+from mstar.demo import build_model
+from mstar.engine import Engine, RequestTooLarge, SamplingParams
+from mstar.engine.sampling import make_generator, sample_token
+
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(reference, paged twin); tests deepcopy the twin for their engines."""
+    return build_model(seed=0)
+
+
+def engine(models, **kwargs) -> Engine:
+    options = {"num_pages": 64, "page_size": 8, "token_budget": 32} | kwargs
+    return Engine(copy.deepcopy(models[1]), **options)
+
+
+def prompts(count: int = 6, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 256) for _ in range(rng.randint(3, 40))] for _ in range(count)]
+
+
+def hf_greedy(reference, prompt: list[int], new: int = NEW, eos=None) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = reference.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@torch.no_grad()
+def replay(reference, prompt, tokens, params: SamplingParams, sample: int) -> list[int]:
+    """The tokens the sampler draws from the model's own logits over
+    ``prompt + tokens``, with a fresh generator for ``sample``."""
+    logits = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 :]
+    generator = make_generator(params, sample, torch.device("cpu"))
+    return [sample_token(row, params, generator) for row in logits[: len(tokens)]]
+
+
+def test_greedy_equals_hf_generate_with_chunked_prefill(models):
+    reference, _ = models
+    eng = engine(models, token_budget=16)  # prompts up to 40 tokens: chunked
+    batch = prompts()
+    done = eng.generate(batch, SamplingParams(max_new_tokens=NEW))
+    for prompt, completion in zip(batch, done):
+        (out,) = completion.outputs
+        assert out.token_ids == hf_greedy(reference, prompt)
+        assert out.finish_reason == "length" and out.text is None
+    assert eng.stats.mixed_steps > 0
+    assert eng.mgr.num_free_pages == eng.mgr.num_pages and not eng.has_unfinished()
+
+
+def test_eos_ends_a_sample_and_ignore_eos_runs_on(models):
+    reference, paged = models
+    prompt = prompts(1, seed=3)[0]
+    free = hf_greedy(reference, prompt)
+    eos = free[4]
+    first = free.index(eos)
+    model = copy.deepcopy(paged)
+    model.generation_config.eos_token_id = eos
+    eng = Engine(model, num_pages=64, page_size=8)
+    (stopped,) = eng.generate([prompt], SamplingParams(max_new_tokens=NEW))[0].outputs
+    assert stopped.token_ids == free[: first + 1] == hf_greedy(reference, prompt, eos=eos)
+    assert stopped.finish_reason == "stop"
+    (kept,) = eng.generate([prompt], SamplingParams(max_new_tokens=NEW, ignore_eos=True))[0].outputs
+    assert kept.token_ids == free and kept.finish_reason == "length"
+
+
+def test_stop_token_ids(models):
+    reference, _ = models
+    prompt = prompts(1, seed=4)[0]
+    free = hf_greedy(reference, prompt)
+    stop = free[5]
+    params = SamplingParams(max_new_tokens=NEW, stop_token_ids=(stop, 100000))
+    (out,) = engine(models).generate([prompt], params)[0].outputs
+    assert out.token_ids == free[: free.index(stop) + 1] and out.finish_reason == "stop"
+
+
+def test_n_greedy_samples_share_the_prompt_and_equal_greedy(models):
+    reference, _ = models
+    eng = engine(models)
+    batch = prompts(3, seed=5)
+    done = eng.generate(batch, SamplingParams(max_new_tokens=NEW, n=3))
+    for prompt, completion in zip(batch, done):
+        assert [o.index for o in completion.outputs] == [0, 1, 2]
+        want = hf_greedy(reference, prompt)
+        assert all(o.token_ids == want for o in completion.outputs)
+    assert eng.stats.peak_shared > 0  # the samples shared their prompt's full pages
+    assert eng.mgr.num_free_pages == eng.mgr.num_pages
+
+
+def test_seeded_sampling_is_reproducible_and_follows_the_model(models):
+    reference, _ = models
+    batch = prompts(3, seed=6)
+    params = SamplingParams(max_new_tokens=NEW, temperature=0.8, top_p=0.9, top_k=50, n=2, seed=7)
+    first = engine(models).generate(batch, params)
+    again = engine(models, token_budget=8).generate(batch, params)
+    other = engine(models).generate(batch, SamplingParams(**{**params.__dict__, "seed": 8}))
+    tokens = [[o.token_ids for o in c.outputs] for c in first]
+    assert tokens == [[o.token_ids for o in c.outputs] for c in again]
+    assert tokens != [[o.token_ids for o in c.outputs] for c in other]
+    for prompt, samples in zip(batch, tokens):
+        assert samples[0] != samples[1]  # each sample draws from its own generator
+        for i, got in enumerate(samples):
+            assert got == replay(reference, prompt, got, params, i)
+
+
+def test_preemption_keeps_generated_tokens(models):
+    batch = prompts(8, seed=7)
+    for params in (
+        SamplingParams(max_new_tokens=16),
+        SamplingParams(max_new_tokens=16, temperature=1.0, n=2, seed=1),
+    ):
+        roomy = engine(models).generate(batch, params)
+        tight = engine(models, num_pages=14)
+        squeezed = tight.generate(batch, params)
+        assert tight.stats.preemptions > 0
+        assert [[o.token_ids for o in c.outputs] for c in squeezed] == [
+            [o.token_ids for o in c.outputs] for c in roomy
+        ]
+        assert tight.mgr.num_free_pages == 14
+
+
+def test_abort_returns_pages_and_spares_the_others(models):
+    batch = prompts(2, seed=8)
+    params = SamplingParams(max_new_tokens=NEW)
+    alone = engine(models).generate(batch[1:], params)[0]
+    eng = engine(models)
+    gone, kept = (eng.add_request(p, params) for p in batch)
+    eng.step()
+    eng.step()
+    held = eng.mgr.num_free_pages
+    eng.abort(gone)
+    assert eng.mgr.labels(gone) == [] and eng.mgr.num_free_pages > held
+    with pytest.raises(KeyError, match=gone):
+        eng.abort(gone)
+    finished = {}
+    while eng.has_unfinished():
+        finished.update((c.request_id, c) for c in eng.step() if c.finished)
+    assert list(finished) == [kept]
+    assert finished[kept].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_a_finished_request_gives_its_pages_back_at_once(models):
+    eng = engine(models)
+    short, long = prompts(2, seed=9)
+    a = eng.add_request(short, SamplingParams(max_new_tokens=2))
+    eng.add_request(long, SamplingParams(max_new_tokens=NEW))
+    while True:
+        done = {c.request_id for c in eng.step() if c.finished}
+        if a in done:
+            break
+    assert eng.mgr.labels(a) == [] and eng.has_unfinished()
+
+
+def test_a_request_too_big_for_the_pool_is_refused_up_front(models):
+    eng = engine(models, num_pages=4)  # 32 tokens
+    with pytest.raises(RequestTooLarge, match=r"'big' needs 5 KV pages.*pool has 4"):
+        eng.add_request(list(range(1, 30)), SamplingParams(max_new_tokens=12), request_id="big")
+    with pytest.raises(RequestTooLarge, match="n 3"):
+        eng.add_request(list(range(1, 20)), SamplingParams(max_new_tokens=8, n=3))
+    assert not eng.has_unfinished()
+    eng.add_request(list(range(1, 30)), SamplingParams(max_new_tokens=4))  # 32 tokens: fits
+
+
+def test_guided_request_follows_the_combined_logits(models):
+    reference, _ = models
+    cond, uncond = prompts(2, seed=10)
+    eng = engine(models, token_budget=16)
+    eng.add_request(prompts(1, seed=11)[0], SamplingParams(max_new_tokens=NEW))
+    rid = eng.add_request(
+        cond, SamplingParams(max_new_tokens=NEW), uncond_prompt=uncond, guidance_scale=1.5
+    )
+    done = {}
+    while eng.has_unfinished():
+        done.update((c.request_id, c) for c in eng.step() if c.finished)
+    want = []
+    with torch.no_grad():
+        for _ in range(NEW):
+            c = reference(torch.tensor([cond + want])).logits[0, -1]
+            u = reference(torch.tensor([uncond + want])).logits[0, -1]
+            want.append(int((u + 1.5 * (c - u)).argmax()))
+    assert done[rid].outputs[0].token_ids == want
+    assert want != hf_greedy(reference, cond)  # the guidance changed the tokens
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ([], None, "non-empty prompt"),
+        ([1, 256], None, r"ids in \[0, 256\)"),
+        ("text", None, "no tokenizer"),
+        ([1, 2], SamplingParams(n=2), "n == 1 when guided"),
+        ([1] * 500, SamplingParams(max_new_tokens=20), "max_position_embeddings 512"),
+    ],
+)
+def test_bad_requests_are_refused_with_a_named_error(models, prompt, params, message):
+    eng = engine(models, num_pages=200)
+    uncond = [1, 2] if params is not None and params.n == 2 else None
+    with pytest.raises(ValueError, match=message):
+        eng.add_request(prompt, params, uncond_prompt=uncond)
+    eng.add_request([1, 2], request_id="x")
+    with pytest.raises(ValueError, match="'x'"):
+        eng.add_request([1, 2], request_id="x")
+
+
+@pytest.mark.parametrize(
+    "field, value", [("max_new_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("n", 0)]
+)
+def test_sampling_params_are_checked(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_top_k_1_and_a_tiny_top_p_are_greedy():
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    best = int(logits.argmax())
+    for params in (
+        SamplingParams(temperature=2.0, top_k=1, seed=0),
+        SamplingParams(temperature=2.0, top_p=1e-6, seed=0),
+    ):
+        generator = make_generator(params, 0, torch.device("cpu"))
+        assert {sample_token(logits, params, generator) for _ in range(20)} == {best}
+
+
+def test_smollm2_greedy_equals_hf_generate_and_stops_at_eos(smollm2):
+    from mstar.engine.loader import chat_prompt
+
+    reference, tokenizer = smollm2
+    questions = [
+        "What is the capital of France?",
+        "Name three primary colors.",
+        "Write one sentence about cats.",
+    ]
+    batch = [chat_prompt(tokenizer, q) for q in questions]
+    eng = Engine(copy.deepcopy(reference), tokenizer, num_pages=64, page_size=16)
+    done = eng.generate(batch, SamplingParams(max_new_tokens=24))
+    eos = tokenizer.eos_token_id
+    for prompt, completion in zip(batch, done):
+        ids = torch.tensor([prompt])
+        want = reference.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False
+        )[0, len(prompt) :].tolist()
+        (out,) = completion.outputs
+        assert out.token_ids == want
+        assert (out.finish_reason == "stop") == (want[-1] == eos)
+    paris = done[0].outputs[0]
+    assert paris.finish_reason == "stop" and paris.token_ids[-1] == eos
+    assert paris.text == "The capital of France is Paris."
