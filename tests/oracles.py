@@ -18,11 +18,17 @@ def dense_attention(
     causal: bool = True,
     sm_scale: float | None = None,
     window_left: int = -1,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """One row the slow, obvious way: ``q`` ``[n, H, D]`` over the row's whole
-    history ``k``/``v`` ``[L, H_kv, D]``, query ``i`` at position
-    ``L - n + i``, an explicit mask, float64 math; fully masked queries give
-    zeros. Returns ``[n, H, D]`` in q's dtype."""
+    history ``k`` ``[L, H_kv, D]`` / ``v`` ``[L, H_kv, D_v]``, query ``i`` at
+    position ``L - n + i``, an explicit mask (``chunk_size``: only keys of the
+    query's chunk), float64 math; scores soft-capped as
+    ``softcap * tanh(s / softcap)``; ``sinks`` ``[H]`` as one extra logit per
+    head in the softmax, then dropped (as GPT-OSS); fully masked queries give
+    zeros. Returns ``[n, H, D_v]`` in q's dtype."""
     n, num_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[:2]
     group = num_heads // num_kv_heads
@@ -31,12 +37,23 @@ def dense_attention(
     for i in range(n):
         p = kv_len - n + i
         for j in range(kv_len):
-            mask[i, j] = (not causal or j <= p) and (window_left < 0 or j >= p - window_left)
-    out = torch.zeros(n, num_heads, head_dim, dtype=torch.float64)
+            mask[i, j] = (
+                (not causal or j <= p)
+                and (window_left < 0 or j >= p - window_left)
+                and (chunk_size is None or j // chunk_size == p // chunk_size)
+            )
+    out = torch.zeros(n, num_heads, v.shape[2], dtype=torch.float64)
     for h in range(num_heads):
         kh, vh = k[:, h // group].double(), v[:, h // group].double()
-        scores = (q[:, h].double() @ kh.T * scale).masked_fill(~mask, float("-inf"))
+        scores = q[:, h].double() @ kh.T * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~mask, float("-inf"))
         seen = mask.any(dim=1)
+        if sinks is not None:
+            sink = torch.full((n, 1), float(sinks[h]), dtype=torch.float64)
+            scores = torch.cat([scores, sink], dim=1)
+            vh = torch.cat([vh, vh.new_zeros(1, vh.shape[1])])
         out[seen, h] = torch.softmax(scores[seen], dim=-1) @ vh
     return out.to(q.dtype)
 

@@ -97,6 +97,92 @@ def test_context_only_sees_exactly_the_stored_tokens(rows, page_size, data, seed
     _assert_close(out, torch.cat(expected))
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 9)), min_size=1, max_size=6),
+    page_size=page_sizes,
+    heads=heads,
+    window_left=st.sampled_from([-1, 3]),
+    softcap=st.sampled_from([None, 0.5, 5.0]),
+    sinks=st.booleans(),
+    chunk_size=st.sampled_from([None, 1, 4, 7]),
+    seed=st.integers(0, 2**16),
+)
+@example(  # always all three at once, on chunks that cross a chunk boundary
+    rows=[(5, 6), (9, 1), (0, 9), (3, 0)],
+    page_size=3,
+    heads=(4, 2),
+    window_left=-1,
+    softcap=0.5,
+    sinks=True,
+    chunk_size=4,
+    seed=1,
+)
+def test_softcap_sinks_and_chunks_match_dense(
+    rows, page_size, heads, window_left, softcap, sinks, chunk_size, seed
+):
+    """Logit soft-capping (Gemma 2), attention sinks (GPT-OSS's s_aux) and
+    chunked attention (Llama 4), alone and together, with a window."""
+    num_qo_heads, num_kv_heads = heads
+    case = Scenario(rows, page_size, num_kv_heads, seed)
+    plan = case.step()
+    qs = case.queries([n for _, n in rows], num_qo_heads)
+    # Large scores, so the cap and the sinks change the result.
+    qs = [3 * q for q in qs]
+    sink = torch.randn(num_qo_heads, generator=case.gen) * 2 if sinks else None
+    opts = {"window_left": window_left, "softcap": softcap, "sinks": sink, "chunk_size": chunk_size}
+    out = paged_attention(torch.cat(qs), case.cache.layer(0), plan.cpu_indptrs, **opts)
+    expected = [dense_attention(q, *case.kv[name], **opts) for q, name in zip(qs, case.names)]
+    _assert_close(out, torch.cat(expected))
+
+
+def test_each_option_changes_the_result():
+    """The options are not no-ops on the step the suite checks (so a kernel
+    that ignored one could not pass)."""
+    case = Scenario([(5, 6), (9, 1), (0, 9)], 3, 2, seed=1)
+    plan = case.step()
+    q = 3 * torch.cat(case.queries([6, 1, 9], 4))
+    plain = paged_attention(q, case.cache.layer(0), plan.cpu_indptrs)
+    for opts in ({"softcap": 0.5}, {"sinks": torch.ones(4)}, {"chunk_size": 4}):
+        assert not torch.allclose(
+            paged_attention(q, case.cache.layer(0), plan.cpu_indptrs, **opts), plain
+        ), opts
+
+
+def test_many_rows_of_mixed_lengths_match_dense():
+    """Decode rows beside prefill chunks of very different lengths (so rows
+    are batched in several groups), windowed and chunked."""
+    rows = [(60, 1), (3, 1), (0, 1), (30, 40), (0, 33), (10, 2), (7, 3), (90, 5), (1, 1)]
+    case = Scenario(rows, 4, 2, seed=5)
+    plan = case.step()
+    qs = case.queries([n for _, n in rows], 6)
+    for opts in ({}, {"window_left": 9}, {"chunk_size": 16, "softcap": 2.0}):
+        out = paged_attention(torch.cat(qs), case.cache.layer(0), plan.cpu_indptrs, **opts)
+        expected = [dense_attention(q, *case.kv[n], **opts) for q, n in zip(qs, case.names)]
+        _assert_close(out, torch.cat(expected))
+
+
+def test_value_width_may_differ_from_key_width():
+    """A (k, v) pair layer with a narrower V (MLA models such as DeepSeek-V3)."""
+    gen = torch.Generator().manual_seed(0)
+    page_size, num_pages = 4, 5
+    k_pages = torch.randn(num_pages, page_size, 2, 12, generator=gen)
+    v_pages = torch.randn(num_pages, page_size, 2, 5, generator=gen)
+    # Row 0: pages 3, 1 (7 keys), 3 queries; row 1: page 4 (2 keys), 1 query.
+    indptrs = _indptrs([0, 3, 4], [0, 2, 3], [3, 1, 4], [3, 2])
+    q = torch.randn(4, 4, 12, generator=gen)
+    out = paged_attention(q, (k_pages, v_pages), indptrs, sinks=torch.zeros(4))
+    assert out.shape == (4, 4, 5)
+    rows = [(q[:3], [3, 1], 7), (q[3:], [4], 2)]
+    expected = [
+        dense_attention(
+            rq, k_pages[p].flatten(0, 1)[:n], v_pages[p].flatten(0, 1)[:n], sinks=torch.zeros(4)
+        )
+        for rq, p, n in rows
+    ]
+    _assert_close(out, torch.cat(expected))
+
+
 def _indptrs(qo, kv, indices, last) -> PagedIndptrs:
     return PagedIndptrs(*(torch.tensor(a, dtype=torch.int32) for a in (qo, kv, indices, last)))
 
@@ -160,6 +246,13 @@ def _bad(**overrides):
         (_bad(kv_layer=torch.randn(2, 3, 4, 2, HEAD_DIM)), "expected kv_layer of shape"),
         (_bad(kv_layer=torch.randn(2, 4, 2, HEAD_DIM)), "expected kv_layer of shape"),
         (_bad(indptrs=_indptrs([0, 3], [0, 1, 1], [0], [4, 4])), "of equal length"),
+        (_bad(sinks=torch.zeros(3)), r"expected sinks of shape \(4,\), got \(3,\)"),
+        (_bad(softcap=0.0), "expected softcap > 0 or None, got 0.0"),
+        (_bad(chunk_size=0), "expected chunk_size >= 1 or None, got 0"),
+        (
+            _bad(kv_layer=(torch.randn(2, 4, 2, HEAD_DIM), torch.randn(2, 3, 2, HEAD_DIM))),
+            "expected k and v pages alike but for their width",
+        ),
     ],
 )
 def test_bad_input_raises(args, message):

@@ -9,8 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracles import Streams
 
+from mstar.engine.resources.kv import cache as cache_module
 from mstar.engine.resources.kv.cache import KVCache
-from mstar.engine.resources.kv.plan import KVPlanOutput, SequenceView, build_paged_indptrs
+from mstar.engine.resources.kv.plan import (
+    KVPlanOutput,
+    PagedIndptrs,
+    SequenceView,
+    build_paged_indptrs,
+)
 
 HEADS, DIM = 2, 4
 
@@ -92,6 +98,54 @@ def test_decode_write_equals_general_write(history, page_size, seed):
     assert torch.equal(caches[0], caches[1])
 
 
+def test_a_narrower_value_width_is_stored_apart():
+    """v_head_dim != head_dim: each layer is a (k, v) pair, written and
+    copied like the combined layout."""
+    cache = KVCache(2, 4, 3, HEADS, DIM, v_head_dim=DIM - 1)
+    k_layer, v_layer = cache.layer(1)
+    assert k_layer.shape == (4, 3, HEADS, DIM) and v_layer.shape == (4, 3, HEADS, DIM - 1)
+    plan = _plan([SequenceView("r", "text", [2, 0], 5, 3)], 3)
+    k, v = torch.randn(3, HEADS, DIM), torch.randn(3, HEADS, DIM - 1)
+    cache.write(1, plan, k, v)
+    # Positions 2, 3, 4: page 2 offset 2, then page 0 offsets 0 and 1.
+    assert torch.equal(k_layer[[2, 0, 0], [2, 0, 1]], k)
+    assert torch.equal(v_layer[[2, 0, 0], [2, 0, 1]], v)
+    assert not cache.layer(0)[0].any() and not cache.layer(0)[1].any()
+    cache.copy_pages([2], [3])
+    assert torch.equal(k_layer[3], k_layer[2]) and torch.equal(v_layer[3], v_layer[2])
+    with pytest.raises(ValueError, match=r"expected v of shape \(3, 2, 3\), got \(3, 2, 4\)"):
+        cache.write(0, plan, k, torch.randn(3, HEADS, DIM))
+
+
+def test_write_slots_are_computed_once_per_plan(monkeypatch):
+    """Every layer of a step writes through the same plan: its slots are
+    computed on the first write only, and anew for the next plan."""
+    calls = []
+    slots = cache_module._write_slots
+    monkeypatch.setattr(
+        cache_module, "_write_slots", lambda plan, size: calls.append(plan) or slots(plan, size)
+    )
+    streams = Streams(8, 4)
+    cache = KVCache(3, 8, 4, HEADS, DIM)
+    for plan, tokens in ((streams.plan([("a", 5), ("b", 2)]), 7), (streams.plan([("a", 1)]), 1)):
+        for layer in range(3):
+            cache.write(
+                layer, plan, torch.randn(tokens, HEADS, DIM), torch.randn(tokens, HEADS, DIM)
+            )
+        assert calls[-1] is plan
+    assert len(calls) == 2
+
+
+def test_write_rejects_a_plan_whose_rows_cannot_hold_their_tokens():
+    """Index arrays giving a row fewer keys than it has new tokens."""
+    one = torch.tensor
+    indptrs = PagedIndptrs(*(one(a, dtype=torch.int32) for a in ([0, 3], [0, 1], [0], [2])))
+    plan = KVPlanOutput(indptrs, views=[])
+    cache = KVCache(1, 2, 4, HEADS, DIM)
+    with pytest.raises(ValueError, match="expected row 0 to hold its 3 new tokens, got kv_len 2"):
+        cache.write(0, plan, _kv(), _kv())
+
+
 def _random_cache() -> KVCache:
     cache = KVCache(2, 5, 3, HEADS, DIM)
     for i in range(cache.num_layers):
@@ -165,7 +219,9 @@ def test_layer_rejects_out_of_range():
         cache.layer(5)
 
 
-@pytest.mark.parametrize("name", ["num_layers", "num_pages", "page_size", "num_kv_heads"])
+@pytest.mark.parametrize(
+    "name", ["num_layers", "num_pages", "page_size", "num_kv_heads", "head_dim", "v_head_dim"]
+)
 def test_constructor_rejects_empty_sizes(name):
     sizes = {"num_layers": 1, "num_pages": 1, "page_size": 1, "num_kv_heads": 1, "head_dim": 1}
     sizes[name] = 0

@@ -3,121 +3,274 @@
 The portable reference path: it runs wherever PyTorch does (the CPU included)
 and reads exactly what a FlashInfer wrapper's plan reads, so the two can be
 checked against each other on the same plan.
+
+A step's rows are computed in groups, each padded only to its own longest
+row: every decode row (one query) in one batch, each prefill row on its own.
+A decode row is therefore never padded to a prefill chunk's length.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from mstar.engine.resources.kv.plan import PagedIndptrs
 
 __all__ = ["paged_attention"]
 
+KVLayer = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
 
 def paged_attention(
     q: torch.Tensor,
-    kv_layer: torch.Tensor,
+    kv_layer: KVLayer,
     indptrs: PagedIndptrs,
     *,
     causal: bool = True,
     sm_scale: float | None = None,
     window_left: int = -1,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Attention of each row's queries over its pages.
 
     ``q`` is ``[qo_indptr[-1], num_qo_heads, head_dim]`` in plan row order;
     ``kv_layer`` is one layer ``[num_pages, 2, page_size, num_kv_heads,
-    head_dim]`` of q's dtype and device; ``indptrs`` may live on any device
-    (the work runs on q's). Returns q's shape and dtype.
+    head_dim]``, or a ``(k, v)`` pair ``[num_pages, page_size, num_kv_heads,
+    head_dim]`` and ``[..., v_head_dim]``, of q's dtype and device;
+    ``indptrs`` may live on any device (the work runs on q's). Returns
+    ``[total_q, num_qo_heads, v_head_dim]`` in q's dtype.
 
     A row's keys are its pages in order, ``kv_len = (num_pages - 1) *
     page_size + last_page_len`` (0 for a row with no pages). Query ``i`` of a
     row with ``qo_len`` queries is at position ``p = kv_len - qo_len + i``;
-    under ``causal`` it sees keys ``<= p``, and ``window_left >= 0`` also hides
-    keys ``< p - window_left``. Query head ``h`` reads KV head ``h // (H /
-    H_kv)``. ``sm_scale`` defaults to ``1 / sqrt(head_dim)``. A query whose
-    keys are all masked gives zeros. Rows are padded to the longest and
-    computed in one batch, softmax in float32.
+    under ``causal`` it sees keys ``<= p``, ``window_left >= 0`` also hides
+    keys ``< p - window_left``, and ``chunk_size`` hides keys outside ``p``'s
+    chunk (``k // chunk_size != p // chunk_size``, as Llama 4). Query head
+    ``h`` reads KV head ``h // (H / H_kv)``. Scores are ``q.k * sm_scale``
+    (default ``1 / sqrt(head_dim)``), then ``softcap * tanh(s / softcap)``
+    when ``softcap`` is given. ``sinks`` ``[num_qo_heads]`` (GPT-OSS's
+    ``s_aux``) adds ``exp(sinks[h])`` to head ``h``'s softmax denominator. A
+    query whose keys are all masked gives zeros. Softmax in float32.
     """
-    _check_inputs(q, kv_layer, indptrs)
+    k_pages, v_pages = _check_inputs(q, kv_layer, indptrs, sinks, softcap, chunk_size)
     device = q.device
-    total_q, num_qo_heads, head_dim = q.shape
-    page_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
-    scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    page_size, v_dim = k_pages.shape[1], v_pages.shape[-1]
+    scale = q.shape[2] ** -0.5 if sm_scale is None else sm_scale
+    mask = _Mask(causal, window_left, chunk_size)
+    sink = None if sinks is None else sinks.to(device, torch.float32)
 
-    qo_indptr = indptrs.qo_indptr.to(device, torch.int64)
-    kv_indptr = indptrs.paged_kv_indptr.to(device, torch.int64)
-    qo_lens = qo_indptr.diff()
-    rows = torch.nonzero(qo_lens > 0).flatten()
-    out = torch.zeros_like(q)
-    if rows.numel() == 0:
-        return out
-    qo_len = qo_lens[rows]
-    num_pages = kv_indptr.diff()[rows]
-    last = indptrs.paged_kv_last_page_len.to(device, torch.int64)[rows]
-    kv_len = torch.where(num_pages > 0, (num_pages - 1) * page_size + last, 0)
-    max_pages = int(num_pages.max())
-    if max_pages == 0:
-        return out
-
-    # Queries padded to [R, max_q]; padding slots read a real token and are dropped.
-    qi = torch.arange(int(qo_len.max()), device=device)
-    q_valid = qi < qo_len[:, None]
-    q_tok = (qo_indptr[rows, None] + qi).clamp_max(total_q - 1)
-    # Pages padded to [R, max_pages] and gathered in one index op.
-    page_slot = (kv_indptr[rows, None] + torch.arange(max_pages, device=device)).clamp_max(
-        indptrs.paged_kv_indices.numel() - 1
+    qo_indptr = _host(indptrs.qo_indptr)
+    kv_indptr = _host(indptrs.paged_kv_indptr)
+    qo_lens, num_pages = np.diff(qo_indptr), np.diff(kv_indptr)
+    kv_lens = np.where(
+        num_pages > 0, (num_pages - 1) * page_size + _host(indptrs.paged_kv_last_page_len), 0
     )
-    kv = kv_layer[indptrs.paged_kv_indices.to(device, torch.int64)[page_slot]]
-    num_rows, kv_width = rows.numel(), max_pages * page_size
-    # [R, H_kv, 1, L, D]: one KV head serves a group of query heads.
-    k = kv[:, :, 0].reshape(num_rows, kv_width, num_kv_heads, head_dim).transpose(1, 2)[:, :, None]
-    v = kv[:, :, 1].reshape(num_rows, kv_width, num_kv_heads, head_dim).transpose(1, 2)[:, :, None]
-    # [R, H_kv, G, max_q, D]
-    group = num_qo_heads // num_kv_heads
-    qp = q[q_tok].view(num_rows, -1, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    out = q.new_zeros(q.shape[0], q.shape[1], v_dim)
+    live = (qo_lens > 0) & (num_pages > 0)  # a row without keys stays zeros
+    indices = indptrs.paged_kv_indices
 
-    scores = (qp.float() @ k.float().transpose(-1, -2)) * scale
-    key_pos = torch.arange(kv_width, device=device)
-    query_pos = (kv_len - qo_len)[:, None] + qi
-    visible = key_pos < kv_len[:, None, None]
-    if causal:
-        visible = visible & (key_pos <= query_pos[..., None])
-    if window_left >= 0:
-        visible = visible & (key_pos >= query_pos[..., None] - window_left)
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    peak = scores.amax(dim=-1, keepdim=True)
-    weights = (scores - torch.where(peak.isfinite(), peak, 0.0)).exp()
-    # The denominator is >= 1 when any key is visible (the peak term is
-    # exp(0)) and 0 otherwise, where the weights are all 0: clamping to 1 turns
-    # fully masked queries into zeros.
-    rows_out = (weights @ v.float()) / weights.sum(dim=-1, keepdim=True).clamp_min(1.0)
-    rows_out = rows_out.permute(0, 3, 1, 2, 4).reshape(num_rows, -1, num_qo_heads, head_dim)
-    out[q_tok[q_valid]] = rows_out[q_valid].to(q.dtype)
+    decode = np.flatnonzero(live & (qo_lens == 1))
+    prefill = np.flatnonzero(live & (qo_lens > 1))
+    groups = ([decode] if decode.size else []) + _prefill_groups(prefill, qo_lens, kv_lens)
+    host_indices = indices.cpu().numpy()
+    for rows in groups:
+        # Queries padded to [R, max_q] and pages to [R, max_pages] with each
+        # row's last ones; the padding is masked, or its output dropped.
+        max_q, max_pages = int(qo_lens[rows].max()), int(num_pages[rows].max())
+        qi = np.minimum(np.arange(max_q), qo_lens[rows, None] - 1)
+        col = np.minimum(np.arange(max_pages), num_pages[rows, None] - 1)
+        tokens = torch.from_numpy(qo_indptr[rows, None] + qi).to(device)
+        page_ids = host_indices[kv_indptr[rows, None] + col].astype(np.int64)
+        rows_out = _attend(
+            q[tokens],
+            torch.from_numpy(page_ids).to(device),
+            k_pages,
+            v_pages,
+            kv_lens[rows],
+            (kv_lens - qo_lens)[rows, None] + qi,
+            scale,
+            mask,
+            softcap,
+            sink,
+        )
+        # A padding query repeats its row's last, so it writes the same value again.
+        out[tokens] = rows_out.to(q.dtype)
     return out
 
 
-def _check_inputs(q: torch.Tensor, kv_layer: torch.Tensor, indptrs: PagedIndptrs) -> None:
+def _prefill_groups(rows: np.ndarray, qo_lens: np.ndarray, kv_lens: np.ndarray) -> list:
+    """Prefill rows in batches, longest first: a batch takes the next row
+    while its padded ``queries x keys`` stays within 1.5x its rows' own plus
+    4096 (so short rows share a batch)."""
+    groups: list[list[int]] = []
+    actual = widest = 0
+    for row in rows[np.lexsort((kv_lens[rows], qo_lens[rows]))[::-1]].tolist():
+        q_len, kv_len = int(qo_lens[row]), int(kv_lens[row])
+        if groups:  # the batch's first row has its most queries
+            padded = (len(groups[-1]) + 1) * int(qo_lens[groups[-1][0]]) * max(kv_len, widest)
+            if padded <= 1.5 * (actual + q_len * kv_len) + 4096:
+                groups[-1].append(row)
+                actual, widest = actual + q_len * kv_len, max(widest, kv_len)
+                continue
+        groups.append([row])
+        actual, widest = q_len * kv_len, kv_len
+    return [np.array(g) for g in groups]
+
+
+class _Mask:
+    """Which keys a query sees, beyond the row's length."""
+
+    def __init__(self, causal: bool, window_left: int, chunk_size: int | None) -> None:
+        self.causal = causal
+        self.window_left = window_left
+        self.chunk_size = chunk_size
+
+    def visible(
+        self, kv_lens: np.ndarray, query_pos: np.ndarray, width: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """Bool ``[R, max_q, width]``: key slot visible to the query at
+        ``query_pos`` ``[R, max_q]``; None when all are."""
+        if (
+            (kv_lens == width).all()
+            and (query_pos.shape[1] == 1 or not self.causal)
+            and self.window_left < 0
+            and self.chunk_size is None
+        ):
+            return None
+        key = torch.arange(width, device=device)
+        query = torch.from_numpy(query_pos).to(device)[..., None]
+        seen = key < torch.from_numpy(kv_lens).to(device)[:, None, None]
+        if self.causal:
+            seen = seen & (key <= query)
+        if self.window_left >= 0:
+            seen = seen & (key >= query - self.window_left)
+        if self.chunk_size is not None:
+            seen = seen & (key // self.chunk_size == query // self.chunk_size)
+        return seen.expand(-1, query_pos.shape[1], -1)
+
+
+def _attend(
+    q: torch.Tensor,
+    page_ids: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    kv_lens: np.ndarray,
+    query_pos: np.ndarray,
+    scale: float,
+    mask: _Mask,
+    softcap: float | None,
+    sink: torch.Tensor | None,
+) -> torch.Tensor:
+    """``R`` rows padded to a common shape: ``q`` ``[R, max_q, H, D]`` at
+    ``query_pos`` over pages ``page_ids`` ``[R, max_pages]`` holding
+    ``kv_lens`` keys; returns float32 ``[R, max_q, H, v_dim]``."""
+    num_rows, max_q, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    group = num_heads // num_kv_heads
+    width = page_ids.shape[1] * page_size
+    # [R, L, H_kv, D]: each page is one row of the [num_pages, page_size *
+    # H_kv * D] view (strided by the K/V interleave), so gathering is a row copy.
+    ids = page_ids.flatten()
+    k = k_pages.flatten(1).index_select(0, ids).view(num_rows, width, num_kv_heads, head_dim)
+    v = v_pages.flatten(1).index_select(0, ids).view(num_rows, width, num_kv_heads, -1)
+    # [R, H_kv, G * max_q, D]: the query heads that share a KV head, stacked.
+    qg = q.reshape(num_rows, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(num_rows, num_kv_heads, group * max_q, head_dim).float()
+    scores = _matmul(qg, k.float().permute(0, 2, 3, 1)).mul_(scale)
+    scores = scores.view(num_rows, num_kv_heads, group, max_q, width)
+    if softcap is not None:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
+    visible = mask.visible(kv_lens, query_pos, width, q.device)
+    if visible is not None:
+        scores = scores.masked_fill_(~visible[:, None, None], float("-inf"))
+    peak = scores.amax(dim=-1, keepdim=True)
+    if sink is not None:
+        sink = sink.view(1, num_kv_heads, group, 1, 1)
+        peak = torch.maximum(peak, sink)
+    peak = torch.where(peak.isfinite(), peak, 0.0)
+    weights = scores.sub_(peak).exp_()
+    denom = weights.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        denom = denom + (sink - peak).exp()
+    # The denominator is >= 1 when any key (or a sink) is visible, since the
+    # peak term is exp(0), and 0 otherwise, where the weights are all 0:
+    # clamping to 1 turns fully masked queries into zeros.
+    weights = weights.div_(denom.clamp_min_(1.0))
+    weights = weights.view(num_rows, num_kv_heads, group * max_q, width)
+    rows_out = _matmul(weights, v.float().transpose(1, 2))
+    rows_out = rows_out.reshape(num_rows, num_kv_heads, group, max_q, -1)
+    return rows_out.permute(0, 3, 1, 2, 4).reshape(num_rows, max_q, num_heads, -1)
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for ``[R, H_kv, M, K] @ [R, H_kv, K, N]`` where ``b`` is a
+    strided view of gathered pages: with few query rows per KV head (decode)
+    one ``bmm`` per KV head reads ``b`` in place, where ``matmul`` would first
+    copy it whole; returns ``[R, H_kv, M, N]`` (possibly a transposed view)."""
+    if a.shape[2] > 16:
+        return a @ b
+    out = a.new_empty(a.shape[1], a.shape[0], a.shape[2], b.shape[3])
+    for head in range(a.shape[1]):
+        torch.bmm(a[:, head], b[:, head], out=out[head])
+    return out.transpose(0, 1)
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """An index tensor as an int64 host array."""
+    return t.cpu().numpy().astype(np.int64)
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    kv_layer: KVLayer,
+    indptrs: PagedIndptrs,
+    sinks: torch.Tensor | None,
+    softcap: float | None,
+    chunk_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's K and V pages ``[num_pages, page_size, num_kv_heads, dim]``."""
     if q.dim() != 3:
         raise ValueError(
             f"expected q of shape [total_q, num_qo_heads, head_dim], got {tuple(q.shape)}"
         )
-    if kv_layer.dim() != 5 or kv_layer.shape[1] != 2:
-        raise ValueError(
-            "expected kv_layer of shape [num_pages, 2, page_size, num_kv_heads, head_dim],"
-            f" got {tuple(kv_layer.shape)}"
-        )
-    num_kv_heads, head_dim = kv_layer.shape[3], kv_layer.shape[4]
+    if isinstance(kv_layer, tuple):
+        if len(kv_layer) != 2 or any(t.dim() != 4 for t in kv_layer):
+            raise ValueError(
+                "expected a (k, v) pair of [num_pages, page_size, num_kv_heads, dim] each,"
+                f" got shapes {[tuple(t.shape) for t in kv_layer]}"
+            )
+        k_pages, v_pages = kv_layer
+        if k_pages.shape[:3] != v_pages.shape[:3] or k_pages.dtype != v_pages.dtype:
+            raise ValueError(
+                f"expected k and v pages alike but for their width, got {tuple(k_pages.shape)}"
+                f" {k_pages.dtype} and {tuple(v_pages.shape)} {v_pages.dtype}"
+            )
+    else:
+        if kv_layer.dim() != 5 or kv_layer.shape[1] != 2:
+            raise ValueError(
+                "expected kv_layer of shape [num_pages, 2, page_size, num_kv_heads, head_dim],"
+                f" got {tuple(kv_layer.shape)}"
+            )
+        k_pages, v_pages = kv_layer[:, 0], kv_layer[:, 1]
+    num_kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
     if q.shape[2] != head_dim:
         raise ValueError(f"expected q head_dim {head_dim} (kv_layer's), got {q.shape[2]}")
     if q.shape[1] % num_kv_heads != 0:
         raise ValueError(
             f"expected num_qo_heads a multiple of num_kv_heads {num_kv_heads}, got {q.shape[1]}"
         )
-    if q.dtype != kv_layer.dtype:
-        raise ValueError(f"expected q of dtype {kv_layer.dtype} (kv_layer's), got {q.dtype}")
-    if q.device != kv_layer.device:
-        raise ValueError(f"expected q on {kv_layer.device} (kv_layer's device), got {q.device}")
+    if q.dtype != k_pages.dtype:
+        raise ValueError(f"expected q of dtype {k_pages.dtype} (kv_layer's), got {q.dtype}")
+    if q.device != k_pages.device:
+        raise ValueError(f"expected q on {k_pages.device} (kv_layer's device), got {q.device}")
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"expected sinks of shape ({q.shape[1]},), got {tuple(sinks.shape)}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"expected softcap > 0 or None, got {softcap}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"expected chunk_size >= 1 or None, got {chunk_size}")
     if len(indptrs.qo_indptr) != len(indptrs.paged_kv_indptr):
         raise ValueError(
             f"expected qo_indptr and paged_kv_indptr of equal length,"
@@ -126,3 +279,4 @@ def _check_inputs(q: torch.Tensor, kv_layer: torch.Tensor, indptrs: PagedIndptrs
     total_q = int(indptrs.qo_indptr[-1])
     if q.shape[0] != total_q:
         raise ValueError(f"expected {total_q} query tokens (qo_indptr[-1]), got {q.shape[0]}")
+    return k_pages, v_pages

@@ -13,15 +13,20 @@ import numpy as np
 import torch
 
 from mstar.engine.resources.kv.plan import KVPlanOutput
-from mstar.engine.resources.position import positions
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "KVLayer"]
+
+# One layer: FlashInfer's combined NHD tensor, or its (k, v) tuple form.
+KVLayer = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 class KVCache:
-    """One tensor per layer in FlashInfer's combined NHD layout
-    ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (index 0 on dim 1 is
-    K, 1 is V), zero-initialised on ``device``."""
+    """Per-layer page tensors in FlashInfer's NHD layouts, zero-initialised on
+    ``device``: one ``[num_pages, 2, page_size, num_kv_heads, head_dim]``
+    tensor per layer (index 0 on dim 1 is K, 1 is V), or, when ``v_head_dim``
+    differs from ``head_dim`` (MLA models such as DeepSeek-V3), a ``(k, v)``
+    pair ``[num_pages, page_size, num_kv_heads, head_dim]`` and ``[...,
+    v_head_dim]``. ``v_head_dim=None`` means ``head_dim``."""
 
     def __init__(
         self,
@@ -32,13 +37,16 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        v_head_dim: int | None = None,
     ) -> None:
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
         sizes = {
             "num_layers": num_layers,
             "num_pages": num_pages,
             "page_size": page_size,
             "num_kv_heads": num_kv_heads,
             "head_dim": head_dim,
+            "v_head_dim": v_head_dim,
         }
         for name, value in sizes.items():
             if value < 1:
@@ -48,41 +56,64 @@ class KVCache:
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.v_head_dim = v_head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_pages, 2, page_size, num_kv_heads, head_dim)
-        self._layers = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]
+        base = (num_pages, page_size, num_kv_heads)
+        self._layers: list[KVLayer] = []
+        for _ in range(num_layers):
+            if v_head_dim == head_dim:
+                layer = torch.zeros((num_pages, 2, *base[1:], head_dim), dtype=dtype, device=device)
+            else:
+                layer = tuple(
+                    torch.zeros((*base, d), dtype=dtype, device=device)
+                    for d in (head_dim, v_head_dim)
+                )
+            self._layers.append(layer)
+        # The write slots of the last plan written, (plan, pages, offsets): a
+        # step writes every layer through the same plan.
+        self._slots: tuple[KVPlanOutput, torch.Tensor, torch.Tensor] | None = None
 
-    def layer(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s page tensor (the storage itself, not a copy)."""
+    def layer(self, layer: int) -> KVLayer:
+        """Layer ``layer``'s pages (the storage itself, not a copy): one tensor,
+        or a ``(k, v)`` pair when the value width differs."""
         self._check_layer(layer)
         return self._layers[layer]
 
     def write(self, layer: int, plan: KVPlanOutput, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the step's new keys and values of ``layer``.
 
-        ``k``/``v`` are ``[plan.get_total_len(), num_kv_heads, head_dim]`` in
-        the cache's dtype and on its device, rows in plan order. Token ``j`` of
-        a row lands at page-space position ``start + length - to_compute + j``
-        of that row. Decode plans are addressed by their ``decode_pages`` /
-        ``decode_offsets`` alone, without building views.
+        ``k`` is ``[plan.get_total_len(), num_kv_heads, head_dim]`` and ``v``
+        ``[..., v_head_dim]``, in the cache's dtype and on its device, rows in
+        plan order. A row with ``n`` queries and ``kv_len`` keys (from its
+        index arrays, as attention reads them) stores token ``j`` at key slot
+        ``kv_len - n + j``, which for a plan built from views is ``start +
+        length - to_compute + j``. Decode plans are addressed by their
+        ``decode_pages`` / ``decode_offsets``. Views are never built, and the
+        slots are computed once per plan, not once per layer.
         """
         self._check_layer(layer)
-        expected = (plan.get_total_len(), self.num_kv_heads, self.head_dim)
-        for name, t in (("k", k), ("v", v)):
+        total = plan.get_total_len()
+        for name, t, width in (("k", k, self.head_dim), ("v", v, self.v_head_dim)):
+            expected = (total, self.num_kv_heads, width)
             if tuple(t.shape) != expected:
                 raise ValueError(f"expected {name} of shape {expected}, got {tuple(t.shape)}")
             if t.dtype != self.dtype:
                 raise ValueError(f"expected {name} of dtype {self.dtype}, got {t.dtype}")
             if t.device != self.device:
                 raise ValueError(f"expected {name} on {self.device}, got {t.device}")
-        pages, offsets = _write_slots(plan, self.page_size)
-        where = torch.from_numpy(np.stack([pages, offsets])).to(self.device)
+        if self._slots is None or self._slots[0] is not plan:
+            pages, offsets = _write_slots(plan, self.page_size)
+            where = torch.from_numpy(np.stack([pages, offsets])).to(self.device)
+            self._slots = (plan, where[0], where[1])
+        _, pages_t, offsets_t = self._slots
         cache = self._layers[layer]
-        cache[where[0], 0, where[1]] = k
-        cache[where[0], 1, where[1]] = v
+        if isinstance(cache, tuple):
+            cache[0][pages_t, offsets_t] = k
+            cache[1][pages_t, offsets_t] = v
+        else:
+            cache[pages_t, 0, offsets_t] = k
+            cache[pages_t, 1, offsets_t] = v
 
     def copy_pages(self, src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray) -> None:
         """Copy page ``src[i]`` onto page ``dst[i]`` in every layer (a fork's
@@ -103,7 +134,8 @@ class KVCache:
         src_t = torch.from_numpy(src_ids).to(self.device)
         dst_t = torch.from_numpy(dst_ids).to(self.device)
         for cache in self._layers:
-            cache[dst_t] = cache[src_t]
+            for part in cache if isinstance(cache, tuple) else (cache,):
+                part[dst_t] = part[src_t]
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
@@ -111,14 +143,24 @@ class KVCache:
 
 
 def _write_slots(plan: KVPlanOutput, page_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each new token's ``(page, offset)``, int64 ``[plan.get_total_len()]`` each."""
+    """Each new token's ``(page, offset)``, int64 ``[plan.get_total_len()]`` each,
+    from the plan's index arrays alone."""
     if plan.decode_pages is not None:
         return plan.decode_pages, plan.decode_offsets
     indptrs = plan.cpu_indptrs
-    counts = np.diff(indptrs.qo_indptr.numpy().astype(np.int64))
-    starts = np.fromiter((view.start for view in plan.views), np.int64, len(counts))
-    # A token's place in its row's page space: its position, shifted by the row's start.
-    pos = positions(plan).numpy() + np.repeat(starts, counts)
+    qo_indptr = indptrs.qo_indptr.numpy().astype(np.int64)
     kv_indptr = indptrs.paged_kv_indptr.numpy().astype(np.int64)
-    slot = np.repeat(kv_indptr[:-1], counts) + pos // page_size
-    return indptrs.paged_kv_indices.numpy()[slot].astype(np.int64), pos % page_size
+    counts = np.diff(qo_indptr)
+    num_pages = np.diff(kv_indptr)
+    kv_lens = np.where(
+        num_pages > 0, (num_pages - 1) * page_size + indptrs.paged_kv_last_page_len.numpy(), 0
+    )
+    if (kv_lens < counts).any():
+        row = int(np.flatnonzero(kv_lens < counts)[0])
+        raise ValueError(
+            f"expected row {row} to hold its {counts[row]} new tokens, got kv_len {kv_lens[row]}"
+        )
+    # A token's key slot: its row's first new slot plus its index in the row.
+    slot = np.repeat(kv_lens - counts - qo_indptr[:-1], counts) + np.arange(qo_indptr[-1])
+    page = np.repeat(kv_indptr[:-1], counts) + slot // page_size
+    return indptrs.paged_kv_indices.numpy()[page].astype(np.int64), slot % page_size
