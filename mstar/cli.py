@@ -1,35 +1,57 @@
-"""``mstar-kv demo | bench``: the plan layer serving a model, and its speed."""
+"""``mstar-kv demo | generate | bench``: the engine serving a model through the
+plan layer, and its speed."""
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
+from typing import Any
 
 USAGE_ERROR = 2
+# (page size, pages, token budget, requests) when not given: the real model's
+# pool is small enough to force preemption; the random model's as well
+DEMO_DEFAULTS = {"random": (8, 20, 32, 16), "real": (16, 24, 128, 8)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mstar-kv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="continuous batching on a seeded random Llama")
-    demo.add_argument("--requests", type=int, default=16, help="number of requests (default 16)")
-    demo.add_argument("--page-size", type=int, default=8, help="tokens per KV page (default 8)")
-    demo.add_argument("--pages", type=int, default=20, help="KV pages in the pool (default 20)")
-    demo.add_argument("--budget", type=int, default=32, help="tokens per step (default 32)")
+    demo = sub.add_parser("demo", help="continuous batching of chat prompts on SmolLM2")
+    demo.add_argument(
+        "--model", default="smollm2", help="smollm2 (default), random (a seeded tiny Llama), "
+        "a GGUF file or a model folder",
+    )  # fmt: skip
+    demo.add_argument("--requests", type=int, help="number of requests (8; random: 16)")
+    demo.add_argument("--max-new-tokens", type=int, default=32, help="per request (default 32)")
+    demo.add_argument("--page-size", type=int, help="tokens per KV page (16; random: 8)")
+    demo.add_argument("--pages", type=int, help="KV pages in the pool (24; random: 20)")
+    demo.add_argument("--budget", type=int, help="tokens per step (128; random: 32)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--device", default="cpu", help="cpu, or cuda (FlashInfer when installed)")
-    demo.add_argument(
-        "--check", action="store_true", help="recompute every request with the model alone"
-    )
+    demo.add_argument("--check", action="store_true", help="recompute every output with the model")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
-    bench = sub.add_parser("bench", help="plan and manager benchmarks against their baselines")
+    gen = sub.add_parser("generate", help="generate from one prompt, streaming the tokens")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default="smollm2", help="smollm2 (default), a GGUF file or folder")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("-n", type=int, default=1, help="samples (default 1)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="default 64")
+    gen.add_argument("--device", default="cpu")
+    bench = sub.add_parser("bench", help="plan and manager benchmarks, or --e2e on SmolLM2")
+    bench.add_argument("--e2e", action="store_true", help="Engine vs HF generate on chat prompts")
     bench.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     bench.add_argument("--plot", metavar="PATH.png", help="plot plan latency (needs matplotlib)")
     bench.add_argument("--quick", action="store_true", help="fewer configurations")
     args = parser.parse_args(argv)
+    commands = {"demo": run_demo, "generate": run_generate, "bench": run_bench}
     try:
-        return run_demo(args) if args.command == "demo" else run_bench(args)
+        return commands[args.command](args)
     except UsageError as err:
         print(f"mstar-kv {args.command}: error: {err}", file=sys.stderr)
         return USAGE_ERROR
@@ -39,47 +61,75 @@ class UsageError(Exception):
     """An impossible option: reported in one line, exit code 2."""
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def load_model(name: str, device: str) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` on ``device``, or a usage error naming what is missing."""
     import torch
 
-    from mstar.demo import Server, build_model, check, make_workload, peak_pages, serve
-    from mstar.report import demo_report, progress_bar
+    from mstar.engine.loader import load
 
-    for name in ("requests", "page_size", "pages", "budget"):
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available")
+    try:
+        model, tokenizer = load(name)
+    except (FileNotFoundError, OSError, ValueError) as err:
+        raise UsageError(f"--model {name}: {str(err).splitlines()[0]}") from err
+    return model.to(device), tokenizer
+
+
+def make_engine(model: Any, tokenizer: Any, device: str, **kwargs: Any) -> Any:
+    from mstar.engine import Engine
+    from mstar.engine.engine import flashinfer_or_none
+
+    flashinfer = flashinfer_or_none(device) if device.startswith("cuda") else None
+    return Engine(model, tokenizer, flashinfer=flashinfer, **kwargs)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from mstar.demo import build_model, chat_workload, check, random_workload, serve
+    from mstar.report import demo_report, print_answers, progress_bar
+
+    defaults = DEMO_DEFAULTS["random" if args.model == "random" else "real"]
+    for name, default in zip(("page_size", "pages", "budget", "requests"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    for name in ("requests", "page_size", "pages", "budget", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {args.device}: CUDA is not available")
-    reference, model = build_model(args.seed, args.device)
-    requests = make_workload(args.requests, model.config.vocab_size, args.seed)
-    biggest = max(requests, key=lambda r: peak_pages(r, args.page_size))
-    need = peak_pages(biggest, args.page_size)
-    if args.pages < need:
-        raise UsageError(
-            f"--pages {args.pages} is too small: {biggest.id} alone needs {need} pages"
-        )
-    flashinfer = None
-    if args.device.startswith("cuda"):
-        try:
-            from mstar.engine.resources.attn.flashinfer import FlashInferPagedAttention
+    if args.model == "random":
+        import torch
 
-            flashinfer = FlashInferPagedAttention(device=args.device)
-        except RuntimeError:
-            flashinfer = None  # no flashinfer installed: the PyTorch paged attention
-    server = Server(
-        model,
-        requests,
-        num_pages=args.pages,
-        page_size=args.page_size,
-        token_budget=args.budget,
-        flashinfer=flashinfer,
-    )
-    with progress_bar(server, disable=args.quiet) as update:
-        stats = serve(server, update)
-    demo_report(server, stats)
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device}: CUDA is not available")
+        reference, model = build_model(args.seed, args.device)
+        tokenizer = None
+        workload = random_workload(model.config.vocab_size, args.requests, args.seed)
+    else:
+        model, tokenizer = load_model(args.model, args.device)
+        reference = copy.deepcopy(model) if args.check else None
+        workload = chat_workload(tokenizer, args.requests, args.max_new_tokens, args.seed)
+    engine = make_engine(
+        model, tokenizer, args.device,
+        num_pages=args.pages, page_size=args.page_size, token_budget=args.budget,
+    )  # fmt: skip
+    need = {
+        r.id: engine.peak_pages(
+            len(r.prompt), r.params, None if r.uncond is None else len(r.uncond)
+        )
+        for r in workload
+    }
+    biggest = max(need, key=need.__getitem__)
+    if need[biggest] > args.pages:
+        raise UsageError(
+            f"--pages {args.pages} is too small: {biggest} alone needs {need[biggest]} pages"
+        )
+    total = sum(len(r.prompt) + r.params.max_new_tokens * r.params.n for r in workload)
+    with progress_bar(engine, total, disable=args.quiet) as update:
+        done = serve(engine, workload, update)
+    print_answers(workload, done)
+    demo_report(engine, workload, done)
     if not args.check:
         return 0
-    results = check(reference, requests)
+    results = check(reference, workload, done, engine.eos_token_ids)
     failed = [what for what, ok in results if not ok]
     for what in failed:
         print(f"MISMATCH {what}")
@@ -87,7 +137,53 @@ def run_demo(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def run_generate(args: argparse.Namespace) -> int:
+    from mstar.engine import SamplingParams
+    from mstar.engine.loader import chat_prompt
+
+    try:
+        params = SamplingParams(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            n=args.n,
+            seed=args.seed,
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    model, tokenizer = load_model(args.model, args.device)
+    engine = make_engine(model, tokenizer, args.device, page_size=16)
+    prompt = chat_prompt(tokenizer, args.prompt) if args.chat else args.prompt
+    rid = engine.add_request(prompt, params)
+    shown = ""
+    while engine.has_unfinished():
+        for completion in engine.step():
+            if completion.request_id != rid:
+                continue
+            if params.n == 1:  # stream the one sample as its text grows
+                text = completion.outputs[0].text or ""
+                print(text[len(shown) :], end="", flush=True)
+                shown = text
+            elif completion.finished:
+                for out in completion.outputs:
+                    print(f"[{out.index}] {out.text}")
+    if params.n == 1:
+        print()
+    return 0
+
+
 def run_bench(args: argparse.Namespace) -> int:
+    if args.e2e:
+        from mstar.bench.e2e import format_e2e, run_e2e
+
+        result = run_e2e(quick=args.quick)
+        print(format_e2e(result))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return 0 if all(r["exact"] == r["prompts"] for r in result["rows"]) else 1
+
     from mstar.bench import format_table
     from mstar.bench import manager as bench_manager
     from mstar.bench import plan as bench_plan

@@ -1,5 +1,5 @@
-"""What the CLI shows: the demo's live progress and final table, and the
-benchmark plot."""
+"""What the CLI shows: the demo's live progress, its answers and final table,
+and the benchmark plot."""
 
 from __future__ import annotations
 
@@ -9,49 +9,71 @@ from contextlib import contextmanager
 import numpy as np
 
 from mstar.bench import Row
-from mstar.demo import Server, Stats
+from mstar.demo import DemoRequest
+from mstar.engine import Completion, Engine
 
 
 @contextmanager
-def progress_bar(server: Server, disable: bool = False) -> Iterator[Callable[[Server], None]]:
-    """A live bar of generated tokens; yields the per-step update."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+def progress_bar(
+    engine: Engine, total: int, disable: bool = False
+) -> Iterator[Callable[[Engine, int], None]]:
+    """A live bar of steps, with the pool's use; yields the per-step update."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    total = sum(r.max_new_tokens * r.n for r in server.requests)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
     with Progress(*columns, disable=disable, transient=False) as progress:
-        task = progress.add_task("generating", total=total)
+        task = progress.add_task("serving", total=total)
 
-        def update(s: Server) -> None:
-            done = sum(len(o) for r in s.requests for o in r.outputs.values())
-            used = s.mgr.num_pages - s.mgr.num_free_pages
+        def update(e: Engine, step_index: int) -> None:
+            used = e.mgr.num_pages - e.mgr.num_free_pages
             progress.update(
                 task,
-                completed=done,
-                description=f"step {s.step_index:4d}  pages {used:3d}/{s.mgr.num_pages}",
+                completed=e.stats.decode_tokens + e.stats.prefill_tokens,
+                total=max(total, e.stats.decode_tokens + e.stats.prefill_tokens),
+                description=f"step {step_index:4d}  pages {used:3d}/{e.mgr.num_pages}",
             )
 
         yield update
 
 
-def demo_report(server: Server, stats: Stats) -> None:
-    """The final table: workload, step mix, plan latency, pages."""
+def print_answers(workload: list[DemoRequest], done: dict[str, Completion]) -> None:
+    """Each request's question (when it has one) and its decoded samples."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console()
+    for r in workload:
+        kind = " (guided)" if r.uncond is not None else ""
+        if r.params.n > 1:
+            kind = f" (n={r.params.n}, temperature {r.params.temperature})"
+        console.print(f"[bold]{r.id}[/bold]{kind}: {escape(r.question or '')}")
+        for out in done[r.id].outputs:
+            body = out.text if out.text is not None else " ".join(map(str, out.token_ids))
+            mark = f"  [{out.index}] " if r.params.n > 1 else "  "
+            console.print(f"{mark}{escape(body.strip())}  [dim]({out.finish_reason})[/dim]")
+
+
+def demo_report(engine: Engine, workload: list[DemoRequest], done: dict[str, Completion]) -> None:
+    """The final table: workload, step mix, plan latency and share, pages."""
     from rich.console import Console
     from rich.table import Table
 
-    reqs = server.requests
-    forked = sum(r.n > 1 for r in reqs)
-    guided = sum(r.uncond is not None for r in reqs)
-    generated = sum(len(o) for r in reqs for o in r.outputs.values())
+    stats = engine.stats
+    forked = sum(r.params.n > 1 for r in workload)
+    guided = sum(r.uncond is not None for r in workload)
+    generated = sum(len(o.token_ids) for c in done.values() for o in c.outputs)
     p50, p99 = np.percentile(stats.plan_us, [50, 99]) if stats.plan_us else (0.0, 0.0)
+    share = stats.plan_s / stats.step_s if stats.step_s else 0.0
     table = Table(title="mstar-kv demo", show_header=False)
     rows = [
-        ("requests", f"{len(reqs)} ({forked} with continuations, {guided} guided)"),
+        ("requests", f"{len(workload)} ({forked} with n > 1, {guided} guided)"),
         ("tokens", f"{stats.prefill_tokens + stats.decode_tokens} fed, {generated} generated"),
         ("steps", f"{stats.steps} ({stats.decode_steps} decode-only, {stats.mixed_steps} mixed)"),
         ("prefill / decode tokens", f"{stats.prefill_tokens} / {stats.decode_tokens}"),
         ("plan latency per step", f"p50 {p50:.0f} µs, p99 {p99:.0f} µs"),
-        ("peak pages used", f"{stats.peak_pages} of {server.mgr.num_pages}"),
+        ("plan layer share of step", f"{100 * share:.1f}% of {stats.step_s:.1f} s"),
+        ("generated tokens/s", f"{generated / stats.step_s:.1f}" if stats.step_s else "-"),
+        ("peak pages used", f"{stats.peak_pages} of {engine.mgr.num_pages}"),
         ("pages saved by sharing", f"{stats.peak_shared} (peak)"),
         ("refused admissions", str(stats.refused)),
         ("preemptions", str(stats.preemptions)),

@@ -108,7 +108,7 @@ class Engine:
 
         model, tokenizer = load(name, dtype=dtype)
         if device.startswith("cuda") and "flashinfer" not in kwargs:
-            kwargs["flashinfer"] = _flashinfer_or_none(device)
+            kwargs["flashinfer"] = flashinfer_or_none(device)
         return cls(model.to(device), tokenizer, **kwargs)
 
     # --- requests ------------------------------------------------------------------------
@@ -140,7 +140,7 @@ class Engine:
                 f"request {rid!r}: prompt + max_new_tokens = {longest} exceeds the model's"
                 f" max_position_embeddings {self.max_len}"
             )
-        need = self._peak_pages(len(ids), uncond, params)
+        need = self.peak_pages(len(ids), params, None if uncond is None else len(uncond))
         if need > self.mgr.num_pages:
             raise RequestTooLarge(
                 f"request {rid!r} needs {need} KV pages at its peak (prompt {len(ids)} tokens,"
@@ -160,6 +160,25 @@ class Engine:
         req.restart()
         self._running[rid] = req
         return rid
+
+    def peak_pages(
+        self, prompt_len: int, params: SamplingParams, uncond_len: int | None = None
+    ) -> int:
+        """KV pages a request holds at its peak, alone in the pool (the last
+        generated token is never fed); ``add_request`` refuses one above
+        ``num_pages``."""
+        size = self.mgr.page_size
+
+        def pages(tokens: int) -> int:
+            return -(-tokens // size)
+
+        longest = prompt_len + params.max_new_tokens - 1
+        if uncond_len is not None:
+            return pages(longest) + pages(uncond_len + params.max_new_tokens - 1)
+        if params.n == 1:
+            return pages(longest)
+        # the prompt's stream while forking, then each sample's pages past the shared ones
+        return pages(prompt_len) + params.n * (pages(longest) - prompt_len // size)
 
     def abort(self, request_id: str) -> None:
         """Drop a running request; its pages return at once."""
@@ -375,22 +394,6 @@ class Engine:
             )
         return ids
 
-    def _peak_pages(self, prompt: int, uncond: list[int] | None, params: SamplingParams) -> int:
-        """Pages the request holds at its peak, alone in the pool (the last
-        generated token is never fed)."""
-        size = self.mgr.page_size
-
-        def pages(tokens: int) -> int:
-            return -(-tokens // size)
-
-        longest = prompt + params.max_new_tokens - 1
-        if uncond is not None:
-            return pages(longest) + pages(len(uncond) + params.max_new_tokens - 1)
-        if params.n == 1:
-            return pages(longest)
-        # the prompt's stream while forking, then each sample's own pages past the shared ones
-        return pages(prompt) + params.n * (pages(longest) - prompt // size)
-
     def _account(self, step: KVStep, seconds: float) -> None:
         s = self.stats
         spans = [seg.span for seg in step.segments]
@@ -428,7 +431,7 @@ def _pool_pages(
     return max(1, int(free * KV_MEMORY_FRACTION) // page_bytes)
 
 
-def _flashinfer_or_none(device: str) -> Any:
+def flashinfer_or_none(device: str) -> Any:
     """FlashInfer's paged attention on ``device``, or None (PyTorch's) without it."""
     from mstar.engine.resources.attn.flashinfer import FlashInferPagedAttention
 
