@@ -1,6 +1,7 @@
-"""``mstar-kv demo | bench`` end to end, in a reduced size."""
+"""``mstar-kv demo | generate | bench`` end to end, in a reduced size."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -8,34 +9,49 @@ pytest.importorskip("transformers")
 pytest.importorskip("rich")
 
 from mstar.cli import main
-from mstar.demo import Server, build_model, check, make_workload, serve
+from mstar.demo import build_model, check, random_workload, serve
+from mstar.engine import Engine
 
 
 def test_demo_check_passes_under_memory_pressure(capsys):
-    code = main(
-        ["demo", "--check", "--quiet", "--requests", "7", "--pages", "14", "--budget", "16"]
-    )
+    args = ["--model", "random", "--requests", "7", "--pages", "14", "--budget", "16"]
+    code = main(["demo", "--check", "--quiet", *args])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "0 failed" in out and "MISMATCH" not in out
+    assert " 0 failed" in out and "MISMATCH" not in out
     assert "preemptions" in out and "pages saved by sharing" in out
 
 
 def test_the_checker_catches_a_wrong_token():
     reference, model = build_model(seed=0)
-    requests = make_workload(4, model.config.vocab_size, seed=0)
-    server = Server(model, requests, num_pages=40, page_size=8, token_budget=16)
-    stats = serve(server)
-    assert server.mgr.num_free_pages == 40  # finished requests gave their pages back
-    assert stats.peak_shared > 0  # req2's continuations shared its prompt's pages
-    results = check(reference, requests)
-    assert results and all(ok for _, ok in results)
-    guided = next(r for r in requests if r.uncond is not None)
-    guided.outputs["cfg"][-1] ^= 1
-    plain = next(r for r in requests if r.n == 1 and r.uncond is None)
-    plain.outputs["main"][0] ^= 1
-    failed = {what for what, ok in check(reference, requests) if not ok}
-    assert failed == {f"{guided.id} (guided)", f"{plain.id}/main"}
+    workload = random_workload(model.config.vocab_size, 4, seed=0)
+    engine = Engine(model, num_pages=40, page_size=8, token_budget=16)
+    done = serve(engine, workload)
+    assert engine.mgr.num_free_pages == 40  # finished requests gave their pages back
+    assert engine.stats.peak_shared > 0  # req2's samples shared its prompt's pages
+    results = check(reference, workload, done, engine.eos_token_ids)
+    assert len(results) == 3 + workload[2].params.n and all(ok for _, ok in results)
+    for rid, index in (("req1", 0), ("req2", 1), ("req3", 0)):  # guided, sampled, greedy
+        done[rid].outputs[index].token_ids[-1] ^= 1
+    done["req0"].outputs[0].finish_reason = "stop"  # right tokens, wrong reason
+    failed = {what for what, ok in check(reference, workload, done, engine.eos_token_ids) if not ok}
+    assert failed == {"req0/0", "req1/0", "req2/1", "req3/0"}
+
+
+def test_the_checker_knows_eos():
+    reference, model = build_model(seed=0)
+    workload = random_workload(model.config.vocab_size, 1, seed=0)
+    engine = Engine(model, num_pages=40, page_size=8)
+    tokens = serve(engine, workload)["req0"].outputs[0].token_ids
+    eos = {tokens[1]}
+    stopped = Engine(build_model(seed=0)[1], num_pages=40, page_size=8)
+    stopped.eos_token_ids = frozenset(eos)
+    done = serve(stopped, workload)
+    assert done["req0"].outputs[0].token_ids == tokens[: tokens.index(tokens[1]) + 1]
+    assert all(ok for _, ok in check(reference, workload, done, eos))
+    assert not all(ok for _, ok in check(reference, workload, done, set()))
+    unstopped = [replace(workload[0], params=replace(workload[0].params, ignore_eos=True))]
+    assert not all(ok for _, ok in check(reference, unstopped, done, eos))
 
 
 @pytest.mark.parametrize(
@@ -43,19 +59,47 @@ def test_the_checker_catches_a_wrong_token():
     [
         (["--page-size", "0"], "--page-size must be >= 1"),
         (["--budget", "0"], "--budget must be >= 1"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--pages", "2"], "too small"),
         (["--device", "cuda:7"], "CUDA"),
     ],
 )
 def test_demo_rejects_impossible_options_in_one_line(capsys, args, message):
-    pytest.importorskip("torch")
     import torch
 
     if args[0] == "--device" and torch.cuda.is_available():
         pytest.skip("CUDA is available")
-    assert main(["demo", "--quiet", *args]) == 2
+    assert main(["demo", "--quiet", "--model", "random", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/nonexistent/model"], "--model /nonexistent/model"),
+        (["--temperature", "-1"], "temperature"),
+        (["-n", "0"], "expected n >= 1"),
+    ],
+)
+def test_generate_rejects_bad_options_in_one_line(capsys, args, message):
+    assert main(["generate", "hello", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_generate_streams_a_chat_answer_on_smollm2(smollm2, capsys):
+    args = ["--chat", "--max-new-tokens", "12", "What is the capital of France?"]
+    assert main(["generate", *args]) == 0
+    assert capsys.readouterr().out == "The capital of France is Paris.\n"
+
+
+def test_demo_on_smollm2_checks_against_hf_generate(smollm2, capsys):
+    args = ["--requests", "3", "--max-new-tokens", "8", "--pages", "8", "--quiet"]
+    assert main(["demo", "--check", *args]) == 0
+    out = capsys.readouterr().out
+    assert "capital of France" in out and "guided" in out and "n=3" in out
+    assert "5 passed, 0 failed" in out
 
 
 def test_bench_prints_the_table_and_writes_json(capsys, tmp_path):
