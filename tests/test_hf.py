@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 from mstar.engine.resources.attn.flashinfer import FlashInferPagedAttention  # noqa: E402
 from mstar.engine.resources.kv.cache import KVCache  # noqa: E402
 from mstar.engine.resources.kv.plan import KVPlanOutput  # noqa: E402
+from mstar.integrations import hf  # noqa: E402
 from mstar.integrations.hf import forward_step, register  # noqa: E402
 
 SIZES = {
@@ -55,13 +56,11 @@ class Runner:
         num_pages: int = 64,
         flashinfer: FlashInferPagedAttention | None = None,
     ) -> None:
-        config = model.config
         self.model = model
         self.flashinfer = flashinfer
         self.streams = Streams(num_pages, page_size, seed=1)
-        head_dim = config.hidden_size // config.num_attention_heads
         self.cache = KVCache(
-            config.num_hidden_layers, num_pages, page_size, config.num_key_value_heads, head_dim
+            num_pages=num_pages, page_size=page_size, **hf.kv_spec(model).cache_kwargs()
         )
         self.tokens: dict[str, list[int]] = {}
         self.logits: dict[str, list[torch.Tensor]] = {}
@@ -180,30 +179,102 @@ def test_forward_step_rejects_bad_input(llama):
 
 
 def test_attention_needs_the_plan(llama):
-    """Called without forward_step, the attention function says so."""
+    """Called without forward_step, the attention function says what to do."""
     _, paged = llama
-    with pytest.raises(ValueError, match="expected mstar_plan and mstar_cache"), torch.no_grad():
+    message = r"got none: run the model through .*forward_step"
+    with pytest.raises(ValueError, match=message), torch.no_grad():
         paged(torch.zeros(1, 3, dtype=torch.long), use_cache=False)
+
+
+def _call_attention(paged, run, plan, batch: int = 1, layer: int = 0, **extra) -> None:
+    """The registered attention function, called as a decoder layer would
+    inside forward_step (the step's context set)."""
+    attention = transformers.AttentionInterface()[register()]
+    q, kv = torch.zeros(batch, 4, 3, 16), torch.zeros(batch, 2, 3, 16)
+    module = paged.model.layers[layer].self_attn
+    step = hf._Step(plan, run.cache, None, (None, None))
+    token = hf._CONTEXT.set(step)
+    try:
+        attention(module, q, kv, kv, None, scaling=0.25, **extra)
+        attention(module, q, kv, kv, None, scaling=0.25, **extra)
+    finally:
+        hf._CONTEXT.reset(token)
 
 
 @pytest.mark.parametrize(
     ("batch", "extra", "message"),
     [
-        (1, {"softcap": 30.0}, "expected no softcap"),
-        (1, {"s_aux": torch.zeros(4)}, "expected no s_aux"),
+        (1, {"encoder_hidden_states": None}, r"got \['encoder_hidden_states'\]"),
+        (1, {"mstar_plan": None}, r"got \['mstar_plan'\]"),
         (2, {}, "expected a packed batch of 1, got batch 2"),
+        (1, {"dropout": 0.1}, r"expected attention dropout 0 \(model.eval\(\)\), got 0.1"),
+        (1, {}, "expected one attention call per layer and step, got a second in layer 0"),
     ],
 )
 def test_attention_rejects_what_it_cannot_honour(llama, batch, extra, message):
-    """Logit soft-capping and attention sinks would be silently dropped, and a
-    plan describes one packed batch."""
+    """A keyword it does not know, a batch that is not one packed step,
+    dropout, and a second call in one layer (whose K/V would overwrite the
+    first's)."""
     _, paged = llama
     run = Runner(paged, page_size=4)
-    attention = transformers.AttentionInterface()[register()]
-    q, kv = torch.zeros(batch, 4, 3, 16), torch.zeros(batch, 2, 3, 16)
-    plan = run.streams.plan([("a", 3)])
-    module = paged.model.layers[0].self_attn
     with pytest.raises(ValueError, match=message):
-        attention(
-            module, q, kv, kv, None, scaling=0.25, mstar_plan=plan, mstar_cache=run.cache, **extra
-        )
+        _call_attention(paged, run, run.streams.plan([("a", 3)]), batch=batch, **extra)
+
+
+def test_logits_only_where_asked(llama):
+    """logits_at picks token rows (any order, repeats allowed): the model's
+    head runs on those rows alone and they equal the full step's."""
+    _, paged = llama
+    prompt = _prompt(9, seed=11)
+    full, picked = Runner(paged, page_size=4), Runner(paged, page_size=4)
+    plans = [run.streams.plan([("a", 6), ("b", 3)]) for run in (full, picked)]
+    ids = torch.tensor(prompt)
+    expected = forward_step(paged, ids, plans[0], full.cache)
+    at = torch.tensor([5, 8, 0, 5])
+    got = forward_step(paged, ids, plans[1], picked.cache, logits_at=at)
+    assert got.shape == (4, SIZES["vocab_size"])
+    torch.testing.assert_close(got, expected[at], atol=1e-5, rtol=1e-5)
+    assert hf.kv_spec(paged).keeps_logits  # Llama takes logits_to_keep as indices
+    assert forward_step(paged, ids, plans[1], picked.cache, logits_at=at[:0]).shape == (0, 128)
+
+
+@pytest.mark.parametrize(
+    ("at", "message"),
+    [
+        (torch.tensor([0, 3]), r"expected logits_at in \[0, 3\), got values in \[0, 3\]"),
+        (torch.tensor([-1]), r"expected logits_at in \[0, 3\)"),
+        (torch.tensor([0], dtype=torch.int32), "expected logits_at an int64 tensor"),
+        (torch.tensor([[0]]), "expected logits_at an int64 tensor"),
+    ],
+)
+def test_logits_at_is_checked(llama, at, message):
+    _, paged = llama
+    run = Runner(paged, page_size=4)
+    plan = run.streams.plan([("a", 3)])
+    with pytest.raises(ValueError, match=message):
+        forward_step(paged, torch.zeros(3, dtype=torch.long), plan, run.cache, logits_at=at)
+
+
+def test_a_cache_that_does_not_fit_the_model_is_refused(llama):
+    """Before anything runs: the model's K/V shape is read by the probe."""
+    _, paged = llama
+    run = Runner(paged, page_size=4)
+    plan = run.streams.plan([("a", 3)])
+    small = KVCache(2, 8, 4, 1, 16)
+    with pytest.raises(ValueError, match=r"expected a cache of .*'num_kv_heads': 2.* got"):
+        forward_step(paged, torch.zeros(3, dtype=torch.long), plan, small)
+    assert not small.layer(0).any()
+
+
+def test_flashinfer_refuses_what_it_lacks(fake_flashinfer):
+    """A model with attention sinks through the FlashInfer adapter is refused
+    before the forward; soft-capping is FlashInfer's logits_soft_cap."""
+    config = transformers.GptOssConfig(
+        **{**SIZES, "intermediate_size": 32}, num_local_experts=2, num_experts_per_tok=1
+    )
+    _, paged = _models(transformers.GptOssForCausalLM, config)
+    adapter, log = fake_flashinfer()
+    run = Runner(paged, page_size=4, flashinfer=adapter)
+    with pytest.raises(ValueError, match=r"FlashInfer serves, got one with attention sinks"):
+        run.prefill([("a", [1, 2, 3])])
+    assert log == [] and not run.cache.layer(0).any()

@@ -16,7 +16,22 @@ import torch
 
 from mstar.engine.resources.kv.plan import KVPlanOutput
 
-__all__ = ["FlashInferPagedAttention"]
+__all__ = ["FlashInferPagedAttention", "unsupported"]
+
+
+def unsupported(
+    *, sinks: bool = False, chunk_size: int | None = None, head_dim: int = 0, v_head_dim: int = 0
+) -> str | None:
+    """Why this adapter cannot serve an attention (None: it can). FlashInfer's
+    paged prefill/decode wrappers have soft-capping (``logits_soft_cap``) but
+    no attention sinks, no chunked attention and one head width for K and V."""
+    if sinks:
+        return "attention sinks (s_aux)"
+    if chunk_size is not None:
+        return "chunked attention (attention_chunk_size)"
+    if head_dim != v_head_dim:
+        return f"a value width ({v_head_dim}) other than the key width ({head_dim})"
+    return None
 
 
 class FlashInferPagedAttention:
@@ -54,12 +69,20 @@ class FlashInferPagedAttention:
         causal: bool = True,
         sm_scale: float | None = None,
         window_left: int = -1,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+        chunk_size: int | None = None,
         q_dtype: torch.dtype = torch.bfloat16,
         kv_dtype: torch.dtype | None = None,
     ) -> None:
         """Plan the step's attention (decode kernel for decode plans; the
         prefill kernel, bottom-right ``causal``, otherwise). A decode row's
-        single query sees its whole KV, so ``causal`` does not apply there."""
+        single query sees its whole KV, so ``causal`` does not apply there.
+        ``softcap`` is FlashInfer's ``logits_soft_cap``; ``sinks`` and
+        ``chunk_size`` (``paged_attention``'s) raise ``ValueError``."""
+        reason = unsupported(sinks=sinks is not None, chunk_size=chunk_size)
+        if reason is not None:
+            raise ValueError(f"expected an attention FlashInfer serves, got {reason}")
         params = (
             num_qo_heads,
             num_kv_heads,
@@ -68,6 +91,7 @@ class FlashInferPagedAttention:
             causal,
             sm_scale,
             window_left,
+            softcap,
             q_dtype,
             kv_dtype,
         )
@@ -81,6 +105,8 @@ class FlashInferPagedAttention:
             "q_data_type": q_dtype,
             "kv_data_type": q_dtype if kv_dtype is None else kv_dtype,
         }
+        if softcap is not None:
+            options["logits_soft_cap"] = softcap
         if plan.is_decode:
             if self._decode is None:
                 self._decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -105,9 +131,13 @@ class FlashInferPagedAttention:
     def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
         """Attention for one layer: ``q`` ``[total_q, num_qo_heads, head_dim]``,
         ``kv_layer`` ``[num_pages, 2, page_size, num_kv_heads, head_dim]``;
-        returns q's shape."""
+        returns q's shape. A ``(k, v)`` pair of different widths raises."""
         if self._active is None:
             raise RuntimeError("FlashInferPagedAttention.run called before plan")
+        if isinstance(kv_layer, tuple):
+            reason = unsupported(head_dim=kv_layer[0].shape[-1], v_head_dim=kv_layer[1].shape[-1])
+            if reason is not None:
+                raise ValueError(f"expected an attention FlashInfer serves, got {reason}")
         return self._active.run(q.contiguous(), kv_layer)
 
 
