@@ -3,6 +3,7 @@ alone (HF ``generate``, or its own forward replayed through the sampler)."""
 
 import copy
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -112,7 +113,7 @@ def test_seeded_sampling_is_reproducible_and_follows_the_model(models):
     params = SamplingParams(max_new_tokens=NEW, temperature=0.8, top_p=0.9, top_k=50, n=2, seed=7)
     first = engine(models).generate(batch, params)
     again = engine(models, token_budget=8).generate(batch, params)
-    other = engine(models).generate(batch, SamplingParams(**{**params.__dict__, "seed": 8}))
+    other = engine(models).generate(batch, replace(params, seed=8))
     tokens = [[o.token_ids for o in c.outputs] for c in first]
     assert tokens == [[o.token_ids for o in c.outputs] for c in again]
     assert tokens != [[o.token_ids for o in c.outputs] for c in other]
@@ -264,3 +265,10 @@ def test_smollm2_greedy_equals_hf_generate_and_stops_at_eos(smollm2):
     paris = done[0].outputs[0]
     assert paris.finish_reason == "stop" and paris.token_ids[-1] == eos
     assert paris.text == "The capital of France is Paris."
+
+
+def test_a_model_the_paged_path_cannot_serve_is_refused(models):
+    model = copy.deepcopy(models[1])
+    model.config.position_embedding_type = "alibi"
+    with pytest.raises(ValueError, match="ALiBi"):
+        Engine(model, num_pages=8)

@@ -26,7 +26,7 @@ from mstar.engine.resources.kv.manager import AllocationFailed, KVManager
 from mstar.engine.resources.step import KVStep, Segment
 from mstar.engine.sampling import SamplingParams, make_generator, sample_token
 from mstar.engine.scheduler import kv_step, schedule
-from mstar.integrations.hf import forward_step, register
+from mstar.integrations.hf import KVSpec, forward_step, kv_spec, register
 
 Prompt = str | Sequence[int]
 # num_pages=None: the pool takes this share of the free device memory (on the
@@ -76,24 +76,23 @@ class Engine:
     ) -> None:
         if token_budget < 1:
             raise ValueError(f"expected token_budget >= 1, got {token_budget}")
-        config = model.config
+        spec = kv_spec(model)  # refuses a model the paged path cannot serve exactly
         model.set_attn_implementation(register())
         param = next(model.parameters())
         self.model, self.tokenizer, self.flashinfer = model, tokenizer, flashinfer
         self.device, self.budget = param.device, token_budget
-        head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads
-        )
-        kv_shape = (config.num_hidden_layers, config.num_key_value_heads, head_dim)
         if num_pages is None:
-            num_pages = _pool_pages(kv_shape, page_size, param.dtype, param.device)
+            num_pages = _pool_pages(spec, page_size, param.dtype, param.device)
         self.cache = KVCache(
-            kv_shape[0], num_pages, page_size, kv_shape[1], head_dim,
-            dtype=param.dtype, device=param.device,
-        )  # fmt: skip
+            num_pages=num_pages,
+            page_size=page_size,
+            dtype=param.dtype,
+            device=param.device,
+            **spec.cache_kwargs(),
+        )
         self.mgr = KVManager(num_pages, page_size, cache=self.cache)
         self.eos_token_ids = _eos_ids(model, tokenizer)
-        self.max_len = getattr(config, "max_position_embeddings", None)
+        self.max_len = getattr(model.config, "max_position_embeddings", None)
         self.stats = EngineStats()
         self._running: dict[str, Request] = {}  # unfinished, oldest first
         self._arrivals = itertools.count()
@@ -286,9 +285,13 @@ class Engine:
     def _logits(self, ids: list[int], plan: Any, at: list[int]) -> torch.Tensor:
         """Logits ``[len(at), vocab]`` at packed positions ``at`` of the step."""
         input_ids = torch.tensor(ids, device=self.device)
-        index = torch.tensor(at, dtype=torch.int64)
-        logits = forward_step(self.model, input_ids, plan, self.cache, flashinfer=self.flashinfer)
-        return logits[index.to(logits.device)]
+        # forward_step skips the whole forward (KV writes included) for an
+        # empty logits_at: ask for one row and drop it
+        index = torch.tensor(at or [len(ids) - 1], dtype=torch.int64)
+        logits = forward_step(
+            self.model, input_ids, plan, self.cache, flashinfer=self.flashinfer, logits_at=index
+        )
+        return logits[: len(at)]
 
     def _on_logits(self, req: Request, label: str, logits: torch.Tensor) -> None:
         """A stream's last token is in: choose its sample's next token."""
@@ -416,13 +419,11 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset()
 
 
-def _pool_pages(
-    kv_shape: tuple[int, int, int], page_size: int, dtype: torch.dtype, device: torch.device
-) -> int:
+def _pool_pages(spec: KVSpec, page_size: int, dtype: torch.dtype, device: torch.device) -> int:
     """Pages filling ``KV_MEMORY_FRACTION`` of the free memory of ``device``
     (on the host, at most ``HOST_POOL_BYTES``)."""
-    layers, kv_heads, head_dim = kv_shape
-    page_bytes = layers * 2 * page_size * kv_heads * head_dim * dtype.itemsize
+    per_token = spec.num_layers * spec.num_kv_heads * (spec.head_dim + spec.v_head_dim)
+    page_bytes = per_token * page_size * dtype.itemsize
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:

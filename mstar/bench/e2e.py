@@ -1,0 +1,154 @@
+"""End to end on SmolLM2: chat prompts through ``Engine.generate`` against
+Hugging Face ``generate`` (one left-padded batch) and HF's own continuous
+batching (``generate_batch``), same run, same greedy workload with EOS.
+
+Every path's tokens are compared with HF ``generate`` on each prompt alone
+(the oracle, untimed). Each timed path runs once to warm up, then ``repeat``
+times; the best run counts.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+NEW_TOKENS = 32
+
+
+def run_e2e(*, quick: bool = False, repeat: int = 2) -> dict[str, Any]:
+    """Figures as a dict: the workload, and per path its seconds, tokens/s and
+    exact matches (plus, for the engine, the plan layer's share of the step)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    from mstar.demo import CHAT_QUESTIONS
+    from mstar.engine import Engine, EngineStats, SamplingParams
+    from mstar.engine.loader import chat_prompt, load
+
+    model, tokenizer = load("smollm2")
+    questions = CHAT_QUESTIONS[:4] if quick else CHAT_QUESTIONS
+    prompts = [chat_prompt(tokenizer, q) for q in questions]
+    eos = tokenizer.eos_token_id
+    config = GenerationConfig(
+        max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos
+    )
+    oracle = [_hf_one(model, p, config) for p in prompts]
+    engine = Engine(copy.deepcopy(model), tokenizer)  # defaults: page_size 16, budget 256
+    engine_stats: list[EngineStats] = []
+
+    def ours() -> list[list[int]]:
+        engine.stats = EngineStats()
+        done = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
+        engine_stats.append(engine.stats)
+        return [c.outputs[0].token_ids for c in done]
+
+    def hf_padded() -> list[list[int]]:
+        return _hf_padded(model, prompts, config)
+
+    blocks = sum(
+        engine.peak_pages(len(p), SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts
+    )
+
+    def hf_batch() -> list[list[int]]:
+        cb = ContinuousBatchingConfig(  # sized like the engine's pool and budget
+            page_size=engine.mgr.page_size,
+            num_blocks=blocks,
+            max_batch_tokens=engine.budget,
+            allow_block_sharing=False,
+        )
+        out = model.generate_batch(
+            inputs=prompts, generation_config=config, continuous_batching_config=cb
+        )
+        by_prompt = {tuple(o.prompt_ids): o.generated_tokens for o in out.values()}
+        return [list(by_prompt[tuple(p)]) for p in prompts]
+
+    rows = []
+    paths: list[tuple[str, Callable[[], list[list[int]]]]] = [
+        ("Engine.generate", ours),
+        ("HF generate (left-padded batch)", hf_padded),
+        ("HF generate_batch", hf_batch),
+    ]
+    for name, fn in paths:
+        seconds, tokens = _best(fn, repeat)
+        generated = sum(len(t) for t in tokens)
+        row = {
+            "path": name,
+            "seconds": seconds,
+            "tokens": generated,
+            "tokens_per_s": generated / seconds,
+            "prompts": len(prompts),
+            "exact": sum(t == want for t, want in zip(tokens, oracle)),
+        }
+        if fn is ours:
+            best = min(engine_stats[1:] or engine_stats, key=lambda s: s.step_s)
+            row["plan_share"] = best.plan_s / best.step_s
+            row["steps"] = best.steps
+        rows.append(row)
+    return {
+        "workload": f"{len(prompts)} chat prompts, {NEW_TOKENS} new tokens, greedy, EOS on",
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
+
+
+def format_e2e(result: dict[str, Any]) -> str:
+    """A plain-text table: seconds, tokens/s, ours against each path, exact matches."""
+    rows = result["rows"]
+    ours = rows[0]["tokens_per_s"]
+    head = ("path", "seconds", "tokens", "tokens/s", "ours / this", "exact", "plan share")
+    body = [
+        (
+            r["path"],
+            f"{r['seconds']:.2f}",
+            str(r["tokens"]),
+            f"{r['tokens_per_s']:.1f}",
+            f"{ours / r['tokens_per_s']:.2f}x",
+            f"{r['exact']}/{r['prompts']}",
+            f"{100 * r['plan_share']:.1f}%" if "plan_share" in r else "",
+        )
+        for r in rows
+    ]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    lines = [
+        "  ".join(
+            x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(line, widths))
+        )
+        for line in [head, *body]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    title = f"{result['workload']} ({result['threads']} threads); exact: == HF generate alone"
+    return "\n".join([title, *lines])
+
+
+def _best(fn: Callable[[], list[list[int]]], repeat: int) -> tuple[float, list[list[int]]]:
+    tokens = fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        tokens = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, tokens
+
+
+@torch.no_grad()
+def _hf_one(model: Any, prompt: list[int], config: Any) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, len(prompt) :].tolist()
+
+
+@torch.no_grad()
+def _hf_padded(model: Any, prompts: list[list[int]], config: Any) -> list[list[int]]:
+    """One left-padded batch; each row cut after its first EOS (pad == EOS)."""
+    width = max(len(p) for p in prompts)
+    pad = config.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(ids, attention_mask=mask, generation_config=config)[:, width:].tolist()
+    return [
+        row[: row.index(config.eos_token_id) + 1] if config.eos_token_id in row else row
+        for row in out
+    ]
