@@ -22,6 +22,7 @@ class Row:
     baseline_us: float
     floor_us: float | None = None
     params: dict[str, int] = field(default_factory=dict)  # the config, as numbers
+    note: str = ""  # e.g. the ratio to a reference step of the same run
 
     @property
     def speedup(self) -> float:
@@ -65,7 +66,7 @@ def time_us(
 
 def format_table(rows: list[Row]) -> str:
     """A plain-text table of ``rows``: µs per call, the ratio, the floor."""
-    head = ("bench", "config", "ours µs", "baseline µs", "speedup", "floor µs", "ours/floor")
+    head = ("bench", "config", "ours µs", "baseline µs", "speedup", "floor µs", "ours/floor", "note")
     body = [
         (
             r.bench,
@@ -75,12 +76,13 @@ def format_table(rows: list[Row]) -> str:
             f"{r.speedup:.1f}x",
             "" if r.floor_us is None else f"{r.floor_us:.1f}",
             "" if r.over_floor is None else f"{r.over_floor:.2f}x",
+            r.note,
         )
         for r in rows
     ]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     lines = [
-        "  ".join(x.rjust(w) if i > 1 else x.ljust(w) for i, (x, w) in enumerate(zip(line, widths)))
+        "  ".join(x.rjust(w) if 1 < i < 7 else x.ljust(w) for i, (x, w) in enumerate(zip(line, widths)))
         for line in [head, *body]
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -1,10 +1,22 @@
-"""Steady-state decode through ``KVManager`` (admit + plan + commit a step)
-against the straightforward manager: Python-list page tables, every view a
-list slice, the indices by list extends and ``torch.tensor``. The floor is a
-bare numpy copy of the step's ``paged_kv_indices``: what any plan built on
-the host must at least spend."""
+"""Serving steps through ``KVManager`` (admit + plan + commit) against the
+straightforward manager: Python-list page tables, every view a list slice,
+the indices by list extends and ``torch.tensor``.
+
+- ``decode step``: every row decodes one token; rows are staggered so every
+  step some start a page. The floor is one ``np.copyto`` of the step's
+  ``paged_kv_indices`` into a preallocated array: the least any plan built
+  on the host spends.
+- ``churn step`` / ``mixed step``: the steps continuous batching really runs.
+  Churn: each step 2 rows leave and 2 new requests join (their prefill
+  untimed). Mixed: the decode rows plus one new 512-token prefill row. Timed
+  warm, and cold: with the data caches evicted before each step (a 48 MiB
+  write, one byte per 64), as after a model forward. The note compares each
+  with the steady decode step of the same run.
+"""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -17,49 +29,41 @@ from mstar.engine.resources.step import KVStep, Segment
 PAGE_SIZE = 16
 MAX_STEPS = 4096  # decode steps timed per configuration, at most
 HEADROOM_PAGES = MAX_STEPS // PAGE_SIZE + 2  # per row, for those steps
+PREFILL = 512  # the mixed step's prefill chunk
+STEPS = 200  # churn/mixed steps timed one by one
 
 
 class ListManager:
-    """The baseline: one decode step at a time, the obvious way."""
+    """The baseline: one step at a time, the obvious way."""
 
-    def __init__(self, rows: list[str], context: int, page_size: int = PAGE_SIZE) -> None:
+    def __init__(self, num_pages: int, page_size: int = PAGE_SIZE) -> None:
         self.page_size = page_size
-        per_row = -(-context // page_size) + HEADROOM_PAGES
-        self.free = list(range(len(rows) * per_row))
-        self.stored = {r: context + i % page_size for i, r in enumerate(rows)}
-        self.tables = {
-            r: [self.free.pop() for _ in range(-(-n // page_size))] for r, n in self.stored.items()
-        }
+        self.free = list(range(num_pages))
+        self.stored: dict[str, int] = {}
+        self.tables: dict[str, list[int]] = {}
 
-    def decode(self, rows: list[str]):
+    def step(self, rows: list[tuple[str, int]]):
         ps = self.page_size
-        for r in rows:  # admit: a page for each row whose next token starts one
-            if self.stored[r] + 1 > len(self.tables[r]) * ps:
-                self.tables[r].append(self.free.pop())
+        for r, span in rows:  # admit: the pages each row's tokens need
+            table = self.tables.setdefault(r, [])
+            self.stored.setdefault(r, 0)
+            while self.stored[r] + span > len(table) * ps:
+                table.append(self.free.pop())
         views = []
-        for r in rows:  # plan
-            length = self.stored[r] + 1
-            views.append(SequenceView(r, "main", self.tables[r][: -(-length // ps)], length, 1))
+        for r, span in rows:  # plan
+            length = self.stored[r] + span
+            views.append(SequenceView(r, "main", self.tables[r][: -(-length // ps)], length, span))
         out = baseline_build(views, ps)
-        for r in rows:  # commit
-            self.stored[r] += 1
+        for r, span in rows:  # commit
+            self.stored[r] += span
         return out
 
-
-def decode_manager(rows: list[str], context: int, page_size: int = PAGE_SIZE) -> KVManager:
-    """A KVManager with row ``i`` prefilled to ``context + i % page_size``
-    tokens: staggered, so every step some rows start a page (as in a real
-    batch) rather than all of them every ``page_size``-th step."""
-    per_row = -(-context // page_size) + HEADROOM_PAGES
-    mgr = KVManager(num_pages=len(rows) * per_row, page_size=page_size)
-    prefill = KVStep(tuple(Segment(r, "main", context + i % page_size) for i, r in enumerate(rows)))
-    mgr.admit(prefill)
-    mgr.plan(prefill)
-    mgr.commit(prefill)
-    return mgr
+    def release(self, r: str) -> None:
+        self.free.extend(self.tables.pop(r))
+        del self.stored[r]
 
 
-def decode_once(mgr: KVManager, segments: tuple[Segment, ...]):
+def _step(mgr: KVManager, segments: tuple[Segment, ...]):
     step = KVStep(segments)
     mgr.admit(step)
     plans = mgr.plan(step)
@@ -67,24 +71,144 @@ def decode_once(mgr: KVManager, segments: tuple[Segment, ...]):
     return plans
 
 
-def run(batches=(1, 32, 256), contexts=(1024, 4096, 32768)) -> list[Row]:
-    rows = []
-    for batch in batches:
-        for context in contexts:
-            names = [f"r{i}" for i in range(batch)]
-            segments = tuple(Segment(r, "main", 1) for r in names)
-            mgr, base = decode_manager(names, context), ListManager(names, context)
-            ours_plan, base_plan = decode_once(mgr, segments)["main"], base.decode(names)
-            assert len(ours_plan.cpu_indptrs.paged_kv_indices) == len(base_plan.paged_kv_indices)
-            indices = ours_plan.cpu_indptrs.paged_kv_indices.numpy()
-            rows.append(
+def _prefilled(batch: int, context: int, spare: int = 0) -> tuple[KVManager, ListManager, list]:
+    """Both managers with row ``i`` prefilled to ``context + i % page_size``."""
+    per_row = -(-context // PAGE_SIZE) + HEADROOM_PAGES
+    pages = batch * per_row + spare
+    mgr, base = KVManager(num_pages=pages, page_size=PAGE_SIZE), ListManager(pages)
+    rows = [(f"r{i}", context + i % PAGE_SIZE) for i in range(batch)]
+    _step(mgr, tuple(Segment(r, "main", n) for r, n in rows))
+    base.step(rows)
+    return mgr, base, [r for r, _ in rows]
+
+
+def _decode_rows(batch: int, context: int) -> Row:
+    mgr, base, names = _prefilled(batch, context)
+    segments = tuple(Segment(r, "main", 1) for r in names)
+    ours_plan, base_plan = _step(mgr, segments)["main"], base.step([(r, 1) for r in names])
+    assert len(ours_plan.cpu_indptrs.paged_kv_indices) == len(base_plan.paged_kv_indices)
+    indices = ours_plan.cpu_indptrs.paged_kv_indices.numpy()
+    target = np.empty_like(indices)
+    return Row(
+        "decode step",
+        f"batch={batch} context={context}",
+        time_us(lambda: _step(mgr, segments), max_calls=MAX_STEPS - 1),
+        time_us(lambda: base.step([(r, 1) for r in names]), max_calls=MAX_STEPS - 1),
+        time_us(lambda: np.copyto(target, indices)),
+        params={"batch": batch, "context": context},
+    )
+
+
+class _Evictor:
+    """Evicts the data caches: a 48 MiB write, one byte per 64 (a cache line)."""
+
+    def __init__(self) -> None:
+        self.buffer = np.zeros(48 << 20, dtype=np.uint8)
+        self.tick = 0
+
+    def __call__(self) -> None:
+        self.tick += 1
+        self.buffer[::64] = self.tick & 0xFF
+
+
+def _median_us(step, steps: int, evict: _Evictor | None) -> float:
+    """Median µs of ``step()``, each timed alone (after ``evict()``, if given)."""
+    times = []
+    for i in range(steps):
+        prepare = step(i)  # untimed setup, then the timed step
+        if evict is not None:
+            evict()
+        t0 = time.perf_counter()
+        prepare()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e6
+
+
+def _steady(mgr, names: list[str], baseline: bool):
+    """Step ``i`` of steady decode: every row decodes one token."""
+    if baseline:
+        rows = [(r, 1) for r in names]
+        return lambda i: lambda: mgr.step(rows)
+    segments = tuple(Segment(r, "main", 1) for r in names)
+    return lambda i: lambda: _step(mgr, segments)
+
+
+def _churn(mgr, names: list[str], tag: str, join_len: int, baseline: bool):
+    """Step ``i`` of churn: 2 rows leave, 2 join (prefilled untimed), then a
+    decode step over the batch (returned, to be timed)."""
+
+    def prepare(i: int):
+        for r in names[:2]:
+            mgr.release(r)
+        del names[:2]
+        joined = [(f"{tag}{i}.{j}", join_len) for j in range(2)]
+        if baseline:
+            mgr.step(joined)
+        else:
+            _step(mgr, tuple(Segment(r, "main", n) for r, n in joined))
+        names.extend(r for r, _ in joined)
+        if baseline:
+            rows = [(r, 1) for r in names]
+            return lambda: mgr.step(rows)
+        segments = tuple(Segment(r, "main", 1) for r in names)
+        return lambda: _step(mgr, segments)
+
+    return prepare
+
+
+def _mixed(mgr, names: list[str], tag: str, baseline: bool):
+    """Step ``i`` of mixed: the batch decodes beside a new 512-token prefill
+    row (released before the next step, untimed)."""
+    last: list[str] = []
+
+    def prepare(i: int):
+        for r in last:
+            mgr.release(r)
+        last[:] = [f"{tag}{i}"]
+        if baseline:
+            rows = [(r, 1) for r in names] + [(last[0], PREFILL)]
+            return lambda: mgr.step(rows)
+        segments = (*(Segment(r, "main", 1) for r in names), Segment(last[0], "main", PREFILL))
+        return lambda: _step(mgr, segments)
+
+    return prepare
+
+
+def serving_rows(batch: int = 256, context: int = 4096, steps: int = STEPS) -> list[Row]:
+    """Steady, churn and mixed steps at ``batch`` x ``context``, warm and cold,
+    ours against the list baseline; notes compare with the steady step."""
+    evict = _Evictor()
+    out = []
+    spare = steps * 2 * (-(-context // PAGE_SIZE)) + -(-PREFILL // PAGE_SIZE) + 1
+    for temp, ev in (("warm", None), ("cold", evict)):
+        timed = {}
+        for kind in ("steady", "churn", "mixed"):
+            figures = []
+            for baseline in (False, True):
+                mgr, base, names = _prefilled(batch, context, spare)
+                m = base if baseline else mgr
+                if kind == "steady":
+                    step = _steady(m, names, baseline)
+                elif kind == "churn":
+                    step = _churn(m, list(names), "j", context, baseline)
+                else:
+                    step = _mixed(m, names, "m", baseline)
+                figures.append(_median_us(step, steps, ev))
+            timed[kind] = figures
+            ratio = figures[0] / timed["steady"][0]
+            out.append(
                 Row(
-                    "decode step",
-                    f"batch={batch} context={context}",
-                    time_us(lambda m=mgr, s=segments: decode_once(m, s), max_calls=MAX_STEPS - 1),
-                    time_us(lambda b=base, n=names: b.decode(n), max_calls=MAX_STEPS - 1),
-                    time_us(lambda a=indices: np.copy(a)),
-                    params={"batch": batch, "context": context},
+                    f"{kind} step",
+                    f"{batch}x{context} {temp}",
+                    *figures,
+                    params={"batch": batch, "context": context, "cold": int(ev is not None)},
+                    note="" if kind == "steady" else f"{ratio:.2f}x steady",
                 )
             )
-    return rows
+    return out
+
+
+def run(batches=(1, 32, 256), contexts=(1024, 4096, 32768)) -> list[Row]:
+    rows = [_decode_rows(b, c) for b in batches for c in contexts]
+    big = max(batches)
+    return rows + serving_rows(big, 4096 if 4096 in contexts else max(contexts))

@@ -1,27 +1,32 @@
 """KVManager: the pages of every (request, label) stream, and the plans over them.
 
-A step goes ``admit`` (reserve every page it will need, all or nothing) ->
-``plan`` (apply pre-forks, hand out a ``KVPlanOutputs``) -> ``commit`` (advance
-lengths, apply post-forks). Only ``admit`` allocates, so ``plan`` and
-``commit`` never fail for memory.
+A step goes ``admit`` (validate, reserve every page it will need, all or
+nothing) -> ``plan`` (apply pre-forks and spans, hand out a ``KVPlanOutputs``)
+-> ``commit`` (advance lengths, apply post-forks), or ``abort`` at any point
+after ``admit``. Only ``admit`` allocates, so ``plan`` and ``commit`` never
+fail for memory; if either raises anyway (a cache's ``copy_pages``), what it
+did is undone and the step is as before the call.
 
 Pages: a stream's pages hold its tokens in order, ``page_size`` each. A page
 whose tokens are all stored is full and never written again, so forks share
 full pages by reference count and copy only a partially filled last page.
 
-State is struct-of-arrays by stream slot (stored length, page count,
-generation, epoch) plus one growable int32 page table per stream, so a decode
-step is array work: a step whose rows equal the previous decode step's is
-admitted, planned and committed with a few vectorized ops, and only the rows
-that crossed into a new page change the index arrays.
+Every step takes one path, vectorized over rows: stream state is
+struct-of-arrays by slot (slot 0 is an empty stream that unknown rows read),
+a step resolves its rows to slots with one dict lookup each, and page needs,
+lengths and index arrays are array arithmetic. A plan label's
+``paged_kv_indices`` is spliced from the previous plan of that label: rows
+that kept their place are copied in runs (one slice copy per run), and only
+rows that are new or took a page read their page table. Views are built
+lazily, only for a consumer that reads them.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -35,10 +40,14 @@ from mstar.engine.resources.kv.plan import (
     PagedIndptrs,
     PinnedIndexRing,
     SequenceView,
-    build_paged_indptrs,
     group_by_plan_label,
 )
 from mstar.engine.resources.step import KVStep, Segment
+
+_KEY = itemgetter(0, 1)  # a segment's (request_id, label)
+_SPAN = itemgetter(2)
+_INT32_MAX = 2**31 - 1
+_SPLICE_ROWS = 64  # from this many rows a plan label's indices are spliced from its last
 
 
 class KVError(Exception):
@@ -71,21 +80,23 @@ class UnknownStream(KVError, LookupError):
     """A (request, label) stream the manager does not hold."""
 
 
-def _pages_for(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)
+class _Slots(dict):
+    """(request_id, label) -> slot; an unknown stream reads as slot 0."""
+
+    def __missing__(self, key: tuple[str, str]) -> int:
+        return 0
 
 
 class _Recycler:
     """int32 arrays whose memory is reused once nothing outside holds it.
 
-    A repeated decode step makes one new index array; fresh multi-MB memory
-    costs more in page faults than the copy into it (2 MB: ~1 ms of faults
-    against ~0.2 ms of copying). An array is handed out again only when this
-    pool's reference is its last: a published tensor, a view or a lazy view
-    builder keeps its base alive, so memory a plan still uses is never reused.
+    Fresh multi-MB memory costs more in page faults than the copy into it (2 MB:
+    ~1 ms of faults against ~0.2 ms of copying). An array is handed out again
+    only when this pool's reference is its last: a published tensor, a view or
+    a lazy view builder keeps its base alive, so memory in use is never reused.
     """
 
-    def __init__(self, keep: int = 4) -> None:
+    def __init__(self, keep: int = 6) -> None:
         self._arrays: list[np.ndarray] = []
         self._keep = keep
 
@@ -104,65 +115,41 @@ class _Recycler:
 
 
 @dataclass(eq=False)
-class _DecodeLabel:
-    """One plan label of the last decode step: what the next identical step
-    is planned off. Arrays are owned here and never written in place."""
+class _Index:
+    """A plan label's last index arrays, what its next plan is spliced from.
+    Owned here: never written in place."""
 
-    rows: list[tuple[str, str]]
-    slots: np.ndarray  # int64 [B], plan order
-    qo_indptr: np.ndarray  # int32 [B + 1], arange
+    slots: np.ndarray  # int64 [B]
+    epochs: np.ndarray  # int64 [B]: the streams' epochs then (a new stream, a new epoch)
     num_pages: np.ndarray  # int64 [B]
     kv_indptr: np.ndarray  # int32 [B + 1]
     indices: np.ndarray  # int32 [kv_indptr[-1]]
 
-    @classmethod
-    def of(
-        cls, rows: list[tuple[str, str]], slots: np.ndarray, indptrs: PagedIndptrs
-    ) -> _DecodeLabel:
-        """From a freshly built plan (copied: a ring's buffers get reused)."""
-        kv_indptr = indptrs.paged_kv_indptr.numpy().copy()
-        return cls(
-            rows,
-            slots,
-            indptrs.qo_indptr.numpy().copy(),
-            np.diff(kv_indptr).astype(np.int64),
-            kv_indptr,
-            indptrs.paged_kv_indices.numpy().copy(),
-        )
-
-    def write_pages(self) -> np.ndarray:
-        """Each row's last page, where its one new token goes: int64 [B]."""
-        return self.indices[self.kv_indptr[1:] - 1].astype(np.int64)
-
-
-@dataclass(eq=False)
-class _DecodeCache:
-    segments: tuple[Segment, ...]
-    combined_labels: dict[tuple[str, ...], str]
-    slots: np.ndarray  # int64 [B], batch order
-    epochs: np.ndarray  # int64 [B]: the streams' epochs when cached
-    labels: dict[str, _DecodeLabel]
-    requests: dict[str, None]  # the step's requests, ordered
-
 
 @dataclass(eq=False)
 class _Admitted:
-    """An admitted step: its reserved pages (handed out as forks and spans
-    apply) and, for a repeated decode step, the cache it is planned off."""
+    """An admitted step: its rows, its reserved pages (handed out as forks and
+    spans apply) and a journal of what applying it changed, for undo."""
 
-    pool: np.ndarray
-    groups: dict[str, list[Segment]] | None = None
-    decode: _DecodeCache | None = None
-    grow: np.ndarray | None = None  # bool [B]: rows that take a new page (fast path)
+    keys: list[tuple[str, str]]  # [B] (request_id, label), batch order
+    new: list[int]  # rows whose stream the step creates
+    slots: np.ndarray  # int64 [B]; 0 for a stream the step creates (until applied)
+    spans: np.ndarray  # int64 [B]
+    ends: np.ndarray  # int64 [B]: each stream's length with the span
+    num_pages: np.ndarray  # int64 [B]: pages holding ``ends`` tokens
+    grow: np.ndarray  # int64 [B]: pages each row takes
+    requests: dict[str, None]  # ordered
+    groups: dict[str, np.ndarray | None]  # plan label -> rows (None: all, in order)
+    pool: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     used: int = 0
     planned: bool = False
-    requests: dict[str, None] = field(default_factory=dict)  # ordered, O(1) membership
+    # The journal: ("grow", slot, old page count), ("new", key, slot),
+    # ("replace", key, old slot) — a replaced fork target is kept until the step ends.
+    journal: list[tuple] = field(default_factory=list)
 
 
 class KVManager:
-    """Pages, streams and forks -> plans. Thread-safe: one lock guards the
-    state, and nothing blocks while holding it (the ring's wait for its
-    buffers happens before ``plan`` takes the lock)."""
+    """Pages, streams and forks -> plans. Thread-safe: one lock guards the state."""
 
     def __init__(
         self,
@@ -171,24 +158,30 @@ class KVManager:
         cache: Any | None = None,
         ring: PinnedIndexRing | None = None,
     ) -> None:
-        if num_pages < 1 or page_size < 1:
-            raise ValueError(f"expected num_pages, page_size >= 1, got {num_pages}, {page_size}")
-        self.num_pages = num_pages
-        self.page_size = page_size
+        for name, value in (("num_pages", num_pages), ("page_size", page_size)):
+            if not _is_int(value) or not 1 <= value <= _INT32_MAX:
+                raise ValueError(f"expected {name} an int in [1, 2**31), got {value!r}")
+        if num_pages * page_size > _INT32_MAX:
+            raise ValueError(
+                f"expected num_pages * page_size < 2**31 (int32 slots), got {num_pages * page_size}"
+            )
+        self.num_pages = int(num_pages)
+        self.page_size = int(page_size)
         self.cache = cache
         self.ring = ring
         self._lock = threading.Lock()
-        self._pages = PagePool(num_pages)
+        self._pages = PagePool(self.num_pages)
+        self._slot_of = _Slots()
         self._streams: dict[str, dict[str, int]] = {}  # request -> label -> slot
-        self._tables: list[np.ndarray | None] = []
-        self._stored = np.zeros(0, dtype=np.int64)
-        self._npages = np.zeros(0, dtype=np.int64)
-        self._gen = np.zeros(0, dtype=np.int64)
-        self._epoch = np.zeros(0, dtype=np.int64)
+        self._tables: list[np.ndarray | None] = [np.zeros(0, np.int32)]
+        self._stored = np.zeros(1, dtype=np.int64)
+        self._npages = np.zeros(1, dtype=np.int64)
+        self._gen = np.zeros(1, dtype=np.int64)
+        self._epoch = np.zeros(1, dtype=np.int64)
         self._free_slots: list[int] = []
         self._tick = 0
         self._admitted: dict[KVStep, _Admitted] = {}
-        self._decode: _DecodeCache | None = None
+        self._index: dict[str, _Index] = {}
         self._recycler = _Recycler()
 
     # --- queries -----------------------------------------------------------------------
@@ -215,67 +208,96 @@ class KVManager:
     # --- the step protocol -------------------------------------------------------------
 
     def admit(self, step: KVStep) -> None:
-        """Reserve every page ``step`` will need. Raises ``AllocationFailed``
-        (or another ``KVError`` for a bad step) and then changes nothing."""
+        """Validate ``step`` and reserve every page it will need. Raises
+        ``AllocationFailed``, ``InvalidStep``/``UnknownStream`` (a bad step) or
+        ``TypeError`` (a value of the wrong type), and then changes nothing."""
         with self._lock:
+            if not isinstance(step, KVStep):
+                raise TypeError(f"expected a KVStep, got {type(step).__name__}")
             if step in self._admitted:
                 raise InvalidStep(f"step already admitted ({_describe(step)})", *_first_row(step))
-            cache = self._repeated_decode(step)
-            if cache is not None:
-                self._admit_repeated_decode(step, cache)
-                return
-            groups = self._validate(step)
-            need, short_at = self._pages_needed(step)
-            if need > self._pages.num_free:
-                raise AllocationFailed(need - self._pages.num_free, *short_at)
-            requests = dict.fromkeys(s.request_id for s in step.segments)
-            self._admitted[step] = _Admitted(self._pages.alloc(need), groups, requests=requests)
+            rec = self._admission(step)
+            need = self._fork_pages(step, rec) if _has_forks(step) else int(np.add.reduce(rec.grow))
+            self._pages_fit(rec, need)
+            rec.pool = self._pages.alloc(need)
+            self._admitted[step] = rec
 
     def plan(self, step: KVStep) -> KVPlanOutputs:
-        """Apply the pre-forks and return one ``KVPlanOutput`` per plan label,
-        in ``group_by_plan_label`` order."""
-        if self.ring is not None:
-            self.ring.begin_plan()  # may wait for the buffers: before taking the lock
+        """Apply the pre-forks and the spans' pages and return one
+        ``KVPlanOutput`` per plan label, in ``group_by_plan_label`` order. If
+        it raises, the step is as admitted (plan it again, or abort it)."""
         with self._lock:
             rec = self._get_admitted(step)
             if rec.planned:
                 raise InvalidStep(f"step already planned ({_describe(step)})", *_first_row(step))
-            self._apply_spans(step, rec)
-            if rec.decode is not None:
-                outs = self._plan_repeated_decode(rec)
-            else:
-                outs = self._plan_general(step, rec)
+            mark = len(rec.journal), rec.used
+            try:
+                self._apply(step, rec)
+                arrays = {
+                    label: self._arrays(label, rows, rec) for label, rows in rec.groups.items()
+                }
+                if self.ring is not None:  # only a plan that is handed out advances the ring
+                    self.ring.begin_plan()
+                outs = {label: self._output(a) for label, a in arrays.items()}
+            except BaseException:
+                self._undo(rec, *mark)
+                raise
+            rec.planned = True
             return KVPlanOutputs(outs, step.pre_forks, step.post_forks)
 
     def commit(self, step: KVStep) -> None:
         """Advance each stream by its span (unless ``step.commit`` is False:
-        then the reservation stays), then apply the post-forks."""
+        then the reservation stays), then apply the post-forks. If it raises,
+        the step is as before the call (commit it again, or abort it)."""
         with self._lock:
             rec = self._get_admitted(step)
-            self._apply_spans(step, rec)
-            if rec.decode is not None:
+            mark = len(rec.journal), rec.used
+            planned = rec.planned
+            try:
+                if not planned:
+                    self._apply(step, rec)
                 if step.commit:
-                    self._stored[rec.decode.slots] += 1
-                    self._touch(rec.decode.slots)
-            else:
-                if step.commit:
-                    for seg in step.segments:
-                        slot = self._streams[seg.request_id][seg.label]
-                        self._stored[slot] += seg.span
-                        self._touch(slot)
-                for src, dst in step.post_forks:
-                    for request_id in rec.requests:
-                        self._fork(request_id, src, dst, rec)
+                    self._stored[rec.slots] += rec.spans
+                    self._touch(rec.slots)
+                try:
+                    for src, dst in step.post_forks:
+                        for request_id in rec.requests:
+                            self._fork(request_id, src, dst, rec)
+                except BaseException:
+                    if step.commit:
+                        self._stored[rec.slots] -= rec.spans
+                    raise
+            except BaseException:
+                self._undo(rec, *mark)
+                raise
             assert rec.used == len(rec.pool), "a step must use exactly the pages it reserved"
+            self._finish(rec)
+            del self._admitted[step]
+
+    def abort(self, step: KVStep) -> None:
+        """Abandon an admitted (possibly planned) step, e.g. when the model's
+        forward failed: every page it reserved returns, the streams it created
+        (its new rows, its pre-forks' targets) are gone, a fork target it
+        replaced is back, and lengths are as before ``admit``. The requests can
+        be scheduled again at once."""
+        with self._lock:
+            rec = self._get_admitted(step)
+            self._undo(rec, 0, 0)
+            self._pages.release(rec.pool)
             del self._admitted[step]
 
     def release(self, request_id: str, label: str | None = None) -> None:
         """Free every stream of the request, or just ``label``'s. A page goes
         back to the pool when its last owner lets go."""
         with self._lock:
-            if self._in_flight(request_id):
+            if not isinstance(request_id, str) or not (label is None or isinstance(label, str)):
+                raise TypeError(
+                    f"expected request_id a str and label a str or None,"
+                    f" got {request_id!r}, {label!r}"
+                )
+            if self._in_flight({request_id: None}):
                 raise InvalidStep(
-                    f"request {request_id!r} is in an admitted step: commit it first",
+                    f"request {request_id!r} is in an admitted step: commit or abort it first",
                     request_id,
                     label,
                 )
@@ -284,7 +306,7 @@ class KVManager:
             labels = list(self._streams[request_id]) if label is None else [label]
             self._slot(request_id, labels[0])  # an unknown label raises before any change
             for name in labels:
-                self._drop(request_id, name)
+                self._free_slot(self._unmap(request_id, name))
 
     # --- invariants --------------------------------------------------------------------
 
@@ -293,9 +315,10 @@ class KVManager:
         with self._lock:
             pool = self._pages
             free = pool.free_pages()
-            owners = [self._tables[s][: self._npages[s]] for s in self._live_slots()]
-            owners += [rec.pool[rec.used :] for rec in self._admitted.values()]
-            held = np.concatenate([np.zeros(0, np.int32), *owners])
+            live = self._live_slots()
+            held = [self._tables[s][: self._npages[s]] for s in live]
+            held += [rec.pool[rec.used :] for rec in self._admitted.values()]
+            held = np.concatenate([np.zeros(0, np.int32), *held])
             counts = np.bincount(held, minlength=self.num_pages)
             if len(np.unique(free)) != len(free) or counts[free].any():
                 raise AssertionError("broken rule: every page is free xor owned")
@@ -305,7 +328,7 @@ class KVManager:
                     f"broken rule: owner counts equal the streams naming each page"
                     f" (page {bad}: refcount {pool.refcount[bad]}, named {counts[bad]} times)"
                 )
-            for slot in self._live_slots():
+            for slot in live:
                 full = self._stored[slot] // self.page_size
                 if self._npages[slot] < _pages_for(int(self._stored[slot]), self.page_size):
                     raise AssertionError("broken rule: a stream holds the pages of its length")
@@ -313,250 +336,276 @@ class KVManager:
                     raise AssertionError("broken rule: no stream's still-writable page is shared")
             if pool.num_free + np.count_nonzero(counts) != self.num_pages:
                 raise AssertionError("broken rule: free + owned == num_pages")
+            if self._stored[0] or self._npages[0] or 0 in self._free_slots:
+                raise AssertionError("broken rule: slot 0 is the empty stream")
 
     # --- admission ---------------------------------------------------------------------
 
-    def _validate(self, step: KVStep) -> dict[str, list[Segment]]:
-        seen = set()
-        for seg in step.segments:
-            key = (seg.request_id, seg.label)
-            if seg.span < 0:
+    def _admission(self, step: KVStep) -> _Admitted:
+        """The step's rows, validated, as arrays; changes nothing."""
+        segs = step.segments
+        if segs and set(map(type, segs)) != {Segment}:
+            bad = next(s for s in segs if type(s) is not Segment)
+            raise TypeError(f"expected Segment rows, got {type(bad).__name__} {bad!r}")
+        n = len(segs)
+        keys = list(map(_KEY, segs))
+        slots = np.fromiter(map(self._slot_of.__getitem__, keys), np.int64, n)
+        new = (slots == 0).nonzero()[0].tolist()
+        for i in new:  # a known stream's key was checked when it was made
+            _check_key(*keys[i])
+        spans = _spans(list(map(_SPAN, segs)), keys)
+        if n > 1:
+            known = np.sort(slots[slots != 0])
+            if (known[1:] == known[:-1]).any() or len({keys[i] for i in new}) < len(new):
+                key = _first_repeat(keys)
                 raise InvalidStep(
-                    f"expected span >= 0, got {seg.span} for request {seg.request_id!r},"
-                    f" label {seg.label!r}",
+                    f"expected one segment per stream, got two for request {key[0]!r},"
+                    f" label {key[1]!r}",
                     *key,
                 )
-            if key in seen:
-                raise InvalidStep(
-                    f"expected one segment per stream, got two for request {seg.request_id!r},"
-                    f" label {seg.label!r}",
-                    *key,
-                )
-            seen.add(key)
-            if self._in_flight(seg.request_id):
-                raise InvalidStep(
-                    f"request {seg.request_id!r} (label {seg.label!r}) is already in an"
-                    " admitted step",
-                    *key,
-                )
-        for src, dst in step.pre_forks + step.post_forks:
-            if src == dst:
-                raise InvalidStep(
-                    f"expected a fork between two labels, got {src!r} -> {dst!r}",
-                    _first_row(step)[0],
-                    src,
-                )
+        requests = dict.fromkeys(map(itemgetter(0), segs))
+        if self._in_flight(requests):
+            key = next(k for k in keys if self._in_flight({k[0]: None}))
+            raise InvalidStep(
+                f"request {key[0]!r} (label {key[1]!r}) is already in an admitted step", *key
+            )
+        ends = self._stored[slots] + spans
+        if n and np.maximum.reduce(ends) > _INT32_MAX:
+            i = int(np.argmax(ends))
+            raise InvalidStep(
+                f"expected a stream length < 2**31, got {int(ends[i] - spans[i])} + span"
+                f" {int(spans[i])} for request {keys[i][0]!r}, label {keys[i][1]!r}",
+                *keys[i],
+            )
+        num_pages = ends + (self.page_size - 1)
+        num_pages //= self.page_size
+        grow = num_pages - self._npages[slots]
+        np.maximum(grow, 0, out=grow)
+        _check_forks(step)
+        groups = self._groups(step, keys)
+        return _Admitted(keys, new, slots, spans, ends, num_pages, grow, requests, groups)
+
+    def _groups(self, step: KVStep, keys: list[tuple[str, str]]) -> dict[str, np.ndarray | None]:
+        """Plan label -> the rows it packs (``group_by_plan_label``'s order)."""
+        labels = dict.fromkeys(map(itemgetter(1), keys))
+        if not step.combined_labels and len(labels) <= 1:
+            return dict.fromkeys(labels)  # one standalone label: every row, in order
+        if not isinstance(step.combined_labels, dict):
+            raise TypeError(
+                f"expected combined_labels a dict, got {type(step.combined_labels).__name__}"
+            )
         try:
-            return group_by_plan_label(step.segments, step.combined_labels)
-        except (KeyError, ValueError) as err:
+            groups = group_by_plan_label(step.segments, step.combined_labels)
+        except (KeyError, ValueError, TypeError) as err:
             raise InvalidStep(f"bad combined_labels: {err}", *_first_row(step)) from err
-
-    def _pages_needed(self, step: KVStep) -> tuple[int, tuple[str, str] | None]:
-        """Pages the step will take, and the first (request, label) that would
-        not fit in the free pool (None when all fit)."""
-        need, short_at = 0, None
-        by_request: dict[str, list[Segment]] = {}
-        for seg in step.segments:
-            by_request.setdefault(seg.request_id, []).append(seg)
-        for request_id, segs in by_request.items():
-            for label, pages in self._request_pages(step, request_id, segs):
-                need += pages
-                if need > self._pages.num_free and short_at is None:
-                    short_at = (request_id, label)
-        return need, short_at
-
-    def _request_pages(
-        self, step: KVStep, request_id: str, segs: list[Segment]
-    ) -> list[tuple[str, int]]:
-        """(label, new pages) for each fork and span of one request, in the
-        order they apply, simulated on (stored, pages) pairs without touching
-        state."""
-        ps = self.page_size
-        sim = {
-            label: (int(self._stored[slot]), int(self._npages[slot]))
-            for label, slot in self._streams.get(request_id, {}).items()
+        row = {key: i for i, key in enumerate(keys)}
+        return {
+            label: np.fromiter((row[_KEY(s)] for s in segs), np.int64, len(segs))
+            for label, segs in groups.items()
         }
-        out = []
 
-        def fork(src: str, dst: str, when: str) -> None:
-            if src not in sim:
-                raise UnknownStream(
-                    f"{when} {src!r} -> {dst!r}: request {request_id!r} has no stream {src!r}",
-                    request_id,
-                    src,
-                )
-            stored = sim[src][0]
-            sim[dst] = (stored, _pages_for(stored, ps))
-            out.append((dst, int(stored % ps != 0)))  # a partial last page is copied
+    def _fork_pages(self, step: KVStep, rec: _Admitted) -> int:
+        """Pages a step with forks takes, simulated per request on (stored,
+        pages) pairs. Sets ``rec.grow`` to each row's share, in the order
+        pages would run out."""
+        ps = self.page_size
+        rows: dict[str, list[int]] = {}
+        for i, key in enumerate(rec.keys):
+            rows.setdefault(key[0], []).append(i)
+        grow = np.zeros(len(rec.keys), dtype=np.int64)
+        for request_id, idx in rows.items():
+            sim = {
+                label: (int(self._stored[slot]), int(self._npages[slot]))
+                for label, slot in self._streams.get(request_id, {}).items()
+            }
+            forks = 0
 
-        for src, dst in step.pre_forks:
-            fork(src, dst, "pre-fork")
-        for seg in segs:
-            stored, pages = sim.get(seg.label, (0, 0))
-            want = _pages_for(stored + seg.span, ps)
-            sim[seg.label] = (stored + seg.span * step.commit, max(pages, want))
-            out.append((seg.label, max(want - pages, 0)))
-        for src, dst in step.post_forks:
-            fork(src, dst, "post-fork")
-        return out
+            def fork(src: str, dst: str, when: str, rid: str = request_id, s: dict = sim) -> int:
+                if src not in s:
+                    raise UnknownStream(
+                        f"{when} {src!r} -> {dst!r}: request {rid!r} has no stream {src!r}",
+                        rid,
+                        src,
+                    )
+                stored = s[src][0]
+                s[dst] = (stored, _pages_for(stored, ps))
+                return int(stored % ps != 0)  # a partial last page is copied
 
-    def _repeated_decode(self, step: KVStep) -> _DecodeCache | None:
-        """The cached decode step ``step`` repeats, if it can be planned off it."""
-        cache = self._decode
-        if (
-            cache is None
-            or self._admitted  # another step is in flight: take the checked path
-            or step.pre_forks
-            or step.post_forks
-            or step.segments != cache.segments
-            or step.combined_labels != cache.combined_labels
-            or (self._epoch[cache.slots] != cache.epochs).any()
-        ):
-            return None
-        return cache
+            for src, dst in step.pre_forks:
+                forks += fork(src, dst, "pre-fork")
+            for i in idx:
+                stored, pages = sim.get(rec.keys[i][1], (0, 0))
+                span = int(rec.spans[i])
+                want = _pages_for(stored + span, ps)
+                sim[rec.keys[i][1]] = (stored + span * step.commit, max(pages, want))
+                grow[i] = max(want - pages, 0)
+            for src, dst in step.post_forks:
+                forks += fork(src, dst, "post-fork")
+            grow[idx[0]] += forks
+        rec.grow = grow
+        return int(grow.sum())
 
-    def _admit_repeated_decode(self, step: KVStep, cache: _DecodeCache) -> None:
-        grow = self._stored[cache.slots] >= self._npages[cache.slots] * self.page_size
-        need = int(np.count_nonzero(grow))
+    def _pages_fit(self, rec: _Admitted, need: int) -> None:
         free = self._pages.num_free
         if need > free:
-            row = cache.segments[int(np.flatnonzero(grow)[free])]
-            raise AllocationFailed(need - free, row.request_id, row.label)
-        self._admitted[step] = _Admitted(
-            self._pages.alloc(need), decode=cache, grow=grow, requests=cache.requests
-        )
+            i = int(np.searchsorted(np.cumsum(rec.grow), free, side="right"))
+            raise AllocationFailed(need - free, *rec.keys[min(i, len(rec.keys) - 1)])
 
     # --- applying a step -----------------------------------------------------------------
 
-    def _apply_spans(self, step: KVStep, rec: _Admitted) -> None:
-        """Pre-forks, then each segment's new pages: once, by plan or commit."""
-        if rec.planned:
-            return
-        rec.planned = True
-        if rec.decode is not None:  # one page for each row that starts one
-            if not len(rec.pool):
-                return
-            slots = rec.decode.slots[rec.grow]
-            pages = self._reserved(rec, len(slots))
-            for slot, n, page in zip(slots.tolist(), self._npages[slots].tolist(), pages.tolist()):
-                self._table_with_room(slot, n + 1)[n] = page
-            self._npages[slots] += 1
-            self._touch(slots)
-            return
-        for src, dst in step.pre_forks:
-            for request_id in rec.requests:
-                self._fork(request_id, src, dst, rec)
-        for seg in step.segments:
-            slot = self._streams.get(seg.request_id, {}).get(seg.label)
-            if slot is None:
-                slot = self._new_stream(seg.request_id, seg.label, np.zeros(0, np.int32), 0)
-            want = _pages_for(int(self._stored[slot]) + seg.span, self.page_size)
-            if want > self._npages[slot]:
-                self._append(slot, self._reserved(rec, want - int(self._npages[slot])))
+    def _apply(self, step: KVStep, rec: _Admitted) -> None:
+        """Pre-forks, then each row's new pages (new streams made)."""
+        if _has_forks(step):
+            for src, dst in step.pre_forks:
+                for request_id in rec.requests:
+                    self._fork(request_id, src, dst, rec)
+            rec.slots = np.fromiter(map(self._slot_of.__getitem__, rec.keys), np.int64)
+            rec.new = (rec.slots == 0).nonzero()[0].tolist()
+            rec.ends = self._stored[rec.slots] + rec.spans
+            rec.num_pages = -(-rec.ends // self.page_size)
+            rec.grow = np.maximum(rec.num_pages - self._npages[rec.slots], 0)
+        for i in rec.new:
+            key = rec.keys[i]
+            rec.slots[i] = self._new_stream(*key, np.zeros(0, np.int32), 0)
+            rec.journal.append(("new", key, int(rec.slots[i])))
+        grow = rec.grow.nonzero()[0]
+        if len(grow):
+            for slot, n in zip(rec.slots[grow].tolist(), rec.grow[grow].tolist()):
+                rec.journal.append(("grow", slot, int(self._npages[slot])))
+                self._append(slot, self._reserved(rec, n))
+            self._touch(rec.slots[grow])
 
-    def _plan_general(self, step: KVStep, rec: _Admitted) -> dict[str, KVPlanOutput]:
-        """Views per plan label, then ``build_paged_indptrs``; a decode step
-        is also cached for the next one to be planned off."""
-        decode = bool(step.segments) and all(s.span == 1 for s in step.segments)
-        outs, labels = {}, {}
-        for plan_label, segs in rec.groups.items():
-            slots = self._slots(segs)
-            views = self._views(segs, slots)
-            indptrs = build_paged_indptrs(views, self.page_size, self.ring)
-            rows = [(s.request_id, s.label) for s in segs]
-            if not decode:
-                outs[plan_label] = KVPlanOutput(indptrs, views=views, rows=rows)
-                continue
-            lab = labels[plan_label] = _DecodeLabel.of(rows, slots, indptrs)
-            outs[plan_label] = KVPlanOutput(
-                indptrs,
-                views=views,
-                decode_pages=lab.write_pages(),
-                decode_offsets=self._stored[slots] % self.page_size,
-                rows=rows,
-            )
-        if decode:
-            slots = self._slots(step.segments)
-            epochs = self._epoch[slots]
-            self._decode = _DecodeCache(
-                step.segments, dict(step.combined_labels), slots, epochs, labels, rec.requests
-            )
-        return outs
-
-    def _slots(self, segs: Sequence[Segment]) -> np.ndarray:
-        """The segments' stream slots, int64."""
-        return np.array([self._streams[s.request_id][s.label] for s in segs], dtype=np.int64)
-
-    def _views(self, segs: Sequence[Segment], slots: np.ndarray) -> list[SequenceView]:
-        """The segments' views; ``page_idxs`` are read-only slices of the page
-        tables, which are only ever appended to (so a view stays valid)."""
-        views = []
-        for seg, slot in zip(segs, slots.tolist()):
-            length = int(self._stored[slot]) + seg.span
-            pages = self._tables[slot][: _pages_for(length, self.page_size)]
-            pages.flags.writeable = False
-            gen = int(self._gen[slot])
-            views.append(SequenceView(seg.request_id, seg.label, pages, length, seg.span, 0, gen))
-        return views
-
-    def _plan_repeated_decode(self, rec: _Admitted) -> dict[str, KVPlanOutput]:
-        """A decode step with the previous one's rows: each label's index arrays
-        are the previous ones, changed only where a row took a new page."""
+    def _arrays(self, plan_label: str, rows: np.ndarray | None, rec: _Admitted) -> tuple:
+        """One plan label's arrays, after ``_apply``: (qo_indptr, kv_indptr,
+        indices, last, kv_lens, ends, slots, spans, keys)."""
         ps = self.page_size
-        outs = {}
-        for plan_label, lab in rec.decode.labels.items():
-            stored = self._stored[lab.slots]
-            num_pages = stored // ps + 1
-            delta = num_pages - lab.num_pages
-            if delta.any():
-                lab.kv_indptr, lab.indices = self._regrow(lab, num_pages, delta)
-                lab.num_pages = num_pages
-            last = (stored % ps + 1).astype(np.int32)
-            kv_lens = (stored // ps * ps).astype(np.int32)
-            kv_lens += last
-            arrays = (lab.qo_indptr, lab.kv_indptr, lab.indices, last)
-            if self.ring is None:
-                tensors = [torch.from_numpy(a) for a in arrays]
-            else:
-                tensors = [self.ring.take(a) for a in arrays]
-            indptrs = PagedIndptrs(*tensors, HostLens(kv_lens))
-            outs[plan_label] = KVPlanOutput(
-                indptrs,
-                decode_pages=lab.write_pages(),
-                decode_offsets=stored % ps,
-                rows=list(lab.rows),
-                view_builder=_DecodeViews(
-                    lab.rows, lab.indices, lab.kv_indptr, stored + 1, self._gen[lab.slots]
-                ),
-            )
-        return outs
+        slots, spans, ends, num_pages, keys = (
+            rec.slots,
+            rec.spans,
+            rec.ends,
+            rec.num_pages,
+            rec.keys,
+        )
+        if rows is not None:
+            slots, spans, ends, num_pages = slots[rows], spans[rows], ends[rows], num_pages[rows]
+            keys = [keys[i] for i in rows.tolist()]
+        b = len(slots)
+        qo_indptr = np.zeros(b + 1, dtype=np.int32)
+        np.add.accumulate(spans, out=qo_indptr[1:])
+        kv_indptr = np.zeros(b + 1, dtype=np.int32)
+        np.add.accumulate(num_pages, out=kv_indptr[1:])
+        last = ends.astype(np.int32)
+        last -= 1
+        last %= ps
+        last += 1  # (ends % ps) or ps
+        kv_lens = ends.astype(np.int32)  # max(num_pages - 1, 0) * ps + last: ends, or ps if 0
+        if b and not np.minimum.reduce(ends):
+            kv_lens[ends == 0] = ps
+        if b < _SPLICE_ROWS:
+            indices = self._recycler.empty(int(kv_indptr[-1]))
+            tables = self._tables
+            for slot, n, d in zip(slots.tolist(), num_pages.tolist(), kv_indptr.tolist()):
+                indices[d : d + n] = tables[slot][:n]
+        else:
+            indices = self._splice(plan_label, slots, num_pages, kv_indptr)
+        return qo_indptr, kv_indptr, indices, last, kv_lens, ends, slots, spans, keys
 
-    def _regrow(
-        self, lab: _DecodeLabel, num_pages: np.ndarray, delta: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The label's (kv_indptr, indices) after its rows' page counts moved by
-        ``delta``: one slice copy per run between rows that took a page."""
-        kv_indptr = np.zeros_like(lab.kv_indptr)
-        np.cumsum(num_pages, out=kv_indptr[1:])
-        if delta.min() < 0 or delta.max() > 1:  # not one decode step on: rebuild the label
-            parts = [self._tables[s][:n] for s, n in zip(lab.slots.tolist(), num_pages.tolist())]
-            return kv_indptr, np.concatenate(parts).astype(np.int32, copy=False)
-        rows = np.flatnonzero(delta)
-        ends = lab.kv_indptr[rows + 1].tolist()  # where each such row's old pages end
+    def _splice(
+        self, plan_label: str, slots: np.ndarray, num_pages: np.ndarray, kv_indptr: np.ndarray
+    ) -> np.ndarray:
+        """The label's ``paged_kv_indices``: runs of rows that sit in the
+        label's previous indices in the same order are one slice copy each;
+        pages not there (a new row's, a row's new pages) come from its table."""
+        out = self._recycler.empty(int(kv_indptr[-1]))
+        epochs = self._epoch[slots]
+        prev = self._index.get(plan_label)
+        if prev is None:
+            copied = np.zeros(len(slots), np.int64)
+        else:
+            where = np.full(len(self._epoch), -1, dtype=np.int64)
+            where[prev.slots] = np.arange(len(prev.slots))
+            old = where[slots]
+            valid = old >= 0
+            valid &= prev.epochs[old] == epochs
+            had = np.where(valid, prev.num_pages[old], 0)
+            copied = np.minimum(had, num_pages)
+            # Row i extends row i - 1's run when both copy from consecutive old
+            # rows and row i - 1 was copied whole into a row of the same size.
+            cont = valid[1:] & valid[:-1]
+            cont &= old[1:] == old[:-1] + 1
+            cont &= copied[:-1] == had[:-1]
+            cont &= copied[:-1] == num_pages[:-1]
+            heads = np.concatenate(([0], (~cont).nonzero()[0] + 1))
+            csum = np.zeros(len(slots) + 1, np.int64)
+            np.add.accumulate(copied, out=csum[1:])
+            lens = csum[np.append(heads[1:], len(slots))] - csum[heads]
+            run = lens.nonzero()[0]
+            src = prev.kv_indptr[old[heads[run]]].tolist()
+            dst = kv_indptr[heads[run]].tolist()
+            for s, d, n in zip(src, dst, lens[run].tolist()):
+                out[d : d + n] = prev.indices[s : s + n]
+        rest = (copied < num_pages).nonzero()[0]
         tables = self._tables
-        new_pages = [
-            tables[s][n - 1] for s, n in zip(lab.slots[rows].tolist(), num_pages[rows].tolist())
-        ]
-        old, indices = lab.indices, self._recycler.empty(int(kv_indptr[-1]))
-        src = dst = 0
-        for end, page in zip(ends, new_pages):
-            indices[dst : dst + end - src] = old[src:end]
-            dst += end - src
-            indices[dst] = page
-            dst += 1
-            src = end
-        indices[dst:] = old[src:]
-        return kv_indptr, indices
+        for slot, a, b, d in zip(
+            slots[rest].tolist(),
+            copied[rest].tolist(),
+            num_pages[rest].tolist(),
+            kv_indptr[rest].tolist(),
+        ):
+            out[d + a : d + b] = tables[slot][a:b]
+        self._index[plan_label] = _Index(slots, epochs, num_pages, kv_indptr, out)
+        return out
+
+    def _output(self, arrays: tuple) -> KVPlanOutput:
+        qo_indptr, kv_indptr, indices, last, kv_lens, ends, slots, spans, keys = arrays
+        host = (qo_indptr, kv_indptr, indices, last)
+        if self.ring is None:
+            tensors = [torch.from_numpy(a) for a in host]
+        else:
+            tensors = [self.ring.take(a) for a in host]
+        b = len(slots)
+        decode = b > 0 and int(qo_indptr[-1]) == b and np.maximum.reduce(spans) == 1
+        return KVPlanOutput(
+            PagedIndptrs(*tensors, HostLens(kv_lens)),
+            decode_pages=indices[kv_indptr[1:] - 1].astype(np.int64) if decode else None,
+            decode_offsets=(last - 1).astype(np.int64) if decode else None,
+            rows=keys,
+            view_builder=_Views(keys, indices, kv_indptr, ends, spans, self._gen[slots]),
+        )
+
+    def _finish(self, rec: _Admitted) -> None:
+        """A step ended well: fork targets it replaced are freed."""
+        for entry in rec.journal:
+            if entry[0] == "replace":
+                self._free_slot(entry[2])
+
+    def _undo(self, rec: _Admitted, journal_mark: int, used_mark: int) -> None:
+        """Undo what applying the step did since the marks: streams it made
+        go (their reserved pages back to the step, shared ones released),
+        streams it grew shrink back, fork targets it replaced return."""
+        journal = rec.journal
+        mine = rec.pool[used_mark : rec.used]
+        while len(journal) > journal_mark:
+            entry = journal.pop()
+            if entry[0] == "grow":
+                _, slot, pages = entry
+                self._npages[slot] = pages
+                self._touch(slot)
+            elif entry[0] == "new":
+                _, (request_id, label), slot = entry
+                self._unmap(request_id, label)
+                table = self._tables[slot][: self._npages[slot]]
+                self._pages.release(table[~np.isin(table, mine)])
+                self._tables[slot] = None
+                self._npages[slot] = self._stored[slot] = 0
+                self._epoch[slot] = -1
+                self._free_slots.append(slot)
+            else:  # replace
+                _, (request_id, label), old = entry
+                self._map(request_id, label, old)
+        rec.used = used_mark
+        rec.slots = np.fromiter(map(self._slot_of.__getitem__, rec.keys), np.int64, len(rec.keys))
+        self._index.clear()  # its arrays may name pages that went back
 
     # --- forks and streams ---------------------------------------------------------------
 
@@ -568,15 +617,17 @@ class KVManager:
         stored = int(self._stored[src_slot])
         full, tail = divmod(stored, ps)
         table = self._tables[src_slot][: full + (tail > 0)].copy()
-        self._pages.share(table[:full])
         if tail:
-            page = self._reserved(rec, 1)
+            page = rec.pool[rec.used : rec.used + 1]
             if self.cache is not None:
-                self.cache.copy_pages(table[full:], page)
+                self.cache.copy_pages(table[full:], page)  # may raise: nothing changed yet
+            self._reserved(rec, 1)
             table[full] = page[0]
+        self._pages.share(table[:full])
         if dst in self._streams[request_id]:
-            self._drop(request_id, dst)
-        self._new_stream(request_id, dst, table, stored)
+            rec.journal.append(("replace", (request_id, dst), self._unmap(request_id, dst)))
+        slot = self._new_stream(request_id, dst, table, stored)
+        rec.journal.append(("new", (request_id, dst), slot))
 
     def _new_stream(self, request_id: str, label: str, table: np.ndarray, stored: int) -> int:
         if not self._free_slots:
@@ -587,14 +638,23 @@ class KVManager:
         self._stored[slot] = stored
         self._epoch[slot] = self._next_tick()
         self._touch(slot)
-        self._streams.setdefault(request_id, {})[label] = slot
+        self._map(request_id, label, slot)
         return slot
 
-    def _drop(self, request_id: str, label: str) -> None:
+    def _map(self, request_id: str, label: str, slot: int) -> None:
+        self._streams.setdefault(request_id, {})[label] = slot
+        self._slot_of[request_id, label] = slot
+
+    def _unmap(self, request_id: str, label: str) -> int:
+        """Forget the stream's key; its slot and pages stay until freed."""
         labels = self._streams[request_id]
         slot = labels.pop(label)
         if not labels:
             del self._streams[request_id]
+        del self._slot_of[request_id, label]
+        return slot
+
+    def _free_slot(self, slot: int) -> None:
         self._pages.release(self._tables[slot][: self._npages[slot]])
         self._tables[slot] = None
         self._npages[slot] = self._stored[slot] = 0
@@ -603,18 +663,13 @@ class KVManager:
 
     def _append(self, slot: int, pages: np.ndarray) -> None:
         n = int(self._npages[slot])
-        self._table_with_room(slot, n + len(pages))[n : n + len(pages)] = pages
-        self._npages[slot] = n + len(pages)
-        self._touch(slot)
-
-    def _table_with_room(self, slot: int, size: int) -> np.ndarray:
-        """The slot's page table, grown (geometrically) to hold ``size`` pages."""
         table = self._tables[slot]
-        if size > len(table):
-            grown = np.empty(max(2 * len(table), size, 16), dtype=np.int32)
-            grown[: len(table)] = table
+        if n + len(pages) > len(table):  # grow geometrically
+            grown = np.empty(max(2 * len(table), n + len(pages), 16), dtype=np.int32)
+            grown[:n] = table[:n]
             self._tables[slot] = table = grown
-        return table
+        table[n : n + len(pages)] = pages
+        self._npages[slot] = n + len(pages)
 
     def _grow_slots(self) -> None:
         old = len(self._tables)
@@ -627,7 +682,12 @@ class KVManager:
         self._free_slots.extend(range(new - 1, old - 1, -1))
 
     def _live_slots(self) -> list[int]:
-        return [slot for labels in self._streams.values() for slot in labels.values()]
+        """Slots holding pages: every stream's, and fork targets a step in
+        flight replaced (freed when it ends)."""
+        slots = [slot for labels in self._streams.values() for slot in labels.values()]
+        for rec in self._admitted.values():
+            slots += [entry[2] for entry in rec.journal if entry[0] == "replace"]
+        return slots
 
     # --- lookups -----------------------------------------------------------------------------
 
@@ -645,8 +705,8 @@ class KVManager:
             )
         return slot
 
-    def _in_flight(self, request_id: str) -> bool:
-        return any(request_id in rec.requests for rec in self._admitted.values())
+    def _in_flight(self, requests: dict[str, None]) -> bool:
+        return any(not rec.requests.keys().isdisjoint(requests) for rec in self._admitted.values())
 
     def _get_admitted(self, step: KVStep) -> _Admitted:
         rec = self._admitted.get(step)
@@ -667,24 +727,90 @@ class KVManager:
         self._tick += n
 
 
-class _DecodeViews:
-    """Builds a decode plan's views on first use, from that plan's own arrays
-    (a plain class, not a closure, so nothing else of the manager is held)."""
+class _Views:
+    """Builds a plan's views on first use, from that plan's own arrays (a
+    plain class, not a closure, so nothing else of the manager is held)."""
 
-    def __init__(self, rows, indices, kv_indptr, lengths, generations):
-        self.args = (rows, indices, kv_indptr, lengths, generations)
+    def __init__(self, keys, indices, kv_indptr, lengths, spans, generations):
+        self.args = (keys, indices, kv_indptr, lengths, spans, generations)
 
     def __call__(self) -> list[SequenceView]:
-        rows, indices, kv_indptr, lengths, generations = self.args
-        views = []
+        keys, indices, kv_indptr, lengths, spans, generations = self.args
         bounds = kv_indptr.tolist()
-        for i, ((request_id, label), length, gen) in enumerate(
-            zip(rows, lengths.tolist(), generations.tolist())
+        return [
+            SequenceView(request_id, label, indices[a:b].tolist(), length, span, 0, gen)
+            for (request_id, label), a, b, length, span, gen in zip(
+                keys, bounds, bounds[1:], lengths.tolist(), spans.tolist(), generations.tolist()
+            )
+        ]
+
+
+def _pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def _is_int(value: Any) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _check_key(request_id: Any, label: Any) -> None:
+    if not isinstance(request_id, str) or not isinstance(label, str):
+        raise TypeError(f"expected request_id and label to be str, got {request_id!r}, {label!r}")
+
+
+def _spans(values: list, keys: list[tuple[str, str]]) -> np.ndarray:
+    """The spans as int64, each an integer in [0, 2**31); else a typed error
+    naming the row."""
+    if not values:
+        return np.zeros(0, np.int64)
+    if set(map(type, values)) == {int}:
+        try:
+            spans = np.array(values, dtype=np.int64)
+        except OverflowError:
+            spans = None
+        if spans is not None and np.minimum.reduce(spans) >= 0 <= _INT32_MAX - np.maximum.reduce(
+            spans
         ):
-            pages = indices[bounds[i] : bounds[i + 1]]
-            pages.flags.writeable = False
-            views.append(SequenceView(request_id, label, pages, length, 1, 0, gen))
-        return views
+            return spans
+    for value, (request_id, label) in zip(values, keys):  # the slow path names the row
+        where = f"for request {request_id!r}, label {label!r}"
+        if not _is_int(value):
+            raise TypeError(f"expected span an int, got {value!r} ({type(value).__name__}) {where}")
+        if not 0 <= value <= _INT32_MAX:
+            raise InvalidStep(
+                f"expected span >= 0 and < 2**31, got {value} {where}", request_id, label
+            )
+    return np.array([int(v) for v in values], dtype=np.int64)
+
+
+def _check_forks(step: KVStep) -> None:
+    for when, forks in (("pre-fork", step.pre_forks), ("post-fork", step.post_forks)):
+        for fork in forks:
+            if len(fork) != 2 or not all(isinstance(label, str) for label in fork):
+                raise InvalidStep(
+                    f"expected each {when} a (src, dst) pair of labels, got {fork!r}",
+                    *_first_row(step),
+                )
+            if fork[0] == fork[1]:
+                raise InvalidStep(
+                    f"expected a fork between two labels, got {fork[0]!r} -> {fork[1]!r}",
+                    _first_row(step)[0],
+                    fork[0],
+                )
+
+
+def _has_forks(step: KVStep) -> bool:
+    return bool(step.pre_forks or step.post_forks)
+
+
+def _first_repeat(keys: list[tuple[str, str]]) -> tuple[str, str]:
+    seen = set()
+    for key in keys:
+        if key in seen:
+            return key
+        seen.add(key)
+    raise AssertionError("no repeated stream")
 
 
 def _first_row(step: KVStep) -> tuple[str | None, str | None]:
