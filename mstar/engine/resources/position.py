@@ -1,8 +1,8 @@
 """Token positions of a packed step, read from the KV plan.
 
 A stream's next token sits right after what it has stored, so positions come
-from the plan's views rather than from a counter of their own: a fork that
-shares a source's pages and length continues the source's positions.
+from the plan rather than from a counter of their own: a fork that shares a
+source's pages and length continues the source's positions.
 """
 
 from __future__ import annotations
@@ -18,9 +18,18 @@ __all__ = ["positions"]
 def positions(plan: KVPlanOutput) -> torch.Tensor:
     """Each query token's position, int64 ``[plan.get_total_len()]`` on the
     CPU in plan order: token ``j`` of a row is at ``length - to_compute + j``
-    of its view (``start`` is page-space bookkeeping, not a position)."""
-    views = plan.views
-    stored = np.fromiter((view.length - view.to_compute for view in views), np.int64, len(views))
-    qo_indptr = plan.cpu_indptrs.qo_indptr.numpy().astype(np.int64)
-    first = np.repeat(stored - qo_indptr[:-1], np.diff(qo_indptr))
+    of its view (``start`` is page-space bookkeeping, not a position).
+
+    Read from ``qo_indptr`` and ``kv_lens`` (``start + length`` of each row
+    that has pages) while the plan's views are unbuilt, so a decode step never
+    builds them; from the views once they exist or without ``kv_lens``."""
+    indptrs = plan.cpu_indptrs
+    qo_indptr = indptrs.qo_indptr.numpy().astype(np.int64)
+    counts = np.diff(qo_indptr)
+    if plan.views_built or indptrs.kv_lens is None:
+        views = plan.views
+        stored = np.fromiter((v.length - v.to_compute for v in views), np.int64, len(views))
+    else:  # the builder's views start at 0: kv_lens are the lengths
+        stored = np.asarray(indptrs.kv_lens, dtype=np.int64) - counts
+    first = np.repeat(stored - qo_indptr[:-1], counts)
     return torch.from_numpy(first + np.arange(qo_indptr[-1]))

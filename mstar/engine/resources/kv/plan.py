@@ -326,8 +326,9 @@ class KVPlanOutput:
     """Output of ``KVManager.plan`` for a single plan label.
 
     ``views`` are built at most once, on first access, when only a
-    ``view_builder`` (a zero-argument callable) was given: the decode hot path
-    never pays for them. ``rows`` is each row's ``(request_id, label)`` in plan
+    ``view_builder`` (a zero-argument callable) was given: the hot path never
+    pays for them. A builder's views start at 0 (``start == 0``), so until
+    they are built positions are read from the index arrays. ``rows`` is each row's ``(request_id, label)`` in plan
     order. ``decode_pages``/``decode_offsets`` (numpy int64 ``[B]``), when
     given, are each row's write page and offset within it.
     """
@@ -368,6 +369,11 @@ class KVPlanOutput:
             self._views = self._view_builder()
             self._view_builder = None
         return self._views
+
+    @property
+    def views_built(self) -> bool:
+        """Whether ``views`` exist yet (reading them builds nothing)."""
+        return self._views is not None
 
     @property
     def rows(self) -> list[tuple[str, str]]:
