@@ -1,4 +1,4 @@
-"""positions: each query token's position, read from the plan's views."""
+"""positions: each query token's position, read from the plan."""
 
 from __future__ import annotations
 
@@ -43,3 +43,22 @@ def test_fork_continues_the_source_positions():
     source = SequenceView("r", "text", [3, 7], 6, 2)
     fork = source._replace(label="fork")
     assert positions(_plan([source, fork])).tolist() == [4, 5, 4, 5]
+
+
+@settings(max_examples=30, deadline=None)
+@given(history=st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=4), max_size=6))
+def test_a_manager_plan_gives_positions_without_building_views(history):
+    """Read from the index arrays while views are unbuilt, equal to the views'."""
+    from mstar.engine.resources.kv.manager import KVManager
+    from mstar.engine.resources.step import KVStep, Segment
+
+    mgr = KVManager(num_pages=256, page_size=PAGE_SIZE)
+    for spans in history:
+        step = KVStep(tuple(Segment(f"r{i}", "text", n) for i, n in enumerate(spans)))
+        mgr.admit(step)
+        for plan in mgr.plan(step).values():
+            fast = positions(plan)
+            assert not plan.views_built
+            expected = [v.length - v.to_compute + j for v in plan.views for j in range(v.to_compute)]
+            assert fast.tolist() == expected == positions(plan).tolist()
+        mgr.commit(step)
