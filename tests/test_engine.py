@@ -272,3 +272,36 @@ def test_a_model_the_paged_path_cannot_serve_is_refused(models):
     model.config.position_embedding_type = "alibi"
     with pytest.raises(ValueError, match="ALiBi"):
         Engine(model, num_pages=8)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+def test_engine_on_cuda_equals_hf_generate(models):
+    reference = copy.deepcopy(models[0]).cuda()
+    eng = Engine(copy.deepcopy(models[1]).cuda(), num_pages=64, page_size=8, token_budget=16)
+    batch = prompts(4, seed=12)
+    done = eng.generate(batch, SamplingParams(max_new_tokens=NEW, n=2))
+    for prompt, completion in zip(batch, done):
+        ids = torch.tensor([prompt], device="cuda")
+        want = reference.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False
+        )[0, len(prompt) :].tolist()
+        assert all(o.token_ids == want for o in completion.outputs)
+
+
+@needs_cuda
+def test_engine_on_cuda_through_flashinfer_answers_smollm2(smollm2):
+    pytest.importorskip("flashinfer")
+    from mstar.engine.engine import flashinfer_or_none
+    from mstar.engine.loader import chat_prompt
+
+    reference, tokenizer = smollm2
+    model = copy.deepcopy(reference).to("cuda", torch.bfloat16)
+    flashinfer = flashinfer_or_none("cuda")
+    assert flashinfer is not None
+    eng = Engine(model, tokenizer, num_pages=64, page_size=16, flashinfer=flashinfer)
+    batch = [chat_prompt(tokenizer, "What is the capital of France?")] * 2
+    done = eng.generate(batch, SamplingParams(max_new_tokens=16))
+    assert all("Paris" in c.outputs[0].text for c in done)
