@@ -1,8 +1,44 @@
-"""PagePool: a page is free xor owned, and free again after its last owner."""
+"""PagePool: a page is free xor owned xor cached-unowned; the prefix cache
+finds pages by content, verifies them, and evicts least recently released."""
 
 import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mstar.engine.resources.kv.pages import PagePool
+from mstar.engine.resources.kv.pages import _BASE, PageKeys, PagePool, _seed
+
+MASK = (1 << 64) - 1
+
+
+def ref_keys(tokens, page_size, parent, namespace):
+    """The documented key, token by token in Python ints."""
+    h = _seed(namespace) if parent is None else parent
+    out = []
+    for i in range(len(tokens) // page_size):
+        for t in tokens[i * page_size : (i + 1) * page_size]:
+            h = (h * _BASE + (int(t) & MASK)) & MASK
+        out.append(h)
+    return out
+
+
+def cached_pool(num_pages, page_size, chains, namespace=""):
+    """A pool with each token chain in ``chains`` allocated, registered and
+    released (cached-unowned); returns the pool and each chain's pages."""
+    pool = PagePool(num_pages, page_size)
+    out = []
+    for tokens in chains:
+        keys = pool.page_keys(tokens, None, namespace)
+        pages = pool.alloc(len(keys.hashes))
+        pool.register(pages, keys)
+        pool.release(pages)
+        out.append(pages)
+    pool.check()
+    return pool, out
+
+
+# --- ownership without the cache ---------------------------------------------------------
 
 
 def test_pages_return_after_the_last_owner():
@@ -18,6 +54,7 @@ def test_pages_return_after_the_last_owner():
     pool.release(a[:2])
     assert pool.num_free == 6 and sorted(pool.free_pages().tolist()) == list(range(6))
     assert pool.shared() == 0 and not pool.refcount.any()
+    pool.check()
 
 
 def test_alloc_zero_and_reuse():
@@ -28,3 +65,471 @@ def test_alloc_zero_and_reuse():
     again = pool.alloc(3)
     assert sorted(again.tolist()) == [0, 1, 2] and pool.num_free == 0
     assert np.array_equal(np.sort(again), np.sort(first))
+
+
+# --- keys --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_page_keys_match_the_documented_hash_and_chain(page_size):
+    rng = np.random.default_rng(page_size)
+    tokens = rng.integers(-(2**62), 2**62, size=5 * page_size + page_size // 2)
+    pool = PagePool(4, page_size)
+    keys = pool.page_keys(tokens, None, "ns")
+    assert keys.hashes.tolist() == ref_keys(tokens, page_size, None, "ns")
+    assert keys.tokens.tolist() == tokens[: 5 * page_size].reshape(5, page_size).tolist()
+    rest = pool.page_keys(tokens[2 * page_size :].tolist(), keys.hashes[1].item(), "ns")
+    assert rest.hashes.tolist() == keys.hashes[2:].tolist()  # chaining from a parent
+    longer = pool.page_keys(np.arange(3000 * page_size), None, "")  # powers grow
+    assert (
+        longer.hashes[-3:].tolist() == ref_keys(range(3000 * page_size), page_size, None, "")[-3:]
+    )
+    assert pool.page_keys(tokens[: page_size - 1], None).last is None
+    assert keys.last == keys.hashes[-1]
+
+
+def test_page_keys_differ_by_prefix_and_namespace():
+    pool = PagePool(4, 2)
+    a = pool.page_keys([1, 2, 3, 4], None, "")
+    b = pool.page_keys([9, 9, 3, 4], None, "")
+    assert a.hashes[1] != b.hashes[1]  # equal page, different prefix
+    assert pool.page_keys([1, 2], None, "x").hashes[0] != a.hashes[0]
+
+
+@pytest.mark.parametrize("bad", [[1.0, 2.0], ["a", "b"], [[1, 2]], [2**70, 1]])
+def test_page_keys_refuse_non_integer_tokens(bad):
+    with pytest.raises(ValueError, match="integer token ids"):
+        PagePool(4, 2).page_keys(bad, None)
+
+
+def test_cache_needs_a_page_size():
+    with pytest.raises(ValueError, match="page_size"):
+        PagePool(4).page_keys([1, 2], None)
+
+
+# --- register / lookup -------------------------------------------------------------------
+
+
+def test_lookup_finds_the_longest_cached_run_and_share_revives():
+    tokens = np.arange(40) % 7
+    pool, (pages,) = cached_pool(16, 4, [tokens[:24]])
+    assert pool.num_cached == 6 and pool.num_free == 16 and pool.num_registered == 6
+    keys = pool.page_keys(tokens[:39], None)
+    got = pool.lookup(keys)
+    assert got.tolist() == pages.tolist()
+    assert pool.lookup(pool.page_keys(tokens[:10], None)).tolist() == pages[:2].tolist()
+    diverged = tokens[:39].copy()
+    diverged[9] += 1  # inside page 2
+    assert pool.lookup(pool.page_keys(diverged, None)).tolist() == pages[:2].tolist()
+    assert pool.lookup(pool.page_keys(tokens[:24], None, "other")).size == 0
+    pool.share(got[:3])
+    assert pool.num_cached == 3 and pool.num_free == 13
+    assert pool.refcount[got[:3]].tolist() == [1, 1, 1]
+    pool.check()
+    # continuing a chain from a page the caller holds
+    tail = pool.page_keys(tokens[12:24], keys.hashes[2].item())
+    assert pool.lookup(tail, parent=int(got[2])).tolist() == pages[3:].tolist()
+    assert pool.lookup(tail, parent=int(got[1])).size == 0  # wrong parent page
+
+
+def test_eviction_is_lru_and_a_streams_later_pages_go_first():
+    a, b = np.arange(12), np.arange(100, 112)
+    pool = PagePool(6, 4)
+    pa, pb = pool.alloc(3), pool.alloc(3)
+    pool.register(pa, pool.page_keys(a, None))
+    pool.register(pb, pool.page_keys(b, None))
+    pool.release(pb)  # b first: least recently released
+    pool.release(pa)
+    assert pool.num_free == 6 and pool.num_cached == 6 and pool.free_pages().size == 6
+    first = pool.alloc(2)
+    assert first.tolist() == [pb[2], pb[1]] and pool.num_evicted == 2
+    assert pool.lookup(pool.page_keys(b, None)).tolist() == [pb[0]]
+    pool.share(pa[:1])  # owned again: out of the evictable set
+    assert pool.alloc(2).tolist() == [pb[0], pa[2]]
+    assert pool.alloc(1).tolist() == [pa[1]]
+    assert pool.num_free == 0 and pool.num_cached == 0 and pool.num_registered == 1
+    pool.check()
+
+
+def test_free_stack_is_used_before_any_eviction():
+    pool, (pages,) = cached_pool(5, 2, [np.arange(4)])
+    got = pool.alloc(3)
+    assert set(got.tolist()).isdisjoint(pages.tolist()) and pool.num_evicted == 0
+    assert pool.alloc(1).tolist() == [pages[1]] and pool.num_evicted == 1
+
+
+def test_register_keeps_the_first_page_for_a_key():
+    tokens = np.arange(8)
+    pool = PagePool(8, 4)
+    first, dup = pool.alloc(2), pool.alloc(2)
+    pool.register(first, pool.page_keys(tokens, None))
+    pool.register(dup, pool.page_keys(tokens, None))
+    assert pool.num_registered == 2
+    assert pool.lookup(pool.page_keys(tokens, None)).tolist() == first.tolist()
+    pool.register(first, pool.page_keys(tokens, None))  # registering again: no change
+    pool.release(dup)
+    assert pool.num_free == 6 and pool.num_cached == 0  # the duplicates were never cached
+    pool.check()
+
+
+def test_pages_after_a_duplicate_hang_off_its_twin_and_go_with_it():
+    """A stream that computed a prefix another stream registered first:
+    its later pages register after the twin's pages, and evicting the twin
+    unregisters them (their parent link would lie once the twin is reused)."""
+    prompt, turn = np.arange(8), np.arange(8, 12)
+    pool = PagePool(6, 4)
+    a, b = pool.alloc(2), pool.alloc(3)
+    pool.register(a, pool.page_keys(prompt, None))
+    keys = pool.page_keys(np.concatenate((prompt, turn)), None)
+    pool.register(b[:2], PageKeys(keys.hashes[:2], keys.tokens[:2], ""))
+    pool.register(b[2:], PageKeys(keys.hashes[2:], keys.tokens[2:], ""), parent=int(b[1]))
+    assert pool.num_registered == 3
+    assert pool.lookup(keys).tolist() == [a[0], a[1], b[2]]
+    pool.release(a)  # the twin goes cached; b's own copies stay owned
+    pool.check()
+    assert pool.alloc(1).tolist() == [5]  # the free stack first
+    evicted = pool.alloc(1)
+    assert evicted.tolist() == [a[1]]
+    assert pool.num_registered == 1  # b[2] went with its parent a[1]
+    assert pool.lookup(keys).tolist() == [a[0]]
+    pool.check()
+    # b's later pages can no longer be registered: their parent is gone
+    pool.register(b[2:], PageKeys(keys.hashes[2:], keys.tokens[2:], ""), parent=int(b[1]))
+    assert pool.num_registered == 1
+    pool.release(b)
+    assert pool.num_cached == 1 and pool.num_free == 4
+    pool.check()
+
+
+def test_a_child_released_before_its_parent_is_evicted_first():
+    prompt, turn = np.arange(8), np.arange(8, 16)
+    pool = PagePool(6, 4)
+    a, b = pool.alloc(2), pool.alloc(3)
+    pool.register(a, pool.page_keys(prompt, None))
+    keys = pool.page_keys(np.concatenate((prompt, turn[:4])), None)
+    pool.register(b, keys)  # b[0], b[1] duplicates; b[2] after a[1]
+    pool.release(b)  # b[2] cached-unowned, its parent a[1] still owned
+    pool.release(np.array([a[1]], dtype=np.int32))
+    pool.release(np.array([a[0]], dtype=np.int32))  # a[1] least recent, then a[0]
+    assert pool.num_cached == 3
+    spare = pool.num_free - pool.num_cached
+    pool.alloc(spare)
+    got = pool.alloc(1)  # b[2] was released first: evicted first
+    assert got.tolist() == [b[2]] and pool.num_registered == 2
+    got = pool.alloc(1)
+    assert got.tolist() == [a[1]] and pool.num_registered == 1
+    pool.check()
+
+
+def test_an_evicted_parent_cascades_to_cached_children_onto_the_free_stack():
+    prompt, turn = np.arange(8), np.arange(8, 12)
+    pool = PagePool(5, 4)
+    a, b = pool.alloc(2), pool.alloc(3)
+    pool.register(a, pool.page_keys(prompt, None))
+    pool.register(b, pool.page_keys(np.concatenate((prompt, turn)), None))
+    pool.release(a)  # a's pages: least recently released
+    pool.release(b)  # b[2] cached (after a[1]); b[0], b[1] free
+    assert pool.num_cached == 3 and pool.num_free == 5
+    got = pool.alloc(3)  # b[0], b[1] from the stack, then evicts a[1]: b[2] freed
+    assert got.tolist()[2] == a[1]
+    assert pool.num_registered == 1 and pool.num_cached == 1 and pool.num_free == 2
+    assert b[2] in pool.free_pages().tolist()
+    pool.check()
+
+
+# --- exactness: colliding keys never hand out a page -------------------------------------
+
+
+def thue_morse(n):
+    return np.array([bin(i).count("1") % 2 for i in range(n)], dtype=np.int64)
+
+
+def test_thue_morse_strings_collide_and_lookup_still_refuses():
+    """Polynomial hashes mod 2**64 collide on a Thue-Morse string and its
+    complement (2048 tokens, any odd base): the key finds the wrong page,
+    verification refuses it."""
+    a = thue_morse(2048)
+    b = 1 - a
+    pool, _ = cached_pool(4, 2048, [a])
+    kb = pool.page_keys(b, None)
+    assert kb.hashes.tolist() == pool.page_keys(a, None).hashes.tolist()  # a real collision
+    assert pool.lookup(kb).size == 0
+    other = pool.alloc(1)
+    pool.register(other, kb)  # the key is taken: b stays unregistered
+    assert pool.num_registered == 1 and pool.lookup(kb).size == 0
+    pool.check()
+
+
+def test_equal_pages_after_different_prefixes_never_match():
+    """Two chains whose last pages are equal and whose keys are forced equal
+    (a crafted token cancels the difference): the parent link refuses."""
+    ps = 4
+    pool = PagePool(8, ps)
+    a = np.array([1, 2, 3, 4, 5, 6, 7, 8])
+    pa = pool.alloc(2)
+    pool.register(pa, pool.page_keys(a, None))
+    b = a.copy()
+    b[2] += 1  # differ by +1 at weight B**1 ...
+    b[3] = np.int64(((int(a[3]) - _BASE) + (1 << 63)) % (1 << 64) - (1 << 63))  # ... and cancel
+    kb = pool.page_keys(b, None)
+    assert kb.hashes.tolist() == pool.page_keys(a, None).hashes.tolist()
+    assert (kb.tokens[1] == a[4:]).all()  # page 1 equal; page 0 differs
+    assert pool.lookup(kb).size == 0  # page 0's tokens differ: nothing
+    # forged keys: page 1's key found, but its parent is not the query's
+    pb = pool.alloc(1)
+    pool.register(pb, PageKeys(kb.hashes[:1] ^ np.uint64(1), kb.tokens[:1], ""))
+    assert pool.lookup(PageKeys(kb.hashes[1:], kb.tokens[1:], ""), parent=int(pb[0])).size == 0
+    pool.check()
+
+
+def test_forged_keys_and_namespaces_are_verified():
+    pool, (pages,) = cached_pool(8, 2, [np.arange(6)], namespace="img:1")
+    real = pool.page_keys(np.arange(6), None, "img:1")
+    assert pool.lookup(real).tolist() == pages.tolist()
+    forged = PageKeys(real.hashes, real.tokens, "img:2")  # same keys, other namespace
+    assert pool.lookup(forged).size == 0
+    wrong = real.tokens.copy()
+    wrong[1, 0] += 1
+    assert pool.lookup(PageKeys(real.hashes, wrong, "img:1")).tolist() == pages[:1].tolist()
+
+
+def test_register_validates_its_arguments():
+    pool = PagePool(4, 2)
+    pages = pool.alloc(2)
+    with pytest.raises(ValueError, match="one key per page"):
+        pool.register(pages, pool.page_keys([1, 2], None))
+    with pytest.raises(ValueError, match="pages of 2"):
+        pool.register(pages[:1], PagePool(4, 3).page_keys([1, 2, 3], None))
+
+
+def test_check_names_a_broken_rule():
+    pool, (pages,) = cached_pool(4, 2, [np.arange(4)])
+    pool.num_cached += 1
+    with pytest.raises(AssertionError, match="num_free"):
+        pool.check()
+    pool.num_cached -= 1
+    pool._parent[pages[1]] = 3
+    with pytest.raises(AssertionError, match="parent"):
+        pool.check()
+
+
+def test_the_key_table_spills_and_still_finds_every_key():
+    pool = PagePool(64, 1)
+    table = pool._table
+    shift = int(table._shift)
+    keys = np.array([(5 << shift) | i for i in range(20)], dtype=np.uint64)  # one bucket
+    pages = pool.alloc(20)
+    pool.register(pages, PageKeys(keys, np.arange(20).reshape(20, 1), ""))
+    assert table._nspilled >= 2
+    assert pool._table.find(keys).tolist() == pages.tolist()
+    assert pool._table.find(keys + np.uint64(1 << 40)).tolist() == [-1] * 20
+    pool.release(pages)
+    pool.check()
+    pool.alloc(64)
+    assert pool.num_registered == 0 and (table._pages < 0).all()
+
+
+# --- the pool against a model ------------------------------------------------------------
+
+
+class Model:
+    """The documented pool in plain Python: lists and dicts."""
+
+    def __init__(self, num_pages):
+        self.refcount = [0] * num_pages
+        self.stack = list(range(num_pages - 1, -1, -1))  # top at the end
+        self.queue = []  # cached-unowned, eviction order
+        self.chain = {}  # registered page -> (namespace, tokens from 0)
+        self.page_of = {}  # (namespace, tokens) -> page
+        self.parent = {}
+        self.gen = [0] * num_pages
+        self.twin = {}  # duplicate page -> (twin, twin's gen then)
+        self.evicted = 0
+
+    def alloc(self, n):
+        take = min(n, len(self.stack))
+        out = self.stack[len(self.stack) - take :]
+        del self.stack[len(self.stack) - take :]
+        batch, self.queue = self.queue[: n - take], self.queue[n - take :]
+        self.evicted += len(batch)
+        self.unregister(batch)
+        for p in out + batch:
+            self.refcount[p] = 1
+            self.twin.pop(p, None)
+        return out + batch
+
+    def unregister(self, pages):
+        while pages:
+            for p in pages:
+                del self.page_of[self.chain.pop(p)]
+                self.gen[p] += 1
+            gone = set(pages)
+            pages = sorted(p for p in self.chain if self.parent[p] in gone)
+            loose = [p for p in pages if self.refcount[p] == 0]
+            self.queue = [p for p in self.queue if p not in loose]
+            self.stack += loose
+
+    def share(self, pages):
+        for p in pages:
+            if self.refcount[p] == 0:
+                self.queue.remove(p)
+            self.refcount[p] += 1
+
+    def release(self, pages):
+        dead = []
+        for p in pages:
+            self.refcount[p] -= 1
+            if self.refcount[p] == 0:
+                dead.append(p)
+        self.queue += [p for p in reversed(dead) if p in self.chain]
+        self.stack += [p for p in dead if p not in self.chain]
+
+    def register(self, pages, chains, parent):
+        if parent >= 0 and parent not in self.chain:
+            twin, gen = self.twin.get(parent, (-1, -1))
+            if twin not in self.chain or self.gen[twin] != gen:
+                return
+            parent = twin
+        for p, chain in zip(pages, chains):
+            if p in self.chain:
+                parent = p
+            elif chain in self.page_of:
+                parent = self.page_of[chain]
+                self.twin[p] = (parent, self.gen[parent])
+            else:
+                self.chain[p], self.page_of[chain], self.parent[p] = chain, p, parent
+                parent = p
+
+    def lookup(self, chains):
+        out = []
+        for chain in chains:
+            if chain not in self.page_of:
+                break
+            out.append(self.page_of[chain])
+        return out
+
+
+PS = 2
+PREFIXES = [(0, 1, 0, 1, 0, 1, 0, 1), (0, 1, 0, 1, 2, 2, 0, 0), (1, 1, 1, 1, 1, 1, 1, 1)]
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Streams that share prefixes, register late or never, fork and go;
+    the pool must match the model after every rule."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = PagePool(8, PS)
+        self.model = Model(8)
+        self.streams = []  # [namespace, tokens, pages (list), registered pages]
+
+    def chains(self, namespace, tokens, start, stop):
+        return [(namespace, tuple(tokens[: (i + 1) * PS])) for i in range(start, stop)]
+
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        cut=st.sampled_from([0, 2, 4, 5, 6, 8, 8]),
+        tail=st.lists(st.integers(0, 1), max_size=4),
+        namespace=st.sampled_from(["", "x"]),
+    )
+    def new_stream(self, prefix, cut, tail, namespace):
+        tokens = list(prefix[:cut]) + tail
+        keys = self.pool.page_keys(np.array(tokens, dtype=np.int64), None, namespace)
+        matched = self.pool.lookup(keys)
+        assert matched.tolist() == self.model.lookup(
+            self.chains(namespace, tokens, 0, len(keys.hashes))
+        )
+        need = -(-len(tokens) // PS) - len(matched)
+        if need + np.count_nonzero(self.pool.refcount[matched] == 0) > self.pool.num_free:
+            return  # sharing the cached-unowned ones takes them out of num_free
+        self.pool.share(matched)
+        self.model.share(matched.tolist())
+        fresh = self.pool.alloc(need)
+        assert fresh.tolist() == self.model.alloc(need)
+        pages = matched.tolist() + fresh.tolist()
+        self.streams.append([namespace, tokens, pages, len(matched)])
+
+    @precondition(lambda self: self.streams)
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 1), max_size=4))
+    def recompute(self, data, extra):
+        """A stream computing another's tokens (and more) without a lookup,
+        as two requests admitted in the same step do: duplicates."""
+        s = data.draw(st.sampled_from(self.streams))
+        tokens = s[1] + extra
+        need = -(-len(tokens) // PS)
+        if need <= self.pool.num_free:
+            pages = self.pool.alloc(need)
+            assert pages.tolist() == self.model.alloc(need)
+            self.streams.append([s[0], tokens, pages.tolist(), 0])
+
+    @precondition(lambda self: self.streams)
+    @rule(data=st.data(), everything=st.booleans())
+    def register_more(self, data, everything):
+        s = data.draw(st.sampled_from(self.streams))
+        namespace, tokens, pages, done = s
+        full = len(tokens) // PS
+        if done == full:
+            return
+        upto = full if everything else data.draw(st.integers(done + 1, full))
+        keys = self.pool.page_keys(np.array(tokens, dtype=np.int64), None, namespace)
+        part = PageKeys(keys.hashes[done:upto], keys.tokens[done:upto], namespace)
+        parent = pages[done - 1] if done else -1
+        self.pool.register(np.array(pages[done:upto], dtype=np.int32), part, parent)
+        self.model.register(pages[done:upto], self.chains(namespace, tokens, done, upto), parent)
+        s[3] = upto
+
+    @precondition(lambda self: self.streams)
+    @rule(data=st.data())
+    def fork(self, data):
+        s = data.draw(st.sampled_from(self.streams))
+        full = len(s[1]) // PS
+        if full < len(s[2]) and self.pool.num_free == 0:
+            return
+        shared = s[2][:full]
+        self.pool.share(np.array(shared, dtype=np.int32))
+        self.model.share(shared)
+        copy = []
+        if full < len(s[2]):
+            copy = self.pool.alloc(1).tolist()
+            assert copy == self.model.alloc(1)
+        self.streams.append([s[0], s[1], shared + copy, min(s[3], full)])
+
+    @precondition(lambda self: self.streams)
+    @rule(data=st.data())
+    def release(self, data):
+        s = self.streams.pop(data.draw(st.integers(0, len(self.streams) - 1)))
+        self.pool.release(np.array(s[2], dtype=np.int32))
+        self.model.release(s[2])
+
+    @rule(n=st.integers(0, 4))
+    def alloc_and_free(self, n):
+        n = min(n, self.pool.num_free)
+        got = self.pool.alloc(n)
+        assert got.tolist() == self.model.alloc(n)
+        self.pool.release(got)
+        self.model.release(got.tolist())
+
+    @invariant()
+    def matches_the_model(self):
+        pool, model = self.pool, self.model
+        pool.check()
+        assert pool.refcount.tolist() == model.refcount
+        assert pool.num_cached == len(model.queue)
+        assert pool.num_free == len(model.stack) + len(model.queue)
+        assert pool.free_pages()[: len(model.stack)].tolist() == model.stack
+        assert sorted(np.flatnonzero(pool._registered).tolist()) == sorted(model.chain)
+        assert pool.num_evicted == model.evicted
+        for page, (_, tokens) in model.chain.items():  # each page holds what its key claims
+            assert pool._tokens[page].tolist() == list(tokens[-PS:])
+        for namespace, tokens, _, _ in self.streams:  # and every stream its own
+            full = len(tokens) // PS
+            keys = pool.page_keys(np.array(tokens, dtype=np.int64), None, namespace)
+            got = pool.lookup(keys)
+            assert got.tolist() == model.lookup(self.chains(namespace, tokens, 0, full))
+            assert all(
+                pool._tokens[p].tolist() == tokens[i * PS : (i + 1) * PS] for i, p in enumerate(got)
+            )
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
