@@ -1,10 +1,14 @@
-"""Plan building against torch.tensor(list), timed in the same run.
+"""Plan building against torch.tensor(list), and the prefix cache's match
+against a hashlib digest per page, timed in the same run.
 
-python benchmarks/bench_plan.py
+OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_plan.py
 """
 
 from mstar.bench import format_table
-from mstar.bench.plan import run
+from mstar.bench import plan as bench_plan
+from mstar.bench import prefix as bench_prefix
 
 if __name__ == "__main__":
-    print(format_table(run()))
+    print(format_table(bench_plan.run()))
+    print()
+    print(format_table(bench_prefix.run()))
