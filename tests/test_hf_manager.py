@@ -16,7 +16,7 @@ from mstar.engine.resources.kv.cache import KVCache  # noqa: E402
 from mstar.engine.resources.kv.manager import KVManager  # noqa: E402
 from mstar.engine.resources.kv.plan import KVPlanOutputs  # noqa: E402
 from mstar.engine.resources.step import KVStep, Segment  # noqa: E402
-from mstar.integrations.hf import forward_step  # noqa: E402
+from mstar.integrations.hf import forward_step, kv_spec  # noqa: E402
 
 Stream = tuple[str, str]  # (request_id, label)
 
@@ -33,11 +33,9 @@ class ManagedRunner:
     it inherits its pages."""
 
     def __init__(self, model: torch.nn.Module, page_size: int, num_pages: int = 64) -> None:
-        config = model.config
-        head_dim = config.hidden_size // config.num_attention_heads
         self.model = model
         self.cache = KVCache(
-            config.num_hidden_layers, num_pages, page_size, config.num_key_value_heads, head_dim
+            num_pages=num_pages, page_size=page_size, **kv_spec(model).cache_kwargs()
         )
         self.mgr = KVManager(num_pages, page_size, cache=self.cache)
         self.tokens: dict[Stream, list[int]] = {}
