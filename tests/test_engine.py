@@ -305,3 +305,23 @@ def test_engine_on_cuda_through_flashinfer_answers_smollm2(smollm2):
     batch = [chat_prompt(tokenizer, "What is the capital of France?")] * 2
     done = eng.generate(batch, SamplingParams(max_new_tokens=16))
     assert all("Paris" in c.outputs[0].text for c in done)
+
+
+def run(eng: Engine) -> dict:
+    done = {}
+    while eng.has_unfinished():
+        done.update((c.request_id, c) for c in eng.step() if c.finished)
+    return done
+
+
+def test_a_budget_smaller_than_the_rows_still_serves_everything(models):
+    reference, _ = models
+    cond, uncond, plain = prompts(3, seed=13)
+    params = SamplingParams(max_new_tokens=6)
+    tight, roomy = engine(models, token_budget=1), engine(models)
+    for eng in (tight, roomy):
+        eng.add_request(cond, params, uncond_prompt=uncond, guidance_scale=1.5, request_id="g")
+        eng.add_request(plain, SamplingParams(max_new_tokens=6, n=3), request_id="f")
+    done, want = run(tight), run(roomy)
+    assert done["g"].outputs[0].token_ids == want["g"].outputs[0].token_ids
+    assert [o.token_ids for o in done["f"].outputs] == [hf_greedy(reference, plain, new=6)] * 3

@@ -12,19 +12,18 @@ PLAN_LABEL = "step"
 
 
 def schedule(requests: Iterable[Request], budget: int) -> list[Segment]:
-    """Segments for ``requests`` (oldest first): every stream with one token
-    left to feed decodes (a request's streams together, so a guided pair stays
-    in lockstep), then streams with more left take prefill chunks in order
-    until ``budget`` tokens are spent. Each segment carries its token ids."""
+    """Segments for ``requests`` (oldest first): streams with one token left
+    to feed decode, then streams with more left take prefill chunks, in order
+    until ``budget`` tokens are spent. Each segment carries its token ids.
+    (A guided request's two streams need not decode in the same step: the
+    first one's logits wait for its twin's.)"""
     requests = list(requests)
     segments: list[Segment] = []
     for req in requests:
-        rows = [label for label, toks in req.streams.items() if len(toks) - req.fed[label] == 1]
-        if rows and len(rows) <= budget:
-            for label in rows:
-                fed = req.fed[label]
-                segments.append(Segment(req.id, label, 1, tuple(req.streams[label][fed:])))
-            budget -= len(rows)
+        for label, toks in req.streams.items():
+            if budget and len(toks) - req.fed[label] == 1:
+                segments.append(Segment(req.id, label, 1, (toks[-1],)))
+                budget -= 1
     for req in requests:
         for label, toks in req.streams.items():
             fed = req.fed[label]
