@@ -130,7 +130,7 @@ REFUSED = {
     "jamba": (
         "JambaConfig",
         {"attn_layer_period": 2, "attn_layer_offset": 1},
-        "no attention in layer",
+        "linear_attention",
     ),
     "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"]}, r"\['conv'\]"),
     "falcon": ("FalconConfig", {"alibi": False}, "does not route attention"),
