@@ -102,13 +102,55 @@ def gpu_adapter() -> FlashInferPagedAttention:
     return FlashInferPagedAttention()
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
-def test_flashinfer_matches_paged_attention(gpu_adapter, page_size, decode):
+def test_flashinfer_matches_paged_attention(gpu_adapter, page_size, decode, softcap):
     rows = [(40, 1), (3, 1), (17, 1)] if decode else [(0, 9), (40, 1), (17, 0), (33, 5)]
     case = Scenario(
         rows, page_size, SHAPE["num_kv_heads"], seed=3, dtype=torch.bfloat16, device="cuda"
     )
     plan = case.step(decode=decode)
-    got, expected = _plan_and_run(gpu_adapter, case, plan, [n for _, n in rows])
+    counts = [n for _, n in rows]
+    got, expected = _plan_and_run(gpu_adapter, case, plan, counts, softcap=softcap)
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+def test_softcap_is_flashinfers_logits_soft_cap(fake_flashinfer, monkeypatch):
+    """Passed to the wrapper's plan only when set (older stand-ins lack it)."""
+    adapter, _ = fake_flashinfer()
+    wrapper = sys.modules["flashinfer"].BatchPrefillWithPagedKVCacheWrapper
+    seen = []
+    plan_fn = wrapper.plan
+    monkeypatch.setattr(
+        wrapper, "plan", lambda self, *a, **kw: seen.append(kw) or plan_fn(self, *a, **kw)
+    )
+    case = Scenario([(5, 3)], 4, SHAPE["num_kv_heads"], seed=2)
+    plan = case.step()
+    adapter.plan(plan, page_size=4, **SHAPE)
+    adapter.plan(plan, page_size=4, softcap=30.0, **SHAPE)
+    assert "logits_soft_cap" not in seen[0] and seen[1]["logits_soft_cap"] == 30.0
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"sinks": torch.zeros(4)}, "got attention sinks"),
+        ({"chunk_size": 8}, "got chunked attention"),
+    ],
+)
+def test_what_flashinfer_lacks_is_refused(fake_flashinfer, options, message):
+    adapter, log = fake_flashinfer()
+    case = Scenario([(5, 3)], 4, SHAPE["num_kv_heads"], seed=2)
+    with pytest.raises(ValueError, match=f"expected an attention FlashInfer serves, {message}"):
+        adapter.plan(case.step(), page_size=4, **SHAPE, **options)
+    assert log == []
+
+
+def test_value_width_other_than_key_width_is_refused(fake_flashinfer):
+    adapter, _ = fake_flashinfer()
+    case = Scenario([(5, 3)], 4, SHAPE["num_kv_heads"], seed=2)
+    adapter.plan(case.step(), page_size=4, **SHAPE)
+    pair = (torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 6))
+    with pytest.raises(ValueError, match=r"got a value width \(6\) other than the key width \(8\)"):
+        adapter.run(torch.zeros(3, 4, 8), pair)
