@@ -141,7 +141,7 @@ def test_spec_signatures():
         "kv_lens",
     )
     assert PagedIndptrs._field_defaults == {"kv_lens": None}
-    assert Segment._fields == ("request_id", "label", "span")
+    assert Segment._fields == ("request_id", "label", "span", "tokens")
     assert issubclass(HostLens, torch.Tensor) and issubclass(KVPlanOutputs, dict)
     assert set(plan_mod.__all__) == {
         "build_paged_indptrs",
@@ -203,6 +203,16 @@ def _corrupt(views, i, how, page_size):
         "negative page": lambda: v._replace(
             length=max(v.length, 1), page_idxs=[3] * covering + [-1]
         ),
+        "float length": lambda: v._replace(length=float(v.length)),
+        "bool to_compute": lambda: v._replace(length=max(v.length, 1), to_compute=True),
+        "float start": lambda: v._replace(start=np.float64(v.start)),
+        "int64 page beyond int32": lambda: v._replace(
+            length=max(v.length, 1), page_idxs=[np.int64(2**32 + 1)] * covering
+        ),
+        "float page array": lambda: v._replace(
+            length=max(v.length, 1), page_idxs=np.ones(covering, dtype=np.float64)
+        ),
+        "str page": lambda: v._replace(length=max(v.length, 1), page_idxs=["1"] * covering),
     }[how]()
 
 
@@ -217,6 +227,12 @@ def _corrupt(views, i, how, page_size):
             "to_compute > length",
             "too few pages",
             "negative page",
+            "float length",
+            "bool to_compute",
+            "float start",
+            "int64 page beyond int32",
+            "float page array",
+            "str page",
         ]
     ),
 )
@@ -231,10 +247,103 @@ def test_build_rejects_invalid_view_naming_the_row(case, data, how):
     assert repr(bad[i].label) in str(err.value)
 
 
-@pytest.mark.parametrize("page_size", [0, -3])
+@pytest.mark.parametrize("page_size", [0, -3, 2.5, 4.0, True, 2**31, "16", None])
 def test_build_rejects_page_size(page_size):
     with pytest.raises(ValueError, match="page_size"):
         build_paged_indptrs([SequenceView("r", "a", [0], 1, 1)], page_size)
+    with pytest.raises(ValueError, match="page_size"):
+        context_only_views([SequenceView("r", "a", [0], 1, 1)], [1], page_size)
+
+
+GOOD = SequenceView("ok", "main", [7, 8], 20, 4, 0)
+
+
+def _row_with(**fields):
+    return SequenceView("bad", "lab", **{"page_idxs": [1], "length": 3, "to_compute": 1, **fields})
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        # page ids: never truncated or wrapped
+        ({"page_idxs": [1.5]}, "integer page indices"),
+        ({"page_idxs": [1.0]}, "integer page indices"),
+        ({"page_idxs": ["1"]}, "integer page indices"),
+        ({"page_idxs": [None]}, "integer page indices"),
+        ({"page_idxs": [True]}, "integer page indices"),
+        ({"page_idxs": [np.float64(1.0)]}, "integer page indices"),
+        ({"page_idxs": [2**31]}, "in \\[0, 2\\*\\*31\\)"),
+        ({"page_idxs": [2**32 + 1]}, "2\\*\\*31"),
+        ({"page_idxs": [2**70]}, "2\\*\\*31"),
+        ({"page_idxs": [np.int64(2**32 + 1)]}, "2\\*\\*31"),
+        ({"page_idxs": [np.uint64(2**63)]}, "2\\*\\*31"),
+        ({"page_idxs": np.array([1.0])}, "1-D integer array"),
+        ({"page_idxs": np.array([True])}, "1-D integer array"),
+        ({"page_idxs": np.array([[1]])}, "1-D integer array"),
+        ({"page_idxs": np.array([2**32 + 1])}, "2\\*\\*31"),
+        ({"page_idxs": np.array([-(2**32) + 5])}, "2\\*\\*31"),  # would wrap to 5
+        ({"page_idxs": np.array([2**63], dtype=np.uint64)}, "2\\*\\*31"),
+        ({"page_idxs": np.array([-1], dtype=np.int32)}, "2\\*\\*31"),
+        # lengths, counts, starts
+        ({"length": 1.5}, "length an integer"),
+        ({"length": 2.0}, "length an integer"),
+        ({"length": np.float64(2.0)}, "length an integer"),
+        ({"length": "3"}, "length an integer"),
+        ({"length": None}, "length an integer"),
+        ({"length": True}, "length an integer"),
+        ({"length": np.bool_(True)}, "length an integer"),
+        ({"length": 2**31, "page_idxs": [0] * 2**12, "to_compute": 0}, "length in"),
+        ({"length": np.int64(2**32 + 1)}, "length in"),
+        ({"length": np.uint64(2**63)}, "length in"),
+        ({"to_compute": 0.5}, "to_compute an integer"),
+        ({"start": 1.0}, "start an integer"),
+        ({"start": -(2**40)}, "start in"),
+    ],
+)
+@pytest.mark.parametrize("where", [0, 1])
+@pytest.mark.parametrize("with_ring", [False, True])
+def test_build_refuses_bad_values_naming_the_row(fields, says, where, with_ring):
+    bad = _row_with(**fields)
+    views = [GOOD, bad] if where else [bad, GOOD]
+    ring = PinnedIndexRing(numel=8, depth=2, per_plan=1) if with_ring else None
+    with pytest.raises(ValueError, match=says) as err:
+        build_paged_indptrs(views, 2**19, ring)
+    assert f"request 'bad', label 'lab' (row {where})" in str(err.value)
+    if ring is not None:
+        assert ring._used == 0  # nothing taken
+
+
+def test_build_refuses_int32_overflow_of_sums_naming_the_row():
+    big = 2**31 - 1
+    ps = 2**30
+    rows = [SequenceView("a", "x", [0, 1], big, big), SequenceView("b", "y", [2, 3], big, 5)]
+    with pytest.raises(ValueError, match="total < 2\\*\\*31") as err:
+        build_paged_indptrs(rows, ps)
+    assert "request 'b', label 'y' (row 1)" in str(err.value)
+    wide = [SequenceView("a", "x", [0, 1], 5, 1), SequenceView("c", "z", [0, 1, 2], 5, 1)]
+    with pytest.raises(ValueError, match="kv_lens < 2") as err:  # 2**31 + 4
+        build_paged_indptrs(wide, ps)
+    assert "request 'c', label 'z'" in str(err.value)
+    end = [SequenceView("d", "w", [0, 1], big, 1, start=5)]  # start + length > int32
+    with pytest.raises(ValueError, match="request 'd', label 'w'"):
+        build_paged_indptrs(end, ps)
+
+
+def test_build_accepts_numpy_integers_lists_and_mixed_rows():
+    views = [
+        SequenceView("a", "x", [np.int64(3), np.uint8(4)], np.int64(20), np.int32(2), np.uint16(0)),
+        SequenceView("b", "x", np.array([5], dtype=np.uint64), 3, 1),
+        SequenceView("c", "x", np.array([6, 2**31 - 1], dtype=np.int64), 17, 1),
+        SequenceView("d", "x", [9], 1, 1, start=15),
+        SequenceView("e", "x", np.array([], dtype=np.int16), 0, 0),
+    ]
+    assert_matches_reference(build_paged_indptrs(views, np.int64(16)), views, 16)
+    arrays = [v._replace(page_idxs=np.asarray(v.page_idxs, dtype=np.int64)) for v in views]
+    assert_matches_reference(build_paged_indptrs(arrays, 16), arrays, 16)
+    mixed = [arrays[0], views[3], arrays[1]]  # arrays first, then a list
+    assert_matches_reference(build_paged_indptrs(mixed, 16), mixed, 16)
+    big = [SequenceView("f", "x", [0, 1], 2**31 - 1, 2**31 - 1)]  # the int32 edge: fine
+    assert_matches_reference(build_paged_indptrs(big, 2**30), big, 2**30)
 
 
 # --- HostLens, PagedIndptrs --------------------------------------------------------------
@@ -302,6 +411,65 @@ def test_ring_grows_a_buffer_for_a_long_value_and_takes_before_begin():
     got = ring.take(values)  # no begin_plan yet: behaves as if it had been called
     assert got.tolist() == values.tolist() and got.dtype == torch.int32
     assert ring.take([]).numel() == 0
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [2**40],
+        [2**31],
+        [-(2**31) - 1],
+        [1.5],
+        [1.0],
+        ["1"],
+        [None],
+        [True],
+        [np.float64(2.0)],
+        [np.int64(2**32 + 1)],
+        np.array([1.5]),
+        np.array([True]),
+        np.array([2**40]),
+        np.array([2**31], dtype=np.uint32),
+        np.array([[1, 2]], dtype=np.int32),
+        np.array([[1, 2]], dtype=np.int64),
+    ],
+)
+def test_ring_take_refuses_what_it_would_wrap_or_truncate(values):
+    ring = PinnedIndexRing(numel=8, depth=2, per_plan=1)
+    ring.begin_plan()
+    first = ring.take([1, 2])
+    with pytest.raises(ValueError, match="expected"):
+        ring.take(values)
+    assert ring._used == 1 and first.tolist() == [1, 2]  # nothing taken, nothing written
+
+
+def test_ring_take_accepts_any_integer_in_int32_range():
+    ring = PinnedIndexRing(numel=4, depth=2, per_plan=1)
+    edge = [-(2**31), 2**31 - 1, 0]
+    assert ring.take(edge).tolist() == edge
+    assert ring.take([np.int64(5), np.uint8(7)]).tolist() == [5, 7]
+    assert ring.take(np.array([2**31 - 1], dtype=np.uint64)).tolist() == [2**31 - 1]
+    assert ring.take(np.array([-3, 4], dtype=np.int8)).tolist() == [-3, 4]
+    assert ring.take(range(3)).tolist() == [0, 1, 2]
+
+
+def test_ring_keeps_the_last_handed_out_plan_when_a_plan_is_refused():
+    """A plan refused before its takes does not advance the ring; one that
+    failed after some takes is dropped with ``discard_plan``: either way the
+    next plan does not overwrite the last plan handed out."""
+    ring = PinnedIndexRing(numel=8, depth=2, per_plan=1)
+    ring.begin_plan()
+    handed = ring.take([1, 2, 3])
+    ring.begin_plan()  # a plan refused before any take
+    ring.begin_plan()
+    nxt = ring.take([9, 9, 9])
+    assert _span(nxt) != _span(handed) and handed.tolist() == [1, 2, 3]
+    ring.begin_plan()  # handed the plan above; this one fails after a take
+    failed = ring.take([4, 4, 4])
+    ring.discard_plan()
+    ring.begin_plan()
+    again = ring.take([5, 5, 5])
+    assert _span(again) == _span(failed) and nxt.tolist() == [9, 9, 9]
 
 
 @pytest.mark.parametrize("kwargs", [{"numel": 0}, {"depth": 0}, {"per_plan": 0}])

@@ -13,6 +13,7 @@ space, so its last page holds ``(start + length) % page_size`` tokens (0: full).
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -20,6 +21,13 @@ import numpy as np
 import torch
 
 from mstar.engine.resources.step import Segment
+
+_INT32_MAX = 2**31 - 1
+_DTYPE = operator.attrgetter("dtype")
+# The types an integer field may have: Python int or a numpy integer (not bool).
+_INT_TYPES = frozenset(
+    {int, *(t for t in np.sctypeDict.values() if issubclass(t, np.integer))} - {np.timedelta64}
+)
 
 __all__ = [
     "HostLens",
@@ -141,7 +149,12 @@ class PinnedIndexRing:
 
     def begin_plan(self) -> None:
         """Start a plan: move to the next buffer set, waiting until the copies
-        out of its last use have completed."""
+        out of its last use have completed. A set no take has written since
+        the last ``begin_plan`` (a plan refused before its arrays, or one
+        ``discard_plan`` dropped) is reused instead: it holds nothing a
+        handed-out plan reads."""
+        if self._current is not None and self._used == 0:
+            return
         if self._current is not None and self._pinned:
             event = torch.cuda.Event()
             event.record()
@@ -153,9 +166,19 @@ class PinnedIndexRing:
             event.synchronize()
             self._events[self._current] = None
 
+    def discard_plan(self) -> None:
+        """The plan begun last will not be handed out (it failed after some
+        takes): the next ``begin_plan`` reuses its buffer set, so the plan
+        before it keeps its arrays."""
+        self._used = 0
+
     def take(self, values: Sequence[int] | np.ndarray) -> torch.Tensor:
         """Copy ``values`` into a buffer no other take of this plan uses and
-        return an int32 view of exactly ``len(values)``."""
+        return an int32 view of exactly ``len(values)``. Values must be
+        integers (Python ``int`` or numpy integer, not bool) in int32 range:
+        anything else raises ``ValueError`` and takes nothing."""
+        if not isinstance(values, np.ndarray) or values.dtype != np.int32 or values.ndim != 1:
+            values = _int32_values(values)
         if self._current is None:
             self.begin_plan()
         n = len(values)
@@ -170,30 +193,142 @@ class PinnedIndexRing:
         return buf[:n]
 
 
+def _int32_values(values: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``values`` as a 1-D int32 array, or ``ValueError`` naming the first
+    value that is no integer or out of int32 range."""
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or values.dtype.kind not in "iu":
+            raise ValueError(f"expected a 1-D integer array, got {values.dtype} {values.shape}")
+        if values.size and (
+            np.minimum.reduce(values) < -_INT32_MAX - 1 or np.maximum.reduce(values) > _INT32_MAX
+        ):
+            i = int(np.flatnonzero((values < -_INT32_MAX - 1) | (values > _INT32_MAX))[0])
+            raise ValueError(f"expected int32 values, got {values[i]} at index {i}")
+        return values.astype(np.int32)
+    values = list(values)
+    if _INT_TYPES.issuperset(map(type, values)):
+        try:
+            return np.array(values, dtype=np.int32)
+        except OverflowError:
+            pass
+    for i, v in enumerate(values):
+        if type(v) not in _INT_TYPES:
+            raise ValueError(
+                f"expected integer values, got {v!r} ({type(v).__name__}) at index {i}"
+            )
+        if not -_INT32_MAX - 1 <= v <= _INT32_MAX:
+            raise ValueError(f"expected int32 values, got {v} at index {i}")
+    raise AssertionError("int32 conversion failed but every value is valid")
+
+
+def _check_page_size(page_size: int) -> None:
+    if type(page_size) not in _INT_TYPES or not 1 <= page_size <= _INT32_MAX:
+        raise ValueError(f"expected page_size an integer in [1, 2**31), got {page_size!r}")
+
+
+def _int_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` is no valid int32 count (None when it is)."""
+    if type(value) not in _INT_TYPES:
+        return f"expected {name} an integer, got {value!r} ({type(value).__name__})"
+    if not 0 <= value <= _INT32_MAX:
+        return f"expected {name} in [0, 2**31), got {value}"
+    return None
+
+
+def _pages_problem(pages: Any) -> str | None:
+    """Why ``pages`` are no valid page ids (None when they are)."""
+    if isinstance(pages, np.ndarray):
+        if pages.ndim != 1 or pages.dtype.kind not in "iu":
+            return f"expected page_idxs a 1-D integer array, got {pages.dtype} {pages.shape}"
+        bad = (pages < 0) | (pages > _INT32_MAX)
+        return f"expected page indices in [0, 2**31), got {pages[bad][0]}" if bad.any() else None
+    for page in pages:
+        if type(page) not in _INT_TYPES:
+            return f"expected integer page indices, got {page!r} ({type(page).__name__})"
+        if not 0 <= page <= _INT32_MAX:
+            return f"expected page indices in [0, 2**31), got {page}"
+    return None
+
+
+def _last(v: SequenceView, page_size: int) -> int:
+    return (v.start + v.length - 1) % page_size + 1
+
+
+def _overflows(end: np.ndarray, room: np.ndarray, computed: np.ndarray, page_size: int) -> bool:
+    """Whether an int32 result would overflow: an end, a ``kv_lens`` or the
+    total of ``to_compute`` beyond 2**31 - 1 (int64 ``end`` and ``room``)."""
+    kv_lens = np.maximum(room - page_size, 0)
+    kv_lens += (end - 1) % page_size + 1
+    return bool(
+        end.max() > _INT32_MAX
+        or kv_lens.max() > _INT32_MAX
+        or computed.sum(dtype=np.int64) > _INT32_MAX
+    )
+
+
 def _invalid_view(segments: Sequence[SequenceView], page_size: int) -> ValueError:
     """The error for the first invalid row of ``segments`` (the slow path,
     taken only once the vectorized check has failed)."""
+    computed = 0
     for i, v in enumerate(segments):
-        need = -(-(v.start + v.length) // page_size)
-        if v.length < 0 or v.to_compute < 0 or v.start < 0:
-            why = f"expected length, to_compute and start >= 0, got {v.length}, {v.to_compute}, {v.start}"
-        elif v.to_compute > v.length:
-            why = (
-                f"expected to_compute <= length, got to_compute={v.to_compute} > length={v.length}"
-            )
-        elif len(v.page_idxs) < need:
-            why = (
-                f"expected at least {need} pages for start + length = {v.start + v.length}"
-                f" at page_size {page_size}, got {len(v.page_idxs)}"
-            )
-        elif min(v.page_idxs, default=0) < 0:
-            why = f"expected page indices >= 0, got {min(v.page_idxs)}"
-        else:
-            continue
+        why = (
+            _int_problem("length", v.length)
+            or _int_problem("to_compute", v.to_compute)
+            or _int_problem("start", v.start)
+            or _pages_problem(v.page_idxs)
+        )
+        if why is None:
+            need = -(-(v.start + v.length) // page_size)
+            computed += v.to_compute
+            if v.to_compute > v.length:
+                why = f"expected to_compute <= length, got to_compute={v.to_compute} > length={v.length}"
+            elif len(v.page_idxs) < need:
+                why = (
+                    f"expected at least {need} pages for start + length = {v.start + v.length}"
+                    f" at page_size {page_size}, got {len(v.page_idxs)}"
+                )
+            elif v.start + v.length > _INT32_MAX:
+                why = f"expected start + length < 2**31, got {v.start} + {v.length}"
+            elif (
+                kv := max(len(v.page_idxs) - 1, 0) * page_size + _last(v, page_size)
+            ) > _INT32_MAX:
+                why = f"expected kv_lens < 2**31 (it is int32), got {kv}"
+            elif computed > _INT32_MAX:
+                why = f"expected the plan's to_compute to total < 2**31, got {computed} by this row"
+            else:
+                continue
         return ValueError(
             f"invalid view for request {v.request_id!r}, label {v.label!r} (row {i}): {why}"
         )
     raise AssertionError("vectorized check failed but no row is invalid")
+
+
+def _page_ids(pages: tuple, total: int) -> np.ndarray:
+    """All rows' page ids concatenated, int32 [total]; ``ValueError`` if any
+    is no integer or out of range (the caller then names the row)."""
+    if pages and isinstance(pages[0], np.ndarray):
+        try:
+            dtypes = set(map(_DTYPE, pages))
+        except AttributeError:  # lists among the arrays: checked as lists
+            dtypes = {None}
+        if dtypes == {np.dtype(np.int32)}:
+            indices = np.concatenate(pages)  # the common case: no cast, no range check
+        elif all(d is not None and d.kind in "iu" for d in dtypes):
+            indices = np.concatenate(pages, dtype=np.int64, casting="same_kind")  # 2**63+: < 0
+            if indices.size and (
+                np.minimum.reduce(indices) < 0 or np.maximum.reduce(indices) > _INT32_MAX
+            ):
+                raise ValueError("page ids out of range")
+            indices = indices.astype(np.int32)
+        else:
+            indices = None
+        if indices is not None:
+            if indices.ndim != 1 or indices.size != total:
+                raise ValueError("expected 1-D page_idxs")
+            return indices
+    if not _INT_TYPES.issuperset(map(type, itertools.chain.from_iterable(pages))):
+        raise ValueError("non-integer page ids")
+    return np.fromiter(itertools.chain.from_iterable(pages), dtype=np.int32, count=total)
 
 
 def build_paged_indptrs(
@@ -206,44 +341,54 @@ def build_paged_indptrs(
     ``page_idxs`` concatenated, ``paged_kv_last_page_len`` each row's
     ``last_page_len(page_size) or page_size``, ``kv_lens`` (a ``HostLens``)
     ``max(num_pages - 1, 0) * page_size + last``. All int32 on the CPU; with a
-    ``ring`` the four index tensors are ring buffers. Invalid views raise
-    ``ValueError`` naming the row's request and label.
+    ``ring`` the four index tensors are ring buffers. Lengths, starts and page
+    ids must be integers (Python ``int`` or numpy integer, not bool; page ids
+    a list or a 1-D integer array) and every value must fit int32; an invalid
+    view raises ``ValueError`` naming the row's request and label.
     """
-    if page_size < 1:
-        raise ValueError(f"expected page_size >= 1, got {page_size}")
+    if type(page_size) is not int or not 0 < page_size <= _INT32_MAX:
+        _check_page_size(page_size)  # raises unless a numpy integer in range
+        page_size = int(page_size)
     # Column-wise through numpy: a handful of array ops whatever the batch. Each
     # op costs about a microsecond, so their count is the cost at small batch
     # (hence ufunc methods over their slower numpy wrappers).
     _, _, pages, length, to_compute, start, _ = zip(*segments) if segments else ((),) * 7
-    length, start, computed = cols = np.array((length, start, to_compute), dtype=np.int32).reshape(
-        3, -1
-    )
+    try:
+        if not _INT_TYPES.issuperset(map(type, itertools.chain(length, start, to_compute))):
+            raise ValueError("non-integer lengths")
+        # out-of-range Python or numpy integers raise OverflowError here
+        cols = np.array((length, start, to_compute), dtype=np.int32).reshape(3, -1)
+        counts = np.fromiter(itertools.chain((0,), map(len, pages)), dtype=np.int32)
+        kv_indptr = np.add.accumulate(counts, dtype=np.int32)
+        indices = _page_ids(pages, int(kv_indptr[-1]))
+    except (ValueError, TypeError, OverflowError):
+        raise _invalid_view(segments, page_size) from None
+    length, start, computed = cols
     qo_indptr = np.zeros(len(segments) + 1, dtype=np.int32)
     np.add.accumulate(computed, out=qo_indptr[1:])
-    counts = np.fromiter(itertools.chain((0,), map(len, pages)), dtype=np.int32)
-    kv_indptr = np.add.accumulate(counts, dtype=np.int32)
     num_pages = counts[1:]
-    if pages and isinstance(pages[0], np.ndarray):
-        indices = np.concatenate(pages).astype(np.int32, copy=False)
-    else:
-        indices = np.fromiter(
-            itertools.chain.from_iterable(pages), dtype=np.int32, count=int(kv_indptr[-1])
-        )
-    end = length + start
+    end = np.add(length, start, dtype=np.int64)
+    room = np.multiply(num_pages, page_size, dtype=np.int64)
+    # With every row's pages covering its end, to_compute <= length <= end <=
+    # room, so all pages * page_size < 2**31 rules out any int32 overflow.
     if segments and (
         min(
             np.minimum.reduce(cols, axis=None),
             np.minimum.reduce(length - computed),
-            np.minimum.reduce(num_pages * page_size - end),
+            np.minimum.reduce(room - end),
         )
         < 0
         or (indices.size and np.minimum.reduce(indices) < 0)
+        or (
+            int(kv_indptr[-1]) * page_size > _INT32_MAX
+            and _overflows(end, room, computed, page_size)
+        )
     ):
         raise _invalid_view(segments, page_size)
-    last = end
+    last = end.astype(np.int32)
     last -= 1
     last %= page_size
-    last += 1  # (start + length) % page_size or page_size, in three in-place ops
+    last += 1  # (start + length) % page_size or page_size
     kv_lens = num_pages - 1
     np.maximum(kv_lens, 0, out=kv_lens)
     kv_lens *= page_size
@@ -265,8 +410,7 @@ def context_only_views(
     count. For attention over the stored context alone."""
     if len(views) != len(query_spans):
         raise ValueError(f"expected one query span per view ({len(views)}), got {len(query_spans)}")
-    if page_size < 1:
-        raise ValueError(f"expected page_size >= 1, got {page_size}")
+    _check_page_size(page_size)
     out = []
     for v, queries in zip(views, query_spans):
         stored = v.length - v.to_compute
