@@ -94,6 +94,8 @@ def test_page_keys_differ_by_prefix_and_namespace():
     b = pool.page_keys([9, 9, 3, 4], None, "")
     assert a.hashes[1] != b.hashes[1]  # equal page, different prefix
     assert pool.page_keys([1, 2], None, "x").hashes[0] != a.hashes[0]
+    assert pool.page_keys([1, 2], None, "").hashes[0] == a.hashes[0]  # and back
+    assert pool.page_keys([1, 2], None, "x").hashes[0] == ref_keys([1, 2], 2, None, "x")[0]
 
 
 @pytest.mark.parametrize("bad", [[1.0, 2.0], ["a", "b"], [[1, 2]], [2**70, 1]])

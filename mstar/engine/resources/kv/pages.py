@@ -180,6 +180,7 @@ class PagePool:
         self.num_evicted = 0  # registered pages evicted by alloc, ever
         self._table = _KeyTable(num_pages)
         self._weights = self._up = self._down = _NO_KEYS  # page_keys' powers of B
+        self._seeded = ("", _seed(""))  # page_keys' last namespace and its seed
         # per page (zeros are mapped lazily: an unused cache costs no memory)
         self._tokens = np.zeros((num_pages, page_size or 0), dtype=np.int64)
         self._cache_used = False  # anything ever registered
@@ -289,7 +290,9 @@ class PagePool:
         h = pages.view(np.uint64) @ self._weights  # each page's own hash
         h *= self._down[:n]
         np.add.accumulate(h, out=h)
-        h += np.uint64(_seed(namespace) if parent is None else parent)
+        if parent is None and namespace != self._seeded[0]:
+            self._seeded = namespace, _seed(namespace)  # the last namespace's, kept
+        h += np.uint64(self._seeded[1] if parent is None else parent)
         h *= self._up[:n]
         return PageKeys(h, pages, namespace)
 
