@@ -69,6 +69,9 @@ def load_model(name: str, device: str) -> tuple[Any, Any]:
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {device}: CUDA is not available")
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # the weights' loading bar: noise in a CLI
     try:
         model, tokenizer = load(name)
     except (FileNotFoundError, OSError, ValueError) as err:

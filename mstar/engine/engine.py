@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ Prompt = str | Sequence[int]
 # CPU, of the free host memory, at most HOST_POOL_BYTES: the host is shared)
 KV_MEMORY_FRACTION = 0.25
 HOST_POOL_BYTES = 1 << 30
+PLAN_SAMPLES = 100_000
 
 
 class RequestTooLarge(ValueError):
@@ -52,7 +54,8 @@ class EngineStats:
     peak_shared: int = 0
     plan_s: float = 0.0  # admit + plan + commit (and forks), the plan layer
     step_s: float = 0.0  # whole steps
-    plan_us: list[float] = field(default_factory=list)  # KVManager.plan per step
+    # KVManager.plan per step, the latest PLAN_SAMPLES steps
+    plan_us: deque[float] = field(default_factory=lambda: deque(maxlen=PLAN_SAMPLES))
 
 
 class Engine:
