@@ -284,6 +284,21 @@ def test_equal_pages_after_different_prefixes_never_match():
     pool.check()
 
 
+def test_a_found_page_after_another_parent_ends_the_match():
+    """Keys forged so page 1's key finds a page with the right tokens that
+    was computed after a different page 0: the parent link stops the match."""
+    pool = PagePool(8, 2)
+    a, b = pool.alloc(2), pool.alloc(2)
+    ka = pool.page_keys([1, 2, 3, 4], None)
+    pool.register(a, ka)
+    kb = pool.page_keys([9, 9, 3, 4], None)
+    pool.register(b, kb)
+    forged = PageKeys(np.array([ka.hashes[0], kb.hashes[1]]), ka.tokens, "")
+    assert (pool._tokens[b[1]] == forged.tokens[1]).all()  # b[1] holds the asked tokens
+    assert pool.lookup(forged).tolist() == [a[0]]
+    assert pool.lookup(ka).tolist() == a.tolist() and pool.lookup(kb).tolist() == b.tolist()
+
+
 def test_forged_keys_and_namespaces_are_verified():
     pool, (pages,) = cached_pool(8, 2, [np.arange(6)], namespace="img:1")
     real = pool.page_keys(np.arange(6), None, "img:1")

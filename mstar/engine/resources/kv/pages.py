@@ -352,11 +352,16 @@ class PagePool:
             pages = pages[: int(np.argmin(pages))]
         if parent == -1 and self._namespace.get(int(pages[0])) != keys.namespace:
             return _NO_PAGES
-        same = self._tokens.take(pages, axis=0) == keys.tokens[: len(pages)]
+        held = self._tokens.take(pages, axis=0)
         links = self._parent.take(pages)
-        if same.all() and links[0] == parent and (links[1:] == pages[:-1]).all():
-            return pages  # the common case: four reductions, no per-row work
-        ok = same.all(axis=1)
+        asked = keys.tokens[: len(pages)]
+        if (
+            links[0] == parent
+            and links[1:].tobytes() == pages[:-1].tobytes()
+            and held.tobytes() == asked.astype(np.int64, copy=False).tobytes()
+        ):
+            return pages  # the common case: two gathers and two memcmps
+        ok = (held == asked).all(axis=1)
         ok[0] &= links[0] == parent
         ok[1:] &= links[1:] == pages[:-1]
         return pages[: int(np.argmin(ok))]
