@@ -348,8 +348,9 @@ class PagePool:
         pages = self._table.find(keys.hashes)
         if len(pages) == 0 or pages[0] < 0:
             return _NO_PAGES
-        if pages.min() < 0:
-            pages = pages[: int(np.argmin(pages))]
+        first = int(np.argmin(pages))  # the first miss, if any
+        if pages[first] < 0:
+            pages = pages[:first]
         if parent == -1 and self._namespace.get(int(pages[0])) != keys.namespace:
             return _NO_PAGES
         held = self._tokens.take(pages, axis=0)
