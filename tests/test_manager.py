@@ -25,6 +25,10 @@ from mstar.engine.resources.kv.plan import (
 from mstar.engine.resources.step import KVStep, Segment
 
 
+class CopyFailed(RuntimeError):
+    pass
+
+
 class TokenCache:
     """A fake KV cache holding a token id per slot, so a stream's pages can be
     read back and compared with the tokens it was given."""
@@ -33,8 +37,12 @@ class TokenCache:
         self.page_size = page_size
         self.slots = np.full((num_pages, page_size), -1, dtype=np.int64)
         self.copies = []
+        self.fail = False  # the next copy_pages raises CopyFailed
 
     def copy_pages(self, src, dst):
+        if self.fail:
+            self.fail = False
+            raise CopyFailed("copy_pages failed")
         self.copies.append((list(src), list(dst)))
         self.slots[np.asarray(dst)] = self.slots[np.asarray(src)]
 
@@ -421,11 +429,17 @@ class ManagerMachine(RuleBasedStateMachine):
     fork that shares the wrong page, or a step that writes a shared page,
     shows up as a wrong history."""
 
-    @initialize(page_size=st.sampled_from([1, 2, 3, 5]), num_pages=st.integers(3, 30))
-    def setup(self, page_size, num_pages):
+    @initialize(
+        page_size=st.sampled_from([1, 2, 3, 5]),
+        num_pages=st.integers(3, 30),
+        splice=st.booleans(),
+    )
+    def setup(self, page_size, num_pages, splice):
         self.ps = page_size
         self.cache = TokenCache(num_pages, page_size)
         self.mgr = KVManager(num_pages=num_pages, page_size=page_size, cache=self.cache)
+        if splice:  # every plan spliced from the label's last, however few its rows
+            self.mgr._splice_rows = 0
         self.hist = {}  # (request, label) -> token ids
         self.pages = {}  # (request, label) -> pages held
         self.next_token = 0
@@ -493,13 +507,14 @@ class ManagerMachine(RuleBasedStateMachine):
             post_forks=forks(),
             commit=data.draw(st.integers(0, 3)) > 0,
         )
-        self.run(step)
+        self.run(step, data)
 
-    @rule()
-    def repeat_decode(self):
+    @rule(data=st.data())
+    def repeat_decode(self, data):
         if self.last_decode is not None:
             self.run(
-                KVStep(self.last_decode.segments, combined_labels=self.last_decode.combined_labels)
+                KVStep(self.last_decode.segments, combined_labels=self.last_decode.combined_labels),
+                data,
             )
 
     @rule(data=st.data())
@@ -519,7 +534,14 @@ class ManagerMachine(RuleBasedStateMachine):
 
     # -- running one step against the model ------------------------------------------------
 
-    def run(self, step):
+    def state(self):
+        """Everything a refused or undone call must leave as it was."""
+        streams = {
+            key: (self.mgr.stored_len(*key), sorted(self.mgr.labels(key[0]))) for key in self.hist
+        }
+        return self.mgr.num_free_pages, self.mgr.shared_pages(), streams
+
+    def run(self, step, data):
         need, missing = self.model_need(step)
         free = self.mgr.num_free_pages
         if missing is not None:
@@ -534,10 +556,26 @@ class ManagerMachine(RuleBasedStateMachine):
             assert err.value.pages_short == need - free
             assert self.mgr.num_free_pages == free
             return
+        before = self.state()
         self.mgr.admit(step)
         assert self.mgr.num_free_pages == free - need
-        plans = self.mgr.plan(step)
+        if data.draw(st.integers(0, 9)) == 0:  # abandoned after admit
+            self.mgr.abort(step)
+            assert self.state() == before
+            return
+        self.cache.fail = data.draw(st.integers(0, 3)) == 0
+        try:
+            plans = self.mgr.plan(step)
+        except CopyFailed:  # a pre-fork's copy: the step is as admitted
+            assert self.mgr.num_free_pages == free - need
+            self.mgr.check_invariants()
+            self.mgr.abort(step)
+            assert self.state() == before
+            return
+        self.cache.fail = False
         requests = list(dict.fromkeys(s.request_id for s in step.segments))
+        kept = {key: list(h) for key, h in self.hist.items()}  # the model before the step
+        kept_pages = dict(self.pages)
         for src, dst in step.pre_forks:
             for request in requests:
                 self.apply_fork(request, src, dst)
@@ -564,9 +602,26 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.next_token += seg.span
                 self.cache.write(view, tokens)
                 new_tokens[key] = tokens
+            fresh = build_paged_indptrs(out.views, self.ps)
+            for a, b in zip(out.cpu_indptrs, fresh):
+                assert a.tolist() == b.tolist()
             if decode:
                 assert_same_as_fresh_build(out, self.ps)
-        self.mgr.commit(step)
+        if data.draw(st.integers(0, 9)) == 0:  # the forward failed: abandoned after plan
+            self.mgr.abort(step)
+            self.hist, self.pages = kept, kept_pages  # pre-forks and new streams undone
+            assert self.state() == before
+            return
+        self.cache.fail = data.draw(st.integers(0, 3)) == 0
+        try:
+            self.mgr.commit(step)
+        except CopyFailed:  # a post-fork's copy: nothing committed; then abandoned
+            self.mgr.check_invariants()
+            self.mgr.abort(step)
+            self.hist, self.pages = kept, kept_pages
+            assert self.state() == before
+            return
+        self.cache.fail = False
         if step.commit:
             for key, tokens in new_tokens.items():
                 self.hist[key].extend(tokens)

@@ -47,7 +47,6 @@ from mstar.engine.resources.step import KVStep, Segment
 _KEY = itemgetter(0, 1)  # a segment's (request_id, label)
 _SPAN = itemgetter(2)
 _INT32_MAX = 2**31 - 1
-_SPLICE_ROWS = 64  # from this many rows a plan label's indices are spliced from its last
 
 
 class KVError(Exception):
@@ -183,6 +182,7 @@ class KVManager:
         self._admitted: dict[KVStep, _Admitted] = {}
         self._index: dict[str, _Index] = {}
         self._recycler = _Recycler()
+        self._splice_rows = 64  # from this many rows a label's indices are spliced from its last
 
     # --- queries -----------------------------------------------------------------------
 
@@ -501,7 +501,7 @@ class KVManager:
         kv_lens = ends.astype(np.int32)  # max(num_pages - 1, 0) * ps + last: ends, or ps if 0
         if b and not np.minimum.reduce(ends):
             kv_lens[ends == 0] = ps
-        if b < _SPLICE_ROWS:
+        if b < self._splice_rows:
             indices = self._recycler.empty(int(kv_indptr[-1]))
             tables = self._tables
             for slot, n, d in zip(slots.tolist(), num_pages.tolist(), kv_indptr.tolist()):
