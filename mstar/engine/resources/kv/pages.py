@@ -48,7 +48,6 @@ import numpy as np
 _NO_PAGES = np.zeros(0, dtype=np.int32)
 _NO_KEYS = np.zeros(0, dtype=np.uint64)
 _WIDTH_BITS = 3  # _KeyTable's buckets hold 8 keys
-_MASK = (1 << 64) - 1
 _BASE = 0x9E3779B97F4A7C15  # odd, so its powers are invertible mod 2**64
 
 Key = int  # a page key: an int in [0, 2**64)
