@@ -325,3 +325,20 @@ def test_a_budget_smaller_than_the_rows_still_serves_everything(models):
     done, want = run(tight), run(roomy)
     assert done["g"].outputs[0].token_ids == want["g"].outputs[0].token_ids
     assert [o.token_ids for o in done["f"].outputs] == [hf_greedy(reference, plain, new=6)] * 3
+
+
+def test_num_pages_none_sizes_the_pool_from_memory(models):
+    from mstar.engine.engine import HOST_POOL_BYTES
+
+    eng = Engine(copy.deepcopy(models[1]), page_size=8)
+    cache = eng.cache
+    page_bytes = cache.num_layers * 2 * 8 * cache.num_kv_heads * cache.head_dim * 4
+    assert eng.mgr.num_pages > 1 and eng.mgr.num_pages * page_bytes <= HOST_POOL_BYTES
+
+
+def test_from_pretrained_smollm2_answers_a_string_prompt(smollm2):
+    eng = Engine.from_pretrained("smollm2", num_pages=16)
+    prompt = "The capital of France is"
+    (done,) = eng.generate([prompt], SamplingParams(max_new_tokens=3))
+    ids = eng.tokenizer.encode(prompt)
+    assert done.prompt_token_ids == ids and " Paris" in done.outputs[0].text
