@@ -69,10 +69,11 @@ class Runner:
         """One general step; a chunk of one token is a decode row in it."""
         self._run(self.streams.plan([(name, len(ids)) for name, ids in chunks]), chunks)
 
-    def decode(self, names: list[str]) -> None:
-        """One decode-plan step feeding each stream its greedy next token."""
+    def decode(self, names: list[str], *, allow_views: bool = True) -> None:
+        """One decode-plan step feeding each stream its greedy next token
+        (unless ``allow_views``, building the plan's views raises)."""
         feeds = [(name, [self.next_token(name)]) for name in names]
-        self._run(self.streams.decode_plan(names, allow_views=True), feeds)
+        self._run(self.streams.decode_plan(names, allow_views=allow_views), feeds)
 
     def next_token(self, name: str) -> int:
         return int(self.logits[name][-1][-1].argmax())
@@ -114,6 +115,19 @@ def test_chunked_prefill_then_decode(llama):
     for _ in range(4):
         run.decode(["a"])
     _check_stream(reference, run, "a", len(prompt))
+
+
+def test_a_decode_step_never_builds_views(llama):
+    """Positions, cache writes and attention of a decode plan read its index
+    arrays alone (its view builder raises), and the logits stay exact."""
+    reference, paged = llama
+    a, b = _prompt(6, seed=12), _prompt(3, seed=13)
+    run = Runner(paged, page_size=4)
+    run.prefill([("a", a), ("b", b)])
+    for _ in range(4):
+        run.decode(["a", "b"], allow_views=False)
+    _check_stream(reference, run, "a", len(a))
+    _check_stream(reference, run, "b", len(b))
 
 
 def test_two_streams_batched(llama):
