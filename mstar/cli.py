@@ -49,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--plot", metavar="PATH.png", help="plot plan latency (needs matplotlib)")
     bench.add_argument("--quick", action="store_true", help="fewer configurations")
     args = parser.parse_args(argv)
+    try:
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()  # the weights' loading bar: noise in a CLI
+    except ImportError:
+        pass  # the plan benchmarks run without transformers
     commands = {"demo": run_demo, "generate": run_generate, "bench": run_bench}
     try:
         return commands[args.command](args)
@@ -69,9 +75,6 @@ def load_model(name: str, device: str) -> tuple[Any, Any]:
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {device}: CUDA is not available")
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()  # the weights' loading bar: noise in a CLI
     try:
         model, tokenizer = load(name)
     except (FileNotFoundError, OSError, ValueError) as err:
@@ -178,9 +181,12 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     if args.e2e:
+        from rich.console import Console
+
         from mstar.bench.e2e import format_e2e, run_e2e
 
-        result = run_e2e(quick=args.quick)
+        with Console(stderr=True).status("starting") as status:
+            result = run_e2e(quick=args.quick, stage=status.update)
         print(format_e2e(result))
         if args.json:
             with open(args.json, "w") as f:

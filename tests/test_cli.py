@@ -119,3 +119,19 @@ def test_bench_plot(tmp_path):
     path = tmp_path / "latency.png"
     assert main(["bench", "--quick", "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_e2e_table_compares_every_path_with_ours():
+    from mstar.bench.e2e import format_e2e
+
+    def row(path, seconds, exact):
+        return {"path": path, "seconds": seconds, "tokens": 100, "prompts": 4, "exact": exact}
+
+    rows = [row("Engine.generate", 2.0, 4), row("HF generate", 4.0, 3)]
+    for r in rows:
+        r["tokens_per_s"] = r["tokens"] / r["seconds"]
+    rows[0]["plan_share"] = 0.012
+    table = format_e2e({"workload": "4 prompts", "threads": 2, "rows": rows}).splitlines()
+    assert table[0].startswith("4 prompts (2 threads)")
+    assert table[3].split()[-4:] == ["50.0", "1.00x", "4/4", "1.2%"]
+    assert table[4].split()[-3:] == ["25.0", "2.00x", "3/4"]

@@ -19,15 +19,19 @@ import torch
 NEW_TOKENS = 32
 
 
-def run_e2e(*, quick: bool = False, repeat: int = 2) -> dict[str, Any]:
+def run_e2e(
+    *, quick: bool = False, repeat: int = 2, stage: Callable[[str], None] = lambda _: None
+) -> dict[str, Any]:
     """Figures as a dict: the workload, and per path its seconds, tokens/s and
-    exact matches (plus, for the engine, the plan layer's share of the step)."""
+    exact matches (plus, for the engine, the plan layer's share of the step).
+    ``stage`` hears what is running (for a progress display)."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     from mstar.demo import CHAT_QUESTIONS
     from mstar.engine import Engine, EngineStats, SamplingParams
     from mstar.engine.loader import chat_prompt, load
 
+    stage("loading SmolLM2")
     model, tokenizer = load("smollm2")
     questions = CHAT_QUESTIONS[:4] if quick else CHAT_QUESTIONS
     prompts = [chat_prompt(tokenizer, q) for q in questions]
@@ -35,7 +39,10 @@ def run_e2e(*, quick: bool = False, repeat: int = 2) -> dict[str, Any]:
     config = GenerationConfig(
         max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos
     )
-    oracle = [_hf_one(model, p, config) for p in prompts]
+    oracle = []
+    for i, p in enumerate(prompts):
+        stage(f"the oracle: HF generate on prompt {i + 1} of {len(prompts)} alone")
+        oracle.append(_hf_one(model, p, config))
     engine = Engine(copy.deepcopy(model), tokenizer)  # defaults: page_size 16, budget 256
     engine_stats: list[EngineStats] = []
 
@@ -72,7 +79,9 @@ def run_e2e(*, quick: bool = False, repeat: int = 2) -> dict[str, Any]:
         ("HF generate_batch", hf_batch),
     ]
     for name, fn in paths:
-        seconds, tokens = _best(fn, repeat)
+        seconds, tokens = _best(
+            fn, repeat, lambda i, n=name: stage(f"{n}: run {i} of {repeat + 1}")
+        )
         generated = sum(len(t) for t in tokens)
         row = {
             "path": name,
@@ -123,10 +132,14 @@ def format_e2e(result: dict[str, Any]) -> str:
     return "\n".join([title, *lines])
 
 
-def _best(fn: Callable[[], list[list[int]]], repeat: int) -> tuple[float, list[list[int]]]:
+def _best(
+    fn: Callable[[], list[list[int]]], repeat: int, stage: Callable[[int], None]
+) -> tuple[float, list[list[int]]]:
+    stage(1)
     tokens = fn()  # warm-up
     best = float("inf")
-    for _ in range(repeat):
+    for i in range(repeat):
+        stage(i + 2)
         t0 = time.perf_counter()
         tokens = fn()
         best = min(best, time.perf_counter() - t0)
