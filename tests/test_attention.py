@@ -8,7 +8,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from oracles import Scenario, dense_attention
 
-from mstar.engine.resources.attn.paged import paged_attention
+from mstar.engine.resources.attn.paged import AttentionSchedule, paged_attention
 from mstar.engine.resources.kv.plan import PagedIndptrs, build_paged_indptrs, context_only_views
 
 HEAD_DIM = 8
@@ -160,6 +160,26 @@ def test_many_rows_of_mixed_lengths_match_dense():
         out = paged_attention(torch.cat(qs), case.cache.layer(0), plan.cpu_indptrs, **opts)
         expected = [dense_attention(q, *case.kv[n], **opts) for q, n in zip(qs, case.names)]
         _assert_close(out, torch.cat(expected))
+
+
+def test_one_schedule_serves_every_layer_of_a_step():
+    """A schedule built once gives what a call without one gives, for
+    layers with different options (a window, a chunk) and values."""
+    rows = [(20, 1), (3, 1), (10, 6), (0, 4)]
+    case = Scenario(rows, 4, 2, seed=6)
+    plan = case.step()
+    schedule = AttentionSchedule(plan.cpu_indptrs, 4)
+    layer = case.cache.layer(0)
+    for opts in ({}, {"window_left": 2}, {"chunk_size": 8}, {}):
+        q = torch.cat(case.queries([n for _, n in rows], 4))
+        got = paged_attention(q, layer, plan.cpu_indptrs, schedule=schedule, **opts)
+        assert torch.equal(got, paged_attention(q, layer, plan.cpu_indptrs, **opts))
+    other = case.streams.plan([("r0", 1)])
+    with pytest.raises(ValueError, match="expected a schedule built from these indptrs"):
+        paged_attention(q[:1], layer, other.cpu_indptrs, schedule=schedule)
+    with pytest.raises(ValueError, match="expected a schedule for cpu, got one for meta"):
+        schedule = AttentionSchedule(plan.cpu_indptrs, 4, "meta")
+        paged_attention(q, layer, plan.cpu_indptrs, schedule=schedule)
 
 
 def test_value_width_may_differ_from_key_width():

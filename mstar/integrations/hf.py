@@ -28,7 +28,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 
 from mstar.engine.resources.attn.flashinfer import FlashInferPagedAttention, unsupported
-from mstar.engine.resources.attn.paged import paged_attention
+from mstar.engine.resources.attn.paged import AttentionSchedule, paged_attention
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.plan import KVPlanOutput
 from mstar.engine.resources.position import positions
@@ -94,6 +94,8 @@ class _Step:
     flashinfer: FlashInferPagedAttention | None
     chunk_sizes: tuple[int | None, ...]
     layers_seen: set[int] = field(default_factory=set)
+    # The step's attention schedule, built by its first layer.
+    schedule: AttentionSchedule | None = None
 
 
 @dataclass
@@ -410,7 +412,10 @@ def _paged_attention_forward(
         "chunk_size": context.chunk_sizes[layer],
     }
     if context.flashinfer is None:
-        out = paged_attention(q, cache.layer(layer), plan.cpu_indptrs, **options)
+        if context.schedule is None:
+            context.schedule = AttentionSchedule(plan.cpu_indptrs, cache.page_size, q.device)
+        kv_layer = cache.layer(layer)
+        out = paged_attention(q, kv_layer, plan.cpu_indptrs, schedule=context.schedule, **options)
     else:
         context.flashinfer.plan(
             plan,

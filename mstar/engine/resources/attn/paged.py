@@ -11,12 +11,14 @@ A decode row is therefore never padded to a prefill chunk's length.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
 from mstar.engine.resources.kv.plan import PagedIndptrs
 
-__all__ = ["paged_attention"]
+__all__ = ["AttentionSchedule", "paged_attention"]
 
 KVLayer = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
@@ -32,6 +34,7 @@ def paged_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    schedule: AttentionSchedule | None = None,
 ) -> torch.Tensor:
     """Attention of each row's queries over its pages.
 
@@ -53,51 +56,94 @@ def paged_attention(
     when ``softcap`` is given. ``sinks`` ``[num_qo_heads]`` (GPT-OSS's
     ``s_aux``) adds ``exp(sinks[h])`` to head ``h``'s softmax denominator. A
     query whose keys are all masked gives zeros. Softmax in float32.
+    ``schedule`` (an ``AttentionSchedule`` of ``indptrs``) saves a layer the
+    host-side work that is the same for every layer of a step.
     """
     k_pages, v_pages = _check_inputs(q, kv_layer, indptrs, sinks, softcap, chunk_size)
-    device = q.device
-    page_size, v_dim = k_pages.shape[1], v_pages.shape[-1]
+    if schedule is None:
+        schedule = AttentionSchedule(indptrs, k_pages.shape[1], q.device)
+    elif schedule.indptrs is not indptrs or schedule.page_size != k_pages.shape[1]:
+        raise ValueError(
+            "expected a schedule built from these indptrs and page size"
+            f" {k_pages.shape[1]}, got one for page size {schedule.page_size}"
+        )
+    elif schedule.device != q.device:
+        raise ValueError(f"expected a schedule for {q.device}, got one for {schedule.device}")
     scale = q.shape[2] ** -0.5 if sm_scale is None else sm_scale
-    mask = _Mask(causal, window_left, chunk_size)
-    sink = None if sinks is None else sinks.to(device, torch.float32)
-
-    qo_indptr = _host(indptrs.qo_indptr)
-    kv_indptr = _host(indptrs.paged_kv_indptr)
-    qo_lens, num_pages = np.diff(qo_indptr), np.diff(kv_indptr)
-    kv_lens = np.where(
-        num_pages > 0, (num_pages - 1) * page_size + _host(indptrs.paged_kv_last_page_len), 0
-    )
-    out = q.new_zeros(q.shape[0], q.shape[1], v_dim)
-    live = (qo_lens > 0) & (num_pages > 0)  # a row without keys stays zeros
-    indices = indptrs.paged_kv_indices
-
-    decode = np.flatnonzero(live & (qo_lens == 1))
-    prefill = np.flatnonzero(live & (qo_lens > 1))
-    groups = ([decode] if decode.size else []) + _prefill_groups(prefill, qo_lens, kv_lens)
-    host_indices = indices.cpu().numpy()
-    for rows in groups:
-        # Queries padded to [R, max_q] and pages to [R, max_pages] with each
-        # row's last ones; the padding is masked, or its output dropped.
-        max_q, max_pages = int(qo_lens[rows].max()), int(num_pages[rows].max())
-        qi = np.minimum(np.arange(max_q), qo_lens[rows, None] - 1)
-        col = np.minimum(np.arange(max_pages), num_pages[rows, None] - 1)
-        tokens = torch.from_numpy(qo_indptr[rows, None] + qi).to(device)
-        page_ids = host_indices[kv_indptr[rows, None] + col].astype(np.int64)
+    sink = None if sinks is None else sinks.to(q.device, torch.float32)
+    out = q.new_zeros(q.shape[0], q.shape[1], v_pages.shape[-1])
+    masks = schedule.masks(causal, window_left, chunk_size)
+    for batch, visible in zip(schedule.batches, masks):
         rows_out = _attend(
-            q[tokens],
-            torch.from_numpy(page_ids).to(device),
-            k_pages,
-            v_pages,
-            kv_lens[rows],
-            (kv_lens - qo_lens)[rows, None] + qi,
-            scale,
-            mask,
-            softcap,
-            sink,
+            q[batch.tokens], batch.page_ids, k_pages, v_pages, visible, scale, softcap, sink
         )
         # A padding query repeats its row's last, so it writes the same value again.
-        out[tokens] = rows_out.to(q.dtype)
+        out[batch.tokens] = rows_out.to(q.dtype)
     return out
+
+
+class _Batch(NamedTuple):
+    """Rows computed together, padded to their longest query and most pages
+    with each row's last ones (the padding is masked, or written twice)."""
+
+    tokens: torch.Tensor  # int64 [R, max_q]: each query's token in q
+    page_ids: torch.Tensor  # int64 [R, max_pages]
+    kv_lens: np.ndarray  # int64 [R]
+    query_pos: np.ndarray  # int64 [R, max_q]: each query's key slot
+
+
+class AttentionSchedule:
+    """The layer-independent part of ``paged_attention`` over one plan's
+    index arrays: rows batched by shape (every decode row in one batch, each
+    prefill row with rows of a similar shape), each batch's tokens and pages
+    as index tensors on ``device``, and its masks, built once per mask option
+    set. Build it once per step and pass it to every layer's call (a call
+    without one builds its own). A row without queries or keys is in no
+    batch: its queries give zeros."""
+
+    def __init__(
+        self, indptrs: PagedIndptrs, page_size: int, device: torch.device | str = "cpu"
+    ) -> None:
+        self.indptrs = indptrs
+        self.page_size = page_size
+        self.device = torch.device(device)
+        qo_indptr = _host(indptrs.qo_indptr)
+        kv_indptr = _host(indptrs.paged_kv_indptr)
+        qo_lens, num_pages = np.diff(qo_indptr), np.diff(kv_indptr)
+        kv_lens = np.where(
+            num_pages > 0, (num_pages - 1) * page_size + _host(indptrs.paged_kv_last_page_len), 0
+        )
+        live = (qo_lens > 0) & (num_pages > 0)
+        decode = np.flatnonzero(live & (qo_lens == 1))
+        prefill = np.flatnonzero(live & (qo_lens > 1))
+        groups = ([decode] if decode.size else []) + _prefill_groups(prefill, qo_lens, kv_lens)
+        host_indices = indptrs.paged_kv_indices.cpu().numpy()
+        self.batches: list[_Batch] = []
+        for rows in groups:
+            qi = np.minimum(np.arange(qo_lens[rows].max()), qo_lens[rows, None] - 1)
+            col = np.minimum(np.arange(num_pages[rows].max()), num_pages[rows, None] - 1)
+            page_ids = host_indices[kv_indptr[rows, None] + col].astype(np.int64)
+            self.batches.append(
+                _Batch(
+                    torch.from_numpy(qo_indptr[rows, None] + qi).to(self.device),
+                    torch.from_numpy(page_ids).to(self.device),
+                    kv_lens[rows],
+                    (kv_lens - qo_lens)[rows, None] + qi,
+                )
+            )
+        self._masks: dict[tuple, list[torch.Tensor | None]] = {}
+
+    def masks(
+        self, causal: bool, window_left: int, chunk_size: int | None
+    ) -> list[torch.Tensor | None]:
+        """Each batch's visibility mask under these options (memoized)."""
+        key = (causal, window_left, chunk_size)
+        if key not in self._masks:
+            self._masks[key] = [
+                _visible(b, self.page_size, causal, window_left, chunk_size, self.device)
+                for b in self.batches
+            ]
+        return self._masks[key]
 
 
 def _prefill_groups(rows: np.ndarray, qo_lens: np.ndarray, kv_lens: np.ndarray) -> list:
@@ -119,36 +165,35 @@ def _prefill_groups(rows: np.ndarray, qo_lens: np.ndarray, kv_lens: np.ndarray) 
     return [np.array(g) for g in groups]
 
 
-class _Mask:
-    """Which keys a query sees, beyond the row's length."""
-
-    def __init__(self, causal: bool, window_left: int, chunk_size: int | None) -> None:
-        self.causal = causal
-        self.window_left = window_left
-        self.chunk_size = chunk_size
-
-    def visible(
-        self, kv_lens: np.ndarray, query_pos: np.ndarray, width: int, device: torch.device
-    ) -> torch.Tensor | None:
-        """Bool ``[R, max_q, width]``: key slot visible to the query at
-        ``query_pos`` ``[R, max_q]``; None when all are."""
-        if (
-            (kv_lens == width).all()
-            and (query_pos.shape[1] == 1 or not self.causal)
-            and self.window_left < 0
-            and self.chunk_size is None
-        ):
-            return None
-        key = torch.arange(width, device=device)
-        query = torch.from_numpy(query_pos).to(device)[..., None]
-        seen = key < torch.from_numpy(kv_lens).to(device)[:, None, None]
-        if self.causal:
-            seen = seen & (key <= query)
-        if self.window_left >= 0:
-            seen = seen & (key >= query - self.window_left)
-        if self.chunk_size is not None:
-            seen = seen & (key // self.chunk_size == query // self.chunk_size)
-        return seen.expand(-1, query_pos.shape[1], -1)
+def _visible(
+    batch: _Batch,
+    page_size: int,
+    causal: bool,
+    window_left: int,
+    chunk_size: int | None,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Bool ``[R, max_q, width]``: which key slots each query sees; None
+    when it sees them all."""
+    width = batch.page_ids.shape[1] * page_size
+    max_q = batch.query_pos.shape[1]
+    if (
+        (batch.kv_lens == width).all()
+        and (max_q == 1 or not causal)
+        and window_left < 0
+        and chunk_size is None
+    ):
+        return None
+    key = torch.arange(width, device=device)
+    query = torch.from_numpy(batch.query_pos).to(device)[..., None]
+    seen = key < torch.from_numpy(batch.kv_lens).to(device)[:, None, None]
+    if causal:
+        seen = seen & (key <= query)
+    if window_left >= 0:
+        seen = seen & (key >= query - window_left)
+    if chunk_size is not None:
+        seen = seen & (key // chunk_size == query // chunk_size)
+    return seen.expand(-1, max_q, -1)
 
 
 def _attend(
@@ -156,16 +201,14 @@ def _attend(
     page_ids: torch.Tensor,
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
-    kv_lens: np.ndarray,
-    query_pos: np.ndarray,
+    visible: torch.Tensor | None,
     scale: float,
-    mask: _Mask,
     softcap: float | None,
     sink: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``R`` rows padded to a common shape: ``q`` ``[R, max_q, H, D]`` at
-    ``query_pos`` over pages ``page_ids`` ``[R, max_pages]`` holding
-    ``kv_lens`` keys; returns float32 ``[R, max_q, H, v_dim]``."""
+    """``R`` rows padded to a common shape: ``q`` ``[R, max_q, H, D]`` over
+    pages ``page_ids`` ``[R, max_pages]``, ``visible`` ``[R, max_q, L]`` (None:
+    all); returns float32 ``[R, max_q, H, v_dim]``."""
     num_rows, max_q, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     group = num_heads // num_kv_heads
@@ -182,7 +225,6 @@ def _attend(
     scores = scores.view(num_rows, num_kv_heads, group, max_q, width)
     if softcap is not None:
         scores = scores.div_(softcap).tanh_().mul_(softcap)
-    visible = mask.visible(kv_lens, query_pos, width, q.device)
     if visible is not None:
         scores = scores.masked_fill_(~visible[:, None, None], float("-inf"))
     peak = scores.amax(dim=-1, keepdim=True)
