@@ -98,7 +98,7 @@ class Engine:
         self.max_len = getattr(model.config, "max_position_embeddings", None)
         self.stats = EngineStats()
         self._running: dict[str, Request] = {}  # unfinished, oldest first
-        self._arrivals = itertools.count()
+        self._ids = itertools.count()
 
     @classmethod
     def from_pretrained(
@@ -129,7 +129,7 @@ class Engine:
         logits (``n`` must be 1). Raises ``RequestTooLarge`` when its KV could
         never fit the pool, ``ValueError`` for anything else invalid."""
         params = params or SamplingParams()
-        rid = f"req{next(self._arrivals)}" if request_id is None else request_id
+        rid = f"req{next(self._ids)}" if request_id is None else request_id
         if rid in self._running:
             raise ValueError(f"expected a new request id, got {rid!r} (running)")
         ids = self._token_ids(rid, prompt)
@@ -149,16 +149,15 @@ class Engine:
                 f" max_new_tokens {params.max_new_tokens}, n {params.n}), the pool has"
                 f" {self.mgr.num_pages}"
             )
-        labels = [GUIDED] if uncond is not None else [("main",)] if params.n == 1 else None
         samples = [
             Sample(
                 i,
-                labels[0] if labels else (f"s{i}",),
+                GUIDED if uncond is not None else ("main",) if params.n == 1 else (f"s{i}",),
                 None if params.greedy else make_generator(params, i, self.device),
             )
             for i in range(params.n)
         ]
-        req = Request(rid, ids, params, 0, samples, uncond=uncond, guidance_scale=guidance_scale)
+        req = Request(rid, ids, params, samples, uncond=uncond, guidance_scale=guidance_scale)
         req.restart()
         self._running[rid] = req
         return rid

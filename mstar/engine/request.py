@@ -64,7 +64,6 @@ class Request:
     id: str
     prompt: list[int]
     params: SamplingParams
-    arrival: int
     samples: list[Sample]
     uncond: list[int] | None = None
     guidance_scale: float = 1.0
