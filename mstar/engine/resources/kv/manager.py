@@ -42,10 +42,12 @@ from mstar.engine.resources.kv.plan import (
     SequenceView,
     group_by_plan_label,
 )
+from mstar.engine.resources.kv.prefix import PrefixChains, TokenError, step_tokens
 from mstar.engine.resources.step import KVStep, Segment
 
 _KEY = itemgetter(0, 1)  # a segment's (request_id, label)
 _SPAN = itemgetter(2)
+_TOKENS = itemgetter(3)
 _INT32_MAX = 2**31 - 1
 
 
@@ -139,6 +141,7 @@ class _Admitted:
     grow: np.ndarray  # int64 [B]: pages each row takes
     requests: dict[str, None]  # ordered
     groups: dict[str, np.ndarray | None]  # plan label -> rows (None: all, in order)
+    tokens: Any = None  # with a prefix cache: the rows' tokens (see ``step_tokens``)
     pool: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     used: int = 0
     planned: bool = False
@@ -148,7 +151,13 @@ class _Admitted:
 
 
 class KVManager:
-    """Pages, streams and forks -> plans. Thread-safe: one lock guards the state."""
+    """Pages, streams and forks -> plans. Thread-safe: one lock guards the state.
+
+    With ``prefix_cache=True``, full pages are registered by content once
+    committed (a stream's segments must carry their ``tokens``), stay cached
+    after their last owner lets go until their memory is needed (cached pages
+    count as free), and ``match_prefix`` starts a new stream on the longest
+    cached run of a prompt's pages."""
 
     def __init__(
         self,
@@ -156,6 +165,8 @@ class KVManager:
         page_size: int,
         cache: Any | None = None,
         ring: PinnedIndexRing | None = None,
+        *,
+        prefix_cache: bool = False,
     ) -> None:
         for name, value in (("num_pages", num_pages), ("page_size", page_size)):
             if not _is_int(value) or not 1 <= value <= _INT32_MAX:
@@ -169,7 +180,8 @@ class KVManager:
         self.cache = cache
         self.ring = ring
         self._lock = threading.Lock()
-        self._pages = PagePool(self.num_pages)
+        self._pages = PagePool(self.num_pages, self.page_size)
+        self._prefix = PrefixChains(self._pages, self.page_size) if prefix_cache else None
         self._slot_of = _Slots()
         self._streams: dict[str, dict[str, int]] = {}  # request -> label -> slot
         self._tables: list[np.ndarray | None] = [np.zeros(0, np.int32)]
@@ -204,6 +216,61 @@ class KVManager:
         """Page references saved by sharing: sum over pages of owners - 1."""
         with self._lock:
             return self._pages.shared()
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Free pages that still hold a cached prefix (evicted when needed)."""
+        return self._pages.num_cached
+
+    def prefix_stats(self) -> dict[str, int]:
+        """Tokens queried and hit by ``match_prefix``, pages registered in the
+        cache now, pages evicted so far."""
+        with self._lock:
+            p = self._prefix
+            return {
+                "tokens_queried": p.queried if p else 0,
+                "tokens_hit": p.hit if p else 0,
+                "pages_cached": self._pages.num_registered,
+                "pages_evicted": self._pages.num_evicted,
+            }
+
+    def match_prefix(self, request_id: str, label: str, tokens: Any, namespace: str = "") -> int:
+        """Start the stream (request_id, label) on the longest run of cached
+        full pages equal to a prefix of ``tokens`` (shared, leaving at least
+        one token to compute) and return its stored length: a multiple of
+        ``page_size``, 0 when nothing matches. The caller schedules the rest.
+        ``namespace`` separates KV that equal tokens do not determine (an
+        adapter, images, a salt)."""
+        with self._lock:
+            if self._prefix is None:
+                raise InvalidStep(
+                    "the prefix cache is off (KVManager(..., prefix_cache=True))", request_id, label
+                )
+            _check_key(request_id, label)
+            if not isinstance(namespace, str):
+                raise TypeError(f"expected namespace a str, got {namespace!r}")
+            if (request_id, label) in self._slot_of:
+                raise InvalidStep(
+                    f"expected a new stream, got existing request {request_id!r}, label {label!r}",
+                    request_id,
+                    label,
+                )
+            if self._in_flight({request_id: None}):
+                raise InvalidStep(
+                    f"request {request_id!r} is in an admitted step", request_id, label
+                )
+            ids = np.asarray(tokens)
+            if ids.ndim != 1 or (ids.dtype.kind not in "iu" and ids.size):
+                raise TypeError(
+                    f"expected tokens a 1-D sequence of int ids, got {ids.dtype} {ids.shape}"
+                    f" for request {request_id!r}, label {label!r}"
+                )
+            pages, last = self._prefix.match(ids, namespace)
+            self._pages.share(pages)
+            stored = len(pages) * self.page_size
+            slot = self._new_stream(request_id, label, pages.copy(), stored)
+            self._prefix.start(slot, namespace, len(pages), last)
+            return stored
 
     # --- the step protocol -------------------------------------------------------------
 
@@ -241,6 +308,8 @@ class KVManager:
                 outs = {label: self._output(a) for label, a in arrays.items()}
             except BaseException:
                 self._undo(rec, *mark)
+                if self.ring is not None:  # its buffers were handed to no one
+                    self.ring.discard_plan()
                 raise
             rec.planned = True
             return KVPlanOutputs(outs, step.pre_forks, step.post_forks)
@@ -271,6 +340,8 @@ class KVManager:
                 self._undo(rec, *mark)
                 raise
             assert rec.used == len(rec.pool), "a step must use exactly the pages it reserved"
+            if rec.tokens is not None:  # only now is the step's KV final
+                self._record(step, rec)
             self._finish(rec)
             del self._admitted[step]
 
@@ -338,6 +409,7 @@ class KVManager:
                 raise AssertionError("broken rule: free + owned == num_pages")
             if self._stored[0] or self._npages[0] or 0 in self._free_slots:
                 raise AssertionError("broken rule: slot 0 is the empty stream")
+            pool.check()
 
     # --- admission ---------------------------------------------------------------------
 
@@ -383,7 +455,13 @@ class KVManager:
         np.maximum(grow, 0, out=grow)
         _check_forks(step)
         groups = self._groups(step, keys)
-        return _Admitted(keys, new, slots, spans, ends, num_pages, grow, requests, groups)
+        tokens = None
+        if self._prefix is not None and step.commit:
+            try:
+                tokens = step_tokens(list(map(_TOKENS, segs)), spans, keys)
+            except TokenError as err:
+                raise InvalidStep(str(err)) from err
+        return _Admitted(keys, new, slots, spans, ends, num_pages, grow, requests, groups, tokens)
 
     def _groups(self, step: KVStep, keys: list[tuple[str, str]]) -> dict[str, np.ndarray | None]:
         """Plan label -> the rows it packs (``group_by_plan_label``'s order)."""
@@ -573,6 +651,16 @@ class KVManager:
             view_builder=_Views(keys, indices, kv_indptr, ends, spans, self._gen[slots]),
         )
 
+    def _record(self, step: KVStep, rec: _Admitted) -> None:
+        """Prefix cache: the step's committed tokens; fork targets made after
+        them continue their sources' chains."""
+        tables = self._tables
+        self._prefix.record(rec.slots, self._stored[rec.slots] - rec.spans, rec.tokens, tables)
+        for src, dst in step.post_forks:
+            for request_id in rec.requests:
+                labels = self._streams[request_id]
+                self._prefix.copy(labels[src], labels[dst])
+
     def _finish(self, rec: _Admitted) -> None:
         """A step ended well: fork targets it replaced are freed."""
         for entry in rec.journal:
@@ -628,6 +716,8 @@ class KVManager:
             rec.journal.append(("replace", (request_id, dst), self._unmap(request_id, dst)))
         slot = self._new_stream(request_id, dst, table, stored)
         rec.journal.append(("new", (request_id, dst), slot))
+        if self._prefix is not None:
+            self._prefix.copy(src_slot, slot)
 
     def _new_stream(self, request_id: str, label: str, table: np.ndarray, stored: int) -> int:
         if not self._free_slots:
@@ -639,6 +729,8 @@ class KVManager:
         self._epoch[slot] = self._next_tick()
         self._touch(slot)
         self._map(request_id, label, slot)
+        if self._prefix is not None:
+            self._prefix.start(slot)
         return slot
 
     def _map(self, request_id: str, label: str, slot: int) -> None:
@@ -679,6 +771,8 @@ class KVManager:
             arr = np.zeros(new, dtype=np.int64)
             arr[:old] = getattr(self, name)
             setattr(self, name, arr)
+        if self._prefix is not None:
+            self._prefix.grow(new)
         self._free_slots.extend(range(new - 1, old - 1, -1))
 
     def _live_slots(self) -> list[int]:

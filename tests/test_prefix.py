@@ -1,0 +1,184 @@
+"""KVManager's prefix cache: pages reused by content across requests.
+
+The oracle is a token store: every page slot holds the token id written
+there, so a stream that starts on cached pages must read back exactly the
+prompt prefix it was matched on, and every registered page must hold the
+tokens its key claims.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from test_manager import TokenCache
+
+from mstar.engine.resources.kv.manager import AllocationFailed, InvalidStep, KVManager
+from mstar.engine.resources.step import KVStep, Segment
+
+
+def serve(mgr, cache, rows, **kwargs):
+    """One step; ``rows`` is [(request, label, tokens)]; each view is checked
+    against nothing here, the tokens are written where the plan says."""
+    step = KVStep(tuple(Segment(r, lab, len(t), t) for r, lab, t in rows), **kwargs)
+    mgr.admit(step)
+    plans = mgr.plan(step)
+    views = {(v.request_id, v.label): v for out in plans.values() for v in out.views}
+    for r, lab, t in rows:
+        cache.write(views[r, lab], list(t))
+    mgr.commit(step)
+    return views
+
+
+def test_a_shared_prompt_is_served_from_cache():
+    cache = TokenCache(64, 4)
+    mgr = KVManager(64, 4, cache=cache, prefix_cache=True)
+    system = list(range(100, 110))  # 10 tokens: two full pages and a partial one
+    serve(mgr, cache, [("a", "main", [*system, 1, 2, 3])])
+    assert mgr.prefix_stats()["pages_cached"] == 3  # 13 tokens: three full pages
+    assert mgr.match_prefix("b", "main", [*system, 7, 8]) == 8  # two pages, then 10 != 1
+    view = serve(mgr, cache, [("b", "main", [*system[8:], 7, 8])])["b", "main"]
+    assert cache.read(view, 12) == [*system, 7, 8]
+    mgr.release("a")
+    mgr.release("b")
+    assert mgr.num_free_pages == 64 and mgr.num_cached_pages > 0  # cached, yet free
+    assert mgr.match_prefix("c", "main", [*system, 1, 2, 3]) == 12
+    stats = mgr.prefix_stats()
+    assert (stats["tokens_queried"], stats["tokens_hit"]) == (25, 20)
+    mgr.check_invariants()
+
+
+def test_equal_tokens_after_different_prefixes_or_namespaces_never_match():
+    cache = TokenCache(32, 2)
+    mgr = KVManager(32, 2, cache=cache, prefix_cache=True)
+    serve(mgr, cache, [("a", "main", [1, 2, 3, 4, 5])])
+    assert mgr.match_prefix("b", "main", [9, 9, 3, 4, 5]) == 0
+    assert mgr.match_prefix("c", "main", [1, 2, 3, 4, 5], namespace="lora-1") == 0
+    assert mgr.match_prefix("d", "main", [1, 2, 3, 4, 5]) == 4
+    assert mgr.match_prefix("e", "main", [1, 2, 3, 4]) == 2  # one token left to compute
+
+
+def test_eviction_frees_cached_pages_least_recently_used_and_never_fails_a_step():
+    cache = TokenCache(6, 2)
+    mgr = KVManager(6, 2, cache=cache, prefix_cache=True)
+    serve(mgr, cache, [("a", "main", [1, 2, 3, 4, 5, 6])])  # 3 full pages
+    mgr.release("a")
+    assert mgr.num_free_pages == 6 and mgr.num_cached_pages == 3
+    serve(mgr, cache, [("b", "main", list(range(10, 20)))])  # needs 5 pages: evicts 2
+    assert mgr.prefix_stats()["pages_evicted"] == 2
+    assert mgr.match_prefix("c", "main", [1, 2, 3, 4, 5, 6, 7]) == 2  # the first page is left
+    mgr.check_invariants()
+    with pytest.raises(AllocationFailed):  # as with the cache off: 6 pages, 5 + 1 held
+        serve(mgr, cache, [("d", "main", [0] * 3)])
+
+
+def test_a_fork_continues_its_sources_chain():
+    cache = TokenCache(32, 4)
+    mgr = KVManager(32, 4, cache=cache, prefix_cache=True)
+    serve(mgr, cache, [("a", "p", [1, 2, 3, 4, 5, 6])], post_forks=(("p", "s"),))
+    serve(mgr, cache, [("a", "s", [7, 8, 9])])  # the copied tail page fills
+    assert mgr.match_prefix("b", "main", [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 8
+
+
+@pytest.mark.parametrize(
+    "tokens, match",
+    [([1, 2], "tokens 3 integer ids"), ([1.5, 2, 3], "integer ids"), ("abc", "integer ids")],
+)
+def test_tokens_must_match_the_span(tokens, match):
+    mgr = KVManager(8, 4, prefix_cache=True)
+    with pytest.raises(InvalidStep, match=match):
+        mgr.admit(KVStep((Segment("a", "main", 3, tokens),)))
+    assert mgr.num_free_pages == 8 and mgr.labels("a") == []
+
+
+def test_match_prefix_refuses_what_it_cannot_do():
+    mgr = KVManager(8, 4)
+    with pytest.raises(InvalidStep, match="prefix cache is off"):
+        mgr.match_prefix("a", "main", [1, 2, 3])
+    mgr = KVManager(8, 4, prefix_cache=True)
+    mgr.match_prefix("a", "main", [1, 2, 3])
+    with pytest.raises(InvalidStep, match="existing request 'a', label 'main'"):
+        mgr.match_prefix("a", "main", [1, 2, 3])
+    with pytest.raises(TypeError, match="1-D sequence of int ids"):
+        mgr.match_prefix("b", "main", [[1, 2]])
+
+
+VOCAB = 3  # few token ids, so prompts share prefixes and diverge inside pages
+
+
+class PrefixMachine(RuleBasedStateMachine):
+    """Requests share random prefixes of each other's streams, start on what
+    the cache holds, decode, fork, leave; the pool is small, so cached pages
+    get evicted. Every stream reads back its exact tokens."""
+
+    @initialize(page_size=st.sampled_from([1, 2, 4]), num_pages=st.integers(4, 40))
+    def setup(self, page_size, num_pages):
+        self.ps = page_size
+        self.cache = TokenCache(num_pages, page_size)
+        self.mgr = KVManager(num_pages, page_size, cache=self.cache, prefix_cache=True)
+        self.hist: dict[tuple[str, str], list[int]] = {}
+        self.count = 0
+
+    def run(self, rows, **kwargs):
+        free = self.mgr.num_free_pages
+        try:
+            views = serve(self.mgr, self.cache, rows, **kwargs)
+        except AllocationFailed:
+            assert self.mgr.num_free_pages == free
+            return
+        for r, lab, t in rows:
+            assert self.cache.read(views[r, lab], len(self.hist[r, lab])) == self.hist[r, lab]
+            self.hist[r, lab] += list(t)
+        for src, dst in kwargs.get("post_forks", ()):
+            for r in dict.fromkeys(r for r, _, _ in rows):
+                self.hist[r, dst] = list(self.hist[r, src])
+
+    @rule(data=st.data())
+    def arrive(self, data):
+        self.count += 1
+        key = (f"q{self.count}", "a")
+        base = data.draw(st.sampled_from([[], *self.hist.values()]))
+        cut = data.draw(st.integers(0, len(base)))
+        tokens = base[:cut] + data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=9))
+        stored = self.mgr.match_prefix(*key, tokens)
+        assert stored % self.ps == 0 and stored < len(tokens)
+        self.hist[key] = tokens[:stored]
+        self.run([(*key, tokens[stored:])])
+
+    @rule(data=st.data())
+    def decode(self, data):
+        if self.hist:
+            keys = data.draw(st.lists(st.sampled_from(sorted(self.hist)), unique=True, min_size=1))
+            rows = [(*k, [data.draw(st.integers(0, VOCAB - 1))]) for k in keys]
+            self.run(rows)
+
+    @rule(data=st.data())
+    def fork(self, data):
+        mains = sorted(k for k in self.hist if k[1] == "a")
+        if mains:
+            key = data.draw(st.sampled_from(mains))
+            self.run([(*key, [data.draw(st.integers(0, VOCAB - 1))])], post_forks=(("a", "b"),))
+
+    @rule(data=st.data())
+    def leave(self, data):
+        if self.hist:
+            request = data.draw(st.sampled_from(sorted({r for r, _ in self.hist})))
+            self.mgr.release(request)
+            self.hist = {k: v for k, v in self.hist.items() if k[0] != request}
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "mgr"):
+            return
+        self.mgr.check_invariants()
+        for key, tokens in self.hist.items():
+            assert self.mgr.stored_len(*key) == len(tokens)
+        pool = self.mgr._pages  # every registered page holds the tokens its key claims
+        registered = np.flatnonzero(pool._registered)
+        assert (self.cache.slots[registered] == pool._tokens[registered]).all()
+
+
+TestPrefixMachine = PrefixMachine.TestCase
+TestPrefixMachine.settings = settings(max_examples=100, stateful_step_count=25, deadline=None)
