@@ -246,3 +246,20 @@ def test_a_layer_mixing_tokens_without_attention_is_refused():
 
     paged.model.layers[1].self_attn.forward = running_sum
     assert "no attention in layer(s) [1] of 2" in supports(paged)
+
+
+@pytest.mark.parametrize(
+    ("settings", "reason"),
+    [
+        ({"attention_chunk_size": 4}, "attention_chunk_size=4 without layer_types"),
+        (
+            {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
+            r"types layer\(s\) \[0\] sliding_attention but passes .* no sliding_window",
+        ),
+    ],
+)
+def test_a_window_or_chunk_only_the_mask_would_apply_is_refused(settings, reason):
+    """Llama's attention takes no window or chunk: a config asking for one
+    would be honoured only by the mask the plan replaces."""
+    _, paged = _pair("LlamaConfig", settings)
+    assert re.search(reason, supports(paged)), supports(paged)

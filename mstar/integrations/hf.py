@@ -314,8 +314,25 @@ def _judge(config: Any, calls: list[dict[str, Any]], keeps_logits: bool) -> KVSp
     if len(shapes) > 1:
         return f"has layers of different K/V shapes {sorted(shapes)}, and one cache holds one"
     ((num_kv_heads, head_dim, v_head_dim),) = shapes
-    layer_types = getattr(config, "layer_types", None) or ()
+    layer_types = list(getattr(config, "layer_types", None) or ())
     chunk = getattr(config, "attention_chunk_size", None)
+    if chunk is not None and "chunked_attention" not in layer_types:
+        return (
+            f"sets attention_chunk_size={chunk} without layer_types naming its chunked"
+            " layers (chunking lives in the mask, which the plan replaces)"
+        )
+    unwindowed = [
+        c["layer"]
+        for c in calls
+        if c["layer"] < len(layer_types)
+        and layer_types[c["layer"]] == "sliding_attention"
+        and not c["window"]
+    ]
+    if unwindowed:
+        return (
+            f"types layer(s) {unwindowed} sliding_attention but passes their attention no"
+            " sliding_window (the window lives in the mask, which the plan replaces)"
+        )
     chunk_sizes = [None] * num_layers
     for c in calls:
         if c["layer"] < len(layer_types) and layer_types[c["layer"]] == "chunked_attention":
@@ -446,6 +463,7 @@ def _record(
             "keywords": set(kwargs),
             "mask": attention_mask is not None,
             "sinks": kwargs.get("s_aux") is not None,
+            "window": kwargs.get("sliding_window") is not None,
             "causal": getattr(module, "is_causal", True) and kwargs.get("is_causal", True),
             "shape": (key.shape[1], key.shape[3], value.shape[3]),
         }
