@@ -182,3 +182,16 @@ class PrefixMachine(RuleBasedStateMachine):
 
 TestPrefixMachine = PrefixMachine.TestCase
 TestPrefixMachine.settings = settings(max_examples=100, stateful_step_count=25, deadline=None)
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+def test_pages_filled_by_decode_steps_are_cached(page_size):
+    cache = TokenCache(64, page_size)
+    mgr = KVManager(64, page_size, cache=cache, prefix_cache=True)
+    serve(mgr, cache, [("a", "main", [1, 2, 3]), ("b", "main", [5])])
+    for t in range(10, 20):  # decode steps: one token a row, pages fill one by one
+        serve(mgr, cache, [("a", "main", [t]), ("b", "main", [t])])
+    tokens = [1, 2, 3, *range(10, 20), 99]
+    assert mgr.match_prefix("c", "main", tokens) == 13 // page_size * page_size
+    assert mgr.match_prefix("d", "main", [5, *range(10, 20), 99]) == 11 // page_size * page_size
+    mgr.check_invariants()

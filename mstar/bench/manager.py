@@ -12,16 +12,22 @@ the indices by list extends and ``torch.tensor``.
   warm, and cold: with the data caches evicted before each step (a 48 MiB
   write, one byte per 64), as after a model forward. The note compares each
   with the steady decode step of the same run.
+- ``prefix cache``: the steady decode step with the prefix cache on (every
+  segment carries its token) against it off; ``match_prefix`` of a 4k-token
+  prompt whose first 3.5k tokens are cached, against a hashlib digest and a
+  dict lookup per page.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import numpy as np
 
 from mstar.bench import Row, time_us
 from mstar.bench.plan import baseline_build
+from mstar.bench.prefix import baseline_match
 from mstar.engine.resources.kv.manager import KVManager
 from mstar.engine.resources.kv.plan import SequenceView
 from mstar.engine.resources.step import KVStep, Segment
@@ -208,7 +214,58 @@ def serving_rows(batch: int = 256, context: int = 4096, steps: int = STEPS) -> l
     return out
 
 
+def prefix_rows(batch: int = 256, context: int = 4096, steps: int = STEPS) -> list[Row]:
+    """The prefix cache's cost on a decode step, and ``match_prefix``."""
+    per_row = -(-context // PAGE_SIZE) + HEADROOM_PAGES
+    timed = []
+    for on in (True, False):
+        mgr = KVManager(num_pages=batch * per_row, page_size=PAGE_SIZE, prefix_cache=on)
+        rng = np.random.default_rng(0)
+        rows = [(f"r{i}", rng.integers(0, 50_000, context + i % PAGE_SIZE)) for i in range(batch)]
+        _step(mgr, tuple(Segment(r, "main", len(t), t) for r, t in rows))
+        segments = tuple(Segment(r, "main", 1, [7]) for r, _ in rows)
+        timed.append(_median_us(lambda i, m=mgr, s=segments: lambda: _step(m, s), steps, None))
+    out = [
+        Row(
+            "prefix cache",
+            f"decode step {batch}x{context}: on vs off",
+            *timed,
+            params={"batch": batch, "context": context},
+            note=f"{timed[0] / timed[1]:.2f}x off",
+        )
+    ]
+    length, cached = 4096, 3504
+    tokens = np.random.default_rng(1).integers(0, 50_000, length)
+    mgr = KVManager(num_pages=2 * length // PAGE_SIZE, page_size=PAGE_SIZE, prefix_cache=True)
+    _step(mgr, (Segment("warm", "main", cached, tokens[:cached]),))
+    mgr.release("warm")
+    by_key, key = {}, b""  # the baseline's cache of the same pages
+    for i in range(cached // PAGE_SIZE):
+        chunk = tokens[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]
+        key = hashlib.blake2b(key + chunk.tobytes(), digest_size=16).digest()
+        by_key[key] = i
+
+    def match(i):
+        if i:
+            mgr.release(f"q{i - 1}")
+        return lambda: mgr.match_prefix(f"q{i}", "main", tokens)
+
+    assert len(baseline_match(tokens[:-1], PAGE_SIZE, by_key)) == cached // PAGE_SIZE
+    ours = _median_us(match, steps, None)
+    assert mgr.stored_len(f"q{steps - 1}", "main") == cached // PAGE_SIZE * PAGE_SIZE
+    out.append(
+        Row(
+            "prefix cache",
+            f"match_prefix {length} tokens, {cached} cached",
+            ours,
+            time_us(lambda: baseline_match(tokens[:-1], PAGE_SIZE, by_key)),
+            params={"tokens": length, "cached": cached},
+        )
+    )
+    return out
+
+
 def run(batches=(1, 32, 256), contexts=(1024, 4096, 32768)) -> list[Row]:
     rows = [_decode_rows(b, c) for b in batches for c in contexts]
-    big = max(batches)
-    return rows + serving_rows(big, 4096 if 4096 in contexts else max(contexts))
+    big, context = max(batches), 4096 if 4096 in contexts else max(contexts)
+    return rows + serving_rows(big, context) + prefix_rows(big, context)

@@ -64,7 +64,7 @@ class PrefixChains:
         self.on = np.zeros(0, dtype=bool)
         self.tail = np.zeros((0, page_size), dtype=np.int64)  # the partial page's tokens
         self.keyed = np.zeros(0, dtype=np.int64)  # full pages keyed (and registered)
-        self.last_key: list[int | None] = []
+        self.last_key = np.zeros(0, dtype=np.uint64)  # the last keyed page's (if keyed)
         self.namespace: list[str] = []
         self.queried = self.hit = 0  # tokens asked of match_prefix, tokens served
 
@@ -73,14 +73,14 @@ class PrefixChains:
         self.on = np.concatenate((self.on, np.zeros(n - old, bool)))
         self.tail = np.concatenate((self.tail, np.zeros((n - old, self.page_size), np.int64)))
         self.keyed = np.concatenate((self.keyed, np.zeros(n - old, np.int64)))
-        self.last_key += [None] * (n - old)
+        self.last_key = np.concatenate((self.last_key, np.zeros(n - old, np.uint64)))
         self.namespace += [""] * (n - old)
 
     def start(self, slot: int, namespace: str = "", keyed: int = 0, last: int | None = None):
         """A new stream whose first ``keyed`` pages are cached ones."""
         self.on[slot] = True
         self.keyed[slot] = keyed
-        self.last_key[slot] = last
+        self.last_key[slot] = last or 0
         self.namespace[slot] = namespace
 
     def copy(self, src: int, dst: int) -> None:
@@ -111,8 +111,8 @@ class PrefixChains:
             at = stored[on] % ps
             self.tail[live, at] = tokens[on]
             filled = live[at == ps - 1]
-            for slot in filled.tolist():
-                self._register(slot, self.tail[slot], tables[slot])
+            if len(filled):
+                self._register_next(filled, tables)
             return
         for slot, old, t, active in zip(slots.tolist(), stored.tolist(), tokens, on.tolist()):
             if not active or (t is not None and not len(t)):
@@ -129,9 +129,28 @@ class PrefixChains:
 
     def _register(self, slot: int, tokens: np.ndarray, table: np.ndarray) -> None:
         """Key and register the stream's next full pages, holding ``tokens``."""
-        keys = self.pool.page_keys(tokens, self.last_key[slot], self.namespace[slot])
         first = int(self.keyed[slot])
+        parent = int(self.last_key[slot]) if first else None
+        keys = self.pool.page_keys(tokens, parent, self.namespace[slot])
         n = len(keys.hashes)
         self.pool.register(table[first : first + n], keys, int(table[first - 1]) if first else -1)
         self.keyed[slot] = first + n
         self.last_key[slot] = keys.last
+
+    def _register_next(self, slots: np.ndarray, tables: list) -> None:
+        """Each of ``slots`` just filled its next page with its tail: one
+        batch for those continuing a chain, one call each for first pages."""
+        keyed = self.keyed[slots]
+        for slot in slots[keyed == 0].tolist():
+            self._register(slot, self.tail[slot], tables[slot])
+        slots, keyed = slots[keyed > 0], keyed[keyed > 0]
+        if not len(slots):
+            return
+        parents, pages = np.array(
+            [tables[s][k - 1 : k + 1] for s, k in zip(slots.tolist(), keyed.tolist())],
+            dtype=np.int32,
+        ).T
+        self.last_key[slots] = self.pool.register_next(
+            pages, self.tail[slots], self.last_key[slots], parents
+        )[:]
+        self.keyed[slots] += 1
