@@ -3,8 +3,8 @@ Hugging Face ``generate`` (one left-padded batch) and HF's own continuous
 batching (``generate_batch``), same run, same greedy workload with EOS.
 
 Every path's tokens are compared with HF ``generate`` on each prompt alone
-(the oracle, untimed). Each timed path runs once to warm up, then ``repeat``
-times; the best run counts.
+(the oracle, untimed). The paths run in turn, once to warm up and then
+``repeat`` rounds; each path's best run counts.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ NEW_TOKENS = 32
 
 
 def run_e2e(
-    *, quick: bool = False, repeat: int = 2, stage: Callable[[str], None] = lambda _: None
+    *, quick: bool = False, repeat: int = 3, stage: Callable[[str], None] = lambda _: None
 ) -> dict[str, Any]:
     """Figures as a dict: the workload, and per path its seconds, tokens/s and
     exact matches (plus, for the engine, the plan layer's share of the step).
@@ -72,30 +72,36 @@ def run_e2e(
         by_prompt = {tuple(o.prompt_ids): o.generated_tokens for o in out.values()}
         return [list(by_prompt[tuple(p)]) for p in prompts]
 
-    rows = []
     paths: list[tuple[str, Callable[[], list[list[int]]]]] = [
         ("Engine.generate", ours),
         ("HF generate (left-padded batch)", hf_padded),
         ("HF generate_batch", hf_batch),
     ]
-    for name, fn in paths:
-        seconds, tokens = _best(
-            fn, repeat, lambda i, n=name: stage(f"{n}: run {i} of {repeat + 1}")
+    best = dict.fromkeys((name for name, _ in paths), float("inf"))
+    tokens: dict[str, list[list[int]]] = {}
+    for run in range(repeat + 1):  # round-robin, so load changes hit every path alike
+        for name, fn in paths:
+            stage(f"{name}: {'warm-up' if run == 0 else f'run {run} of {repeat}'}")
+            t0 = time.perf_counter()
+            tokens[name] = fn()
+            if run:
+                best[name] = min(best[name], time.perf_counter() - t0)
+    rows = []
+    for name, _ in paths:
+        generated = sum(len(t) for t in tokens[name])
+        rows.append(
+            {
+                "path": name,
+                "seconds": best[name],
+                "tokens": generated,
+                "tokens_per_s": generated / best[name],
+                "prompts": len(prompts),
+                "exact": sum(t == want for t, want in zip(tokens[name], oracle)),
+            }
         )
-        generated = sum(len(t) for t in tokens)
-        row = {
-            "path": name,
-            "seconds": seconds,
-            "tokens": generated,
-            "tokens_per_s": generated / seconds,
-            "prompts": len(prompts),
-            "exact": sum(t == want for t, want in zip(tokens, oracle)),
-        }
-        if fn is ours:
-            best = min(engine_stats[1:] or engine_stats, key=lambda s: s.step_s)
-            row["plan_share"] = best.plan_s / best.step_s
-            row["steps"] = best.steps
-        rows.append(row)
+    fastest = min(engine_stats[1:], key=lambda s: s.step_s)  # not the warm-up
+    rows[0]["plan_share"] = fastest.plan_s / fastest.step_s
+    rows[0]["steps"] = fastest.steps
     return {
         "workload": f"{len(prompts)} chat prompts, {NEW_TOKENS} new tokens, greedy, EOS on",
         "threads": torch.get_num_threads(),
@@ -130,20 +136,6 @@ def format_e2e(result: dict[str, Any]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     title = f"{result['workload']} ({result['threads']} threads); exact: == HF generate alone"
     return "\n".join([title, *lines])
-
-
-def _best(
-    fn: Callable[[], list[list[int]]], repeat: int, stage: Callable[[int], None]
-) -> tuple[float, list[list[int]]]:
-    stage(1)
-    tokens = fn()  # warm-up
-    best = float("inf")
-    for i in range(repeat):
-        stage(i + 2)
-        t0 = time.perf_counter()
-        tokens = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, tokens
 
 
 @torch.no_grad()
