@@ -102,6 +102,8 @@ class _Recycler:
         self._keep = keep
 
     def empty(self, n: int) -> np.ndarray:
+        if n < 1 << 14:  # small: fresh memory is cheap, not worth the search
+            return np.empty(n, dtype=np.int32)
         arrays = self._arrays
         free = [i for i in range(len(arrays)) if sys.getrefcount(arrays[i]) == 2]
         for i in free:
