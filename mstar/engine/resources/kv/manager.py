@@ -137,7 +137,7 @@ class _Admitted:
     keys: list[tuple[str, str]]  # [B] (request_id, label), batch order
     new: list[int]  # rows whose stream the step creates
     slots: np.ndarray  # int64 [B]; 0 for a stream the step creates (until applied)
-    spans: np.ndarray  # int64 [B]
+    spans: np.ndarray  # int32 [B]
     ends: np.ndarray  # int64 [B]: each stream's length with the span
     num_pages: np.ndarray  # int64 [B]: pages holding ``ends`` tokens
     grow: np.ndarray  # int64 [B]: pages each row takes
@@ -574,13 +574,12 @@ class KVManager:
         np.add.accumulate(spans, out=qo_indptr[1:])
         kv_indptr = np.zeros(b + 1, dtype=np.int32)
         np.add.accumulate(num_pages, out=kv_indptr[1:])
-        last = ends.astype(np.int32)
-        last -= 1
+        kv_lens = ends.astype(np.int32)
+        last = kv_lens - 1
         last %= ps
         last += 1  # (ends % ps) or ps
-        kv_lens = ends.astype(np.int32)  # max(num_pages - 1, 0) * ps + last: ends, or ps if 0
-        if b and not np.minimum.reduce(ends):
-            kv_lens[ends == 0] = ps
+        # max(num_pages - 1, 0) * ps + last: the length, or ps for a row of none
+        np.maximum(kv_lens, last, out=kv_lens)
         if b < self._splice_rows:
             indices = self._recycler.empty(int(kv_indptr[-1]))
             tables = self._tables
@@ -856,18 +855,16 @@ def _check_key(request_id: Any, label: Any) -> None:
 
 
 def _spans(values: list, keys: list[tuple[str, str]]) -> np.ndarray:
-    """The spans as int64, each an integer in [0, 2**31); else a typed error
+    """The spans as int32, each an integer in [0, 2**31); else a typed error
     naming the row."""
     if not values:
-        return np.zeros(0, np.int64)
+        return np.zeros(0, np.int32)
     if set(map(type, values)) == {int}:
         try:
-            spans = np.array(values, dtype=np.int64)
+            spans = np.array(values, dtype=np.int32)  # a Python int out of range raises
         except OverflowError:
             spans = None
-        if spans is not None and np.minimum.reduce(spans) >= 0 <= _INT32_MAX - np.maximum.reduce(
-            spans
-        ):
+        if spans is not None and np.minimum.reduce(spans) >= 0:
             return spans
     for value, (request_id, label) in zip(values, keys):  # the slow path names the row
         where = f"for request {request_id!r}, label {label!r}"
@@ -877,7 +874,7 @@ def _spans(values: list, keys: list[tuple[str, str]]) -> np.ndarray:
             raise InvalidStep(
                 f"expected span >= 0 and < 2**31, got {value} {where}", request_id, label
             )
-    return np.array([int(v) for v in values], dtype=np.int64)
+    return np.array([int(v) for v in values], dtype=np.int32)
 
 
 def _check_forks(step: KVStep) -> None:
