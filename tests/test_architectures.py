@@ -56,6 +56,19 @@ COMMON = {
 }
 WINDOW = {"sliding_window": 4}
 ALTERNATING = {"layer_types": ["sliding_attention", "full_attention"], **WINDOW}
+# Multi-head latent attention: K 16 wide (8 + 8 rotary), V 12.
+MLA = {
+    "kv_lora_rank": 16,
+    "q_lora_rank": 24,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "head_dim": 8,
+    "v_head_dim": 12,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_key_value_heads": 4,
+}
 
 # name: (config class, its settings beyond COMMON)
 SUPPORTED = {
@@ -95,22 +108,26 @@ SUPPORTED = {
     ),
     "gpt_oss": ("GptOssConfig", {**ALTERNATING, "intermediate_size": 32}),
     "stablelm": ("StableLmConfig", {}),
+    "phi": ("PhiConfig", {}),
+    "exaone4": ("Exaone4Config", ALTERNATING),
+    "helium": ("HeliumConfig", {}),
+    "seed_oss": ("SeedOssConfig", {}),
+    "ernie4_5": ("Ernie4_5Config", {}),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", {}),
+    "glm4_moe": ("Glm4MoeConfig", {"first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
+    "olmoe": ("OlmoeConfig", {}),
+    "granitemoe": ("GraniteMoeConfig", {}),
+    "vaultgemma": ("VaultGemmaConfig", ALTERNATING),
+    "ministral": ("MinistralConfig", ALTERNATING),
+    "codegen": ("CodeGenConfig", {"rotary_dim": 8}),
+    "jetmoe": ("JetMoeConfig", {}),
+    "biogpt": ("BioGptConfig", {}),
+    "minimax_m2": ("MiniMaxM2Config", {}),
+    "afmoe": ("AfmoeConfig", {}),
+    "cohere2_moe": ("Cohere2MoeConfig", ALTERNATING),
     "nemotron": ("NemotronConfig", {}),
-    "deepseek_v3": (
-        "DeepseekV3Config",
-        {
-            "kv_lora_rank": 16,
-            "q_lora_rank": 24,
-            "qk_nope_head_dim": 8,
-            "qk_rope_head_dim": 8,
-            "head_dim": 8,
-            "v_head_dim": 12,
-            "first_k_dense_replace": 1,
-            "n_group": 1,
-            "topk_group": 1,
-            "num_key_value_heads": 4,
-        },
-    ),
+    "deepseek_v3": ("DeepseekV3Config", MLA),
+    "deepseek_v2": ("DeepseekV2Config", MLA),
 }
 
 # name: (config class, its settings, what the refusal names)
@@ -133,6 +150,12 @@ REFUSED = {
         "linear_attention",
     ),
     "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"]}, r"\['conv'\]"),
+    "hrm_text": ("HrmTextConfig", {}, "more than once in layer"),
+    "qwen3_5_text": ("Qwen3_5TextConfig", {}, "linear_attention"),
+    "falcon_h1": ("FalconH1Config", {}, r"\['hybrid'\]"),
+    "deepseek_v4": ("DeepseekV4Config", {}, "heavily_compressed_attention"),
+    "doge": ("DogeConfig", {}, "a mask of its own"),
+    "xglm": ("XGLMConfig", {}, "does not route attention"),
     "falcon": ("FalconConfig", {"alibi": False}, "does not route attention"),
     "bloom": ("BloomConfig", {}, "ALiBi|does not route attention"),
     "mpt": ("MptConfig", {"d_model": 64, "n_heads": 4, "n_layers": 2}, "ALiBi|does not route"),
