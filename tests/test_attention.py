@@ -182,6 +182,17 @@ def test_one_schedule_serves_every_layer_of_a_step():
         paged_attention(q, layer, plan.cpu_indptrs, schedule=schedule)
 
 
+def test_decode_rows_are_not_padded_to_a_chunk():
+    """15 decode rows of similar lengths beside a 115-token chunk: two
+    batches, the decode rows' one query each; rows without queries or keys
+    in none."""
+    rows = [(290 + 2 * i, 1) for i in range(15)] + [(0, 115), (40, 0)]
+    case = Scenario(rows, 16, 1, seed=0)
+    plan = case.step()
+    shapes = sorted(tuple(b.tokens.shape) for b in AttentionSchedule(plan.cpu_indptrs, 16).batches)
+    assert shapes == [(1, 115), (15, 1)]
+
+
 def test_value_width_may_differ_from_key_width():
     """A (k, v) pair layer with a narrower V (MLA models such as DeepSeek-V3)."""
     gen = torch.Generator().manual_seed(0)

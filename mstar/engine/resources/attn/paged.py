@@ -4,9 +4,9 @@ The portable reference path: it runs wherever PyTorch does (the CPU included)
 and reads exactly what a FlashInfer wrapper's plan reads, so the two can be
 checked against each other on the same plan.
 
-A step's rows are computed in groups, each padded only to its own longest
-row: every decode row (one query) in one batch, each prefill row on its own.
-A decode row is therefore never padded to a prefill chunk's length.
+A step's rows are computed in batches of similar shape, each padded only to
+its own longest row, so a decode row is never padded to a prefill chunk's
+length.
 """
 
 from __future__ import annotations
@@ -94,12 +94,11 @@ class _Batch(NamedTuple):
 
 class AttentionSchedule:
     """The layer-independent part of ``paged_attention`` over one plan's
-    index arrays: rows batched by shape (every decode row in one batch, each
-    prefill row with rows of a similar shape), each batch's tokens and pages
-    as index tensors on ``device``, and its masks, built once per mask option
-    set. Build it once per step and pass it to every layer's call (a call
-    without one builds its own). A row without queries or keys is in no
-    batch: its queries give zeros."""
+    index arrays: rows batched by shape (``_batch_rows``), each batch's
+    tokens and pages as index tensors on ``device``, and its masks, built
+    once per set of mask options. Build it once per step and pass it to
+    every layer's call (a call without one builds its own). A row without
+    queries or keys is in no batch: its queries give zeros."""
 
     def __init__(
         self, indptrs: PagedIndptrs, page_size: int, device: torch.device | str = "cpu"
@@ -113,10 +112,8 @@ class AttentionSchedule:
         kv_lens = np.where(
             num_pages > 0, (num_pages - 1) * page_size + _host(indptrs.paged_kv_last_page_len), 0
         )
-        live = (qo_lens > 0) & (num_pages > 0)
-        decode = np.flatnonzero(live & (qo_lens == 1))
-        prefill = np.flatnonzero(live & (qo_lens > 1))
-        groups = ([decode] if decode.size else []) + _prefill_groups(prefill, qo_lens, kv_lens)
+        live = np.flatnonzero((qo_lens > 0) & (num_pages > 0))
+        groups = _batch_rows(live, qo_lens, kv_lens)
         host_indices = indptrs.paged_kv_indices.cpu().numpy()
         self.batches: list[_Batch] = []
         for rows in groups:
@@ -146,10 +143,11 @@ class AttentionSchedule:
         return self._masks[key]
 
 
-def _prefill_groups(rows: np.ndarray, qo_lens: np.ndarray, kv_lens: np.ndarray) -> list:
-    """Prefill rows in batches, longest first: a batch takes the next row
-    while its padded ``queries x keys`` stays within 1.5x its rows' own plus
-    4096 (so short rows share a batch)."""
+def _batch_rows(rows: np.ndarray, qo_lens: np.ndarray, kv_lens: np.ndarray) -> list:
+    """Rows in batches, most queries (then keys) first: a batch takes the
+    next row while its padded ``queries x keys`` stays within 1.5x its rows'
+    own plus 4096, so decode rows of similar lengths share one batch and are
+    never padded to a prefill chunk's queries."""
     groups: list[list[int]] = []
     actual = widest = 0
     for row in rows[np.lexsort((kv_lens[rows], qo_lens[rows]))[::-1]].tolist():
