@@ -4,6 +4,7 @@ full-sequence forward (logits) and its own generate (greedy tokens)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -250,6 +251,21 @@ def test_logits_only_where_asked(llama):
     torch.testing.assert_close(got, expected[at], atol=1e-5, rtol=1e-5)
     assert hf.kv_spec(paged).keeps_logits  # Llama takes logits_to_keep as indices
     assert forward_step(paged, ids, plans[1], picked.cache, logits_at=at[:0]).shape == (0, 128)
+
+
+def test_logits_at_without_logits_to_keep(llama):
+    """A model whose forward cannot keep given rows: the step's logits are
+    all computed, then picked."""
+    _, paged = llama
+    twin = copy.deepcopy(paged)
+    twin._mstar_support = dataclasses.replace(hf.kv_spec(paged), keeps_logits=False)
+    full, picked = Runner(paged, page_size=4), Runner(paged, page_size=4)
+    plans = [run.streams.plan([("a", 4)]) for run in (full, picked)]
+    ids, at = torch.tensor(_prompt(4, seed=14)), torch.tensor([3, 1])
+    expected = forward_step(paged, ids, plans[0], full.cache)[at]
+    torch.testing.assert_close(
+        forward_step(twin, ids, plans[1], picked.cache, logits_at=at), expected
+    )
 
 
 @pytest.mark.parametrize(
