@@ -342,3 +342,36 @@ def test_from_pretrained_smollm2_answers_a_string_prompt(smollm2):
     (done,) = eng.generate([prompt], SamplingParams(max_new_tokens=3))
     ids = eng.tokenizer.encode(prompt)
     assert done.prompt_token_ids == ids and " Paris" in done.outputs[0].text
+
+
+def test_prefix_cache_reuses_shared_prefixes_exactly(models):
+    reference, _ = models
+    system = prompts(1, seed=11)[0] * 2  # a shared "system prompt" of several pages
+    batch = [system + p for p in prompts(5, seed=12)]
+    off = engine(models, prefix_cache=False).generate(batch, SamplingParams(max_new_tokens=8))
+    eng = engine(models)
+    first = eng.generate(batch[:1], SamplingParams(max_new_tokens=8))  # caches the system prompt
+    rest = eng.generate(batch[1:], SamplingParams(max_new_tokens=8))
+    stats = eng.mgr.prefix_stats()
+    assert stats["tokens_hit"] >= 4 * (len(system) // 8 * 8)  # every later request hit it
+    outputs = [c.outputs[0].token_ids for c in first + rest]
+    assert outputs == [c.outputs[0].token_ids for c in off]
+    assert outputs[2] == hf_greedy(reference, batch[2], 8)
+    again = eng.generate(batch[:1], SamplingParams(max_new_tokens=8))  # prompt + answer cached
+    assert again[0].outputs[0].token_ids == outputs[0]
+
+
+def test_smollm2_chat_prompts_share_the_system_prompt_from_cache(smollm2):
+    from mstar.engine.loader import chat_prompt
+
+    reference, tokenizer = smollm2
+    batch = [chat_prompt(tokenizer, q) for q in ("What is 2 + 2?", "Name a red fruit.")]
+    eng = Engine(copy.deepcopy(reference), tokenizer, num_pages=64, page_size=16)
+    done = [eng.generate([p], SamplingParams(max_new_tokens=8))[0] for p in batch]
+    assert eng.mgr.prefix_stats()["tokens_hit"] >= 16  # the template's system prompt
+    for prompt, completion in zip(batch, done):
+        ids = torch.tensor([prompt])
+        want = reference.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False
+        )[0, len(prompt) :].tolist()
+        assert completion.outputs[0].token_ids == want

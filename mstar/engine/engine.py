@@ -65,6 +65,9 @@ class Engine:
     only through the engine afterwards). ``num_pages=None`` sizes the pool to
     ``KV_MEMORY_FRACTION`` of the free memory (see ``_pool_pages``). String prompts need
     ``tokenizer`` (no chat template is applied); outputs get ``.text`` with one.
+    With ``prefix_cache`` a stream that starts (or restarts after preemption)
+    first takes the longest run of cached full pages equal to a prefix of its
+    tokens, computed by any earlier request, and computes only the rest.
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class Engine:
         page_size: int = 16,
         token_budget: int = 256,
         flashinfer: Any = None,
+        prefix_cache: bool = True,
     ) -> None:
         if token_budget < 1:
             raise ValueError(f"expected token_budget >= 1, got {token_budget}")
@@ -93,7 +97,8 @@ class Engine:
             device=param.device,
             **spec.cache_kwargs(),
         )
-        self.mgr = KVManager(num_pages, page_size, cache=self.cache)
+        self.mgr = KVManager(num_pages, page_size, cache=self.cache, prefix_cache=prefix_cache)
+        self.prefix_cache = prefix_cache
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.max_len = getattr(model.config, "max_position_embeddings", None)
         self.stats = EngineStats()
@@ -264,10 +269,14 @@ class Engine:
     def _admit(self) -> KVStep | None:
         """The step to run: everything scheduled, or the requests before the
         first that did not fit; with nothing fitting, preempt the youngest
-        request holding KV and schedule again. None when nothing is running."""
+        request holding KV and schedule again. None when nothing is running.
+        A request preempted here takes no cached prefix again until the next
+        step (it would hold the pages it just gave back: a livelock)."""
         t0 = time.perf_counter()
+        preempted: set[str] = set()
         try:
             while self._running:
+                self._reuse_prefixes(preempted)
                 segments = schedule(self._running.values(), self.budget)
                 while segments:
                     step = kv_step(segments)
@@ -279,10 +288,22 @@ class Engine:
                         order = list(dict.fromkeys(s.request_id for s in segments))
                         keep = set(order[: order.index(err.request_id)])
                         segments = [s for s in segments if s.request_id in keep]
-                self._preempt_youngest()
+                preempted.add(self._preempt_youngest().id)
             return None
         finally:
             self.stats.plan_s += time.perf_counter() - t0
+
+    def _reuse_prefixes(self, skip: set[str]) -> None:
+        """Streams holding no KV yet start on their longest cached prefix
+        (the requests in ``skip`` excepted)."""
+        if not self.prefix_cache:
+            return
+        for req in self._running.values():
+            if req.id in skip:
+                continue
+            for label, fed in req.fed.items():
+                if fed == 0 and label not in self.mgr.labels(req.id):
+                    req.fed[label] = self.mgr.match_prefix(req.id, label, req.streams[label])
 
     def _logits(self, ids: list[int], plan: Any, at: list[int]) -> torch.Tensor:
         """Logits ``[len(at), vocab]`` at packed positions ``at`` of the step."""
