@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--device", default="cpu", help="cpu, or cuda (FlashInfer when installed)")
     demo.add_argument("--check", action="store_true", help="recompute every output with the model")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.add_argument("--no-prefix-cache", action="store_true", help="no KV reuse across requests")
     gen = sub.add_parser("generate", help="generate from one prompt, streaming the tokens")
     gen.add_argument("prompt")
     gen.add_argument("--model", default="smollm2", help="smollm2 (default), a GGUF file or folder")
@@ -116,6 +117,7 @@ def run_demo(args: argparse.Namespace) -> int:
     engine = make_engine(
         model, tokenizer, args.device,
         num_pages=args.pages, page_size=args.page_size, token_budget=args.budget,
+        prefix_cache=not args.no_prefix_cache,
     )  # fmt: skip
     need = {
         r.id: engine.peak_pages(
@@ -196,6 +198,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from mstar.bench import format_table
     from mstar.bench import manager as bench_manager
     from mstar.bench import plan as bench_plan
+    from mstar.bench import prefix as bench_prefix
 
     if args.plot:
         try:
@@ -207,7 +210,7 @@ def run_bench(args: argparse.Namespace) -> int:
             batches=(1, 32), contexts=(1024,)
         )
     else:
-        rows = bench_plan.run() + bench_manager.run()
+        rows = bench_plan.run() + bench_prefix.run() + bench_manager.run()
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -75,12 +75,22 @@ def demo_report(engine: Engine, workload: list[DemoRequest], done: dict[str, Com
         ("generated tokens/s", f"{generated / stats.step_s:.1f}" if stats.step_s else "-"),
         ("peak pages used", f"{stats.peak_pages} of {engine.mgr.num_pages}"),
         ("pages saved by sharing", f"{stats.peak_shared} (peak)"),
+        ("prefix cache", _prefix_hits(engine)),
         ("refused admissions", str(stats.refused)),
         ("preemptions", str(stats.preemptions)),
     ]
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)
+
+
+def _prefix_hits(engine: Engine) -> str:
+    if not engine.prefix_cache:
+        return "off"
+    stats = engine.mgr.prefix_stats()
+    asked, hit = stats["tokens_queried"], stats["tokens_hit"]
+    rate = f"{100 * hit / asked:.0f}%" if asked else "-"
+    return f"{hit} of {asked} prompt tokens from cache ({rate}), {stats['pages_evicted']} pages evicted"
 
 
 def plot_latency(rows: list[Row], path: str) -> None:
