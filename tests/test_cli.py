@@ -131,7 +131,8 @@ def test_e2e_table_compares_every_path_with_ours():
     for r in rows:
         r["tokens_per_s"] = r["tokens"] / r["seconds"]
     rows[0]["plan_share"] = 0.012
+    rows[0]["prompt_tokens_computed"] = 120
     table = format_e2e({"workload": "4 prompts", "threads": 2, "rows": rows}).splitlines()
     assert table[0].startswith("4 prompts (2 threads)")
-    assert table[3].split()[-4:] == ["50.0", "1.00x", "4/4", "1.2%"]
+    assert table[3].split()[-5:] == ["50.0", "1.00x", "4/4", "1.2%", "120"]
     assert table[4].split()[-3:] == ["25.0", "2.00x", "3/4"]

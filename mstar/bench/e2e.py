@@ -43,13 +43,19 @@ def run_e2e(
     for i, p in enumerate(prompts):
         stage(f"the oracle: HF generate on prompt {i + 1} of {len(prompts)} alone")
         oracle.append(_hf_one(model, p, config))
-    engine = Engine(copy.deepcopy(model), tokenizer)  # defaults: page_size 16, budget 256
+    paged = copy.deepcopy(model)
+    engine = Engine(paged, tokenizer)  # defaults: page_size 16, budget 256, prefix cache on
     engine_stats: list[EngineStats] = []
+    computed: dict[bool, int] = {}  # prefix cache on/off -> prompt tokens computed
 
-    def ours() -> list[list[int]]:
-        engine.stats = EngineStats()
-        done = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
-        engine_stats.append(engine.stats)
+    def ours(prefix_cache: bool = True) -> list[list[int]]:
+        # a fresh engine (an empty cache) each run: only what the run itself shares
+        eng = Engine(paged, tokenizer, prefix_cache=prefix_cache)
+        done = eng.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
+        if prefix_cache:
+            engine_stats.append(eng.stats)
+        hit = eng.mgr.prefix_stats()["tokens_hit"]
+        computed[prefix_cache] = sum(map(len, prompts)) - hit
         return [c.outputs[0].token_ids for c in done]
 
     def hf_padded() -> list[list[int]]:
@@ -74,6 +80,7 @@ def run_e2e(
 
     paths: list[tuple[str, Callable[[], list[list[int]]]]] = [
         ("Engine.generate", ours),
+        ("Engine.generate, no prefix cache", lambda: ours(prefix_cache=False)),
         ("HF generate (left-padded batch)", hf_padded),
         ("HF generate_batch", hf_batch),
     ]
@@ -102,6 +109,8 @@ def run_e2e(
     fastest = min(engine_stats[1:], key=lambda s: s.step_s)  # not the warm-up
     rows[0]["plan_share"] = fastest.plan_s / fastest.step_s
     rows[0]["steps"] = fastest.steps
+    rows[0]["prompt_tokens_computed"] = computed[True]
+    rows[1]["prompt_tokens_computed"] = computed[False]
     return {
         "workload": f"{len(prompts)} chat prompts, {NEW_TOKENS} new tokens, greedy, EOS on",
         "threads": torch.get_num_threads(),
@@ -113,7 +122,7 @@ def format_e2e(result: dict[str, Any]) -> str:
     """A plain-text table: seconds, tokens/s, ours against each path, exact matches."""
     rows = result["rows"]
     ours = rows[0]["tokens_per_s"]
-    head = ("path", "seconds", "tokens", "tokens/s", "ours / this", "exact", "plan share")
+    head = ("path", "seconds", "tokens", "tokens/s", "ours / this", "exact", "plan share", "prompt")
     body = [
         (
             r["path"],
@@ -123,6 +132,7 @@ def format_e2e(result: dict[str, Any]) -> str:
             f"{ours / r['tokens_per_s']:.2f}x",
             f"{r['exact']}/{r['prompts']}",
             f"{100 * r['plan_share']:.1f}%" if "plan_share" in r else "",
+            str(r.get("prompt_tokens_computed", "")),
         )
         for r in rows
     ]
@@ -134,7 +144,10 @@ def format_e2e(result: dict[str, Any]) -> str:
         for line in [head, *body]
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    title = f"{result['workload']} ({result['threads']} threads); exact: == HF generate alone"
+    title = (
+        f"{result['workload']} ({result['threads']} threads); exact: == HF generate alone;"
+        " prompt: prompt tokens computed"
+    )
     return "\n".join([title, *lines])
 
 
