@@ -195,6 +195,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 json.dump(result, f, indent=2)
         return 0 if all(r["exact"] == r["prompts"] for r in result["rows"]) else 1
 
+    from mstar.bench import attention as bench_attention
     from mstar.bench import format_table
     from mstar.bench import manager as bench_manager
     from mstar.bench import plan as bench_plan
@@ -210,7 +211,7 @@ def run_bench(args: argparse.Namespace) -> int:
             batches=(1, 32), contexts=(1024,)
         )
     else:
-        rows = bench_plan.run() + bench_prefix.run() + bench_manager.run()
+        rows = bench_plan.run() + bench_prefix.run() + bench_manager.run() + bench_attention.run()
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:
