@@ -12,6 +12,7 @@ is registered only once its KV is final.
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -28,17 +29,14 @@ def step_tokens(tokens: list[Any], spans: np.ndarray, keys: list[tuple[str, str]
     carries one token (a decode step), else a list of int64 arrays (``None``
     for a row without tokens). Raises ``TokenError`` naming the row."""
     n = len(tokens)
-    if (
-        n
-        and set(map(type, tokens)) != {type(None)}
-        and int(spans.min(initial=1)) == 1 == int(spans.max(initial=1))
-    ):
-        try:
-            flat = np.asarray(tokens)
-        except ValueError:
-            flat = None
-        if flat is not None and flat.shape == (n, 1) and flat.dtype.kind in "iu":
-            return flat[:, 0].astype(np.int64)
+    if n and np.minimum.reduce(spans) == 1 == np.maximum.reduce(spans):
+        try:  # a decode step: one id a row, taken with C-level passes
+            if set(map(len, tokens)) == {1}:
+                flat = np.array(list(map(itemgetter(0), tokens)))
+                if flat.dtype.kind in "iu":
+                    return flat.astype(np.int64, copy=False)
+        except TypeError:  # a row without tokens (None): the rows one by one
+            pass
     rows = []
     for t, span, (request_id, label) in zip(tokens, spans.tolist(), keys):
         if t is None:
