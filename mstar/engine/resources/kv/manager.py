@@ -130,6 +130,19 @@ class _Index:
 
 
 @dataclass(eq=False)
+class _Rows:
+    """A committed step's rows, resolved: a next step with the same rows (a
+    decode step) reuses them while every stream is the same (its epoch)."""
+
+    keys: list[tuple[str, str]]
+    combined: dict[tuple[str, ...], str]
+    slots: np.ndarray  # int64 [B]
+    epochs: np.ndarray  # int64 [B]
+    requests: dict[str, None]
+    groups: dict[str, np.ndarray | None]
+
+
+@dataclass(eq=False)
 class _Admitted:
     """An admitted step: its rows, its reserved pages (handed out as forks and
     spans apply) and a journal of what applying it changed, for undo."""
@@ -195,6 +208,7 @@ class KVManager:
         self._tick = 0
         self._admitted: dict[KVStep, _Admitted] = {}
         self._index: dict[str, _Index] = {}
+        self._rows: _Rows | None = None  # the last committed step's rows, for the next
         self._recycler = _Recycler()
         self._splice_rows = 64  # from this many rows a label's indices are spliced from its last
 
@@ -345,6 +359,11 @@ class KVManager:
             if rec.tokens is not None:  # only now is the step's KV final
                 self._record(step, rec)
             self._finish(rec)
+            if not _has_forks(step):
+                epochs = self._epoch[rec.slots]
+                self._rows = _Rows(
+                    rec.keys, step.combined_labels, rec.slots, epochs, rec.requests, rec.groups
+                )
             del self._admitted[step]
 
     def abort(self, step: KVStep) -> None:
@@ -423,11 +442,23 @@ class KVManager:
             raise TypeError(f"expected Segment rows, got {type(bad).__name__} {bad!r}")
         n = len(segs)
         keys = list(map(_KEY, segs))
+        spans = _spans(list(map(_SPAN, segs)), keys)
+        rows = self._rows
+        if (
+            rows is not None
+            and not self._admitted  # another step in flight: the checked path
+            and not _has_forks(step)
+            and keys == rows.keys
+            and step.combined_labels == rows.combined
+            and (self._epoch[rows.slots] == rows.epochs).all()
+        ):  # the last committed step's rows: resolved, checked and grouped then
+            slots = rows.slots.copy()
+            ends = self._stored[slots] + spans
+            return self._sized(step, keys, [], slots, spans, ends, rows.requests, rows.groups)
         slots = np.fromiter(map(self._slot_of.__getitem__, keys), np.int64, n)
         new = (slots == 0).nonzero()[0].tolist()
         for i in new:  # a known stream's key was checked when it was made
             _check_key(*keys[i])
-        spans = _spans(list(map(_SPAN, segs)), keys)
         if n > 1:
             known = np.sort(slots[slots != 0])
             if (known[1:] == known[:-1]).any() or len({keys[i] for i in new}) < len(new):
@@ -444,7 +475,14 @@ class KVManager:
                 f"request {key[0]!r} (label {key[1]!r}) is already in an admitted step", *key
             )
         ends = self._stored[slots] + spans
-        if n and np.maximum.reduce(ends) > _INT32_MAX:
+        _check_forks(step)
+        groups = self._groups(step, keys)
+        return self._sized(step, keys, new, slots, spans, ends, requests, groups)
+
+    def _sized(self, step, keys, new, slots, spans, ends, requests, groups) -> _Admitted:
+        """The admission record, once the rows are resolved: lengths checked,
+        page needs, tokens."""
+        if len(keys) and np.maximum.reduce(ends) > _INT32_MAX:
             i = int(np.argmax(ends))
             raise InvalidStep(
                 f"expected a stream length < 2**31, got {int(ends[i] - spans[i])} + span"
@@ -455,12 +493,10 @@ class KVManager:
         num_pages //= self.page_size
         grow = num_pages - self._npages[slots]
         np.maximum(grow, 0, out=grow)
-        _check_forks(step)
-        groups = self._groups(step, keys)
         tokens = None
         if self._prefix is not None and step.commit:
             try:
-                tokens = step_tokens(list(map(_TOKENS, segs)), spans, keys)
+                tokens = step_tokens(list(map(_TOKENS, step.segments)), spans, keys)
             except TokenError as err:
                 raise InvalidStep(str(err)) from err
         return _Admitted(keys, new, slots, spans, ends, num_pages, grow, requests, groups, tokens)
