@@ -160,7 +160,7 @@ class _Admitted:
     pool: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     used: int = 0
     planned: bool = False
-    # The journal: ("grow", slot, old page count), ("new", key, slot),
+    # The journal: ("grow", slots, old page counts), ("new", key, slot),
     # ("replace", key, old slot) — a replaced fork target is kept until the step ends.
     journal: list[tuple] = field(default_factory=list)
 
@@ -584,12 +584,18 @@ class KVManager:
             key = rec.keys[i]
             rec.slots[i] = self._new_stream(*key, np.zeros(0, np.int32), 0)
             rec.journal.append(("new", key, int(rec.slots[i])))
-        grow = rec.grow.nonzero()[0]
-        if len(grow):
-            for slot, n in zip(rec.slots[grow].tolist(), rec.grow[grow].tolist()):
-                rec.journal.append(("grow", slot, int(self._npages[slot])))
-                self._append(slot, self._reserved(rec, n))
-            self._touch(rec.slots[grow])
+        rows = rec.grow.nonzero()[0]
+        if len(rows):  # the rows' new pages, in row order, from the reservation
+            slots, grow = rec.slots[rows], rec.grow[rows]
+            had = self._npages[slots]
+            pages = self._reserved(rec, int(np.add.reduce(grow)))
+            rec.journal.append(("grow", slots, had))
+            at = 0
+            for slot, n, k in zip(slots.tolist(), had.tolist(), grow.tolist()):
+                self._table_with_room(slot, n + k)[n : n + k] = pages[at : at + k]
+                at += k
+            self._npages[slots] = had + grow
+            self._touch(slots)
 
     def _arrays(self, plan_label: str, rows: np.ndarray | None, rec: _Admitted) -> tuple:
         """One plan label's arrays, after ``_apply``: (qo_indptr, kv_indptr,
@@ -713,9 +719,9 @@ class KVManager:
         while len(journal) > journal_mark:
             entry = journal.pop()
             if entry[0] == "grow":
-                _, slot, pages = entry
-                self._npages[slot] = pages
-                self._touch(slot)
+                _, slots, pages = entry
+                self._npages[slots] = pages
+                self._touch(slots)
             elif entry[0] == "new":
                 _, (request_id, label), slot = entry
                 self._unmap(request_id, label)
@@ -790,15 +796,14 @@ class KVManager:
         self._epoch[slot] = -1
         self._free_slots.append(slot)
 
-    def _append(self, slot: int, pages: np.ndarray) -> None:
-        n = int(self._npages[slot])
+    def _table_with_room(self, slot: int, size: int) -> np.ndarray:
+        """The slot's page table, grown (geometrically) to hold ``size`` pages."""
         table = self._tables[slot]
-        if n + len(pages) > len(table):  # grow geometrically
-            grown = np.empty(max(2 * len(table), n + len(pages), 16), dtype=np.int32)
-            grown[:n] = table[:n]
+        if size > len(table):
+            grown = np.empty(max(2 * len(table), size, 16), dtype=np.int32)
+            grown[: len(table)] = table
             self._tables[slot] = table = grown
-        table[n : n + len(pages)] = pages
-        self._npages[slot] = n + len(pages)
+        return table
 
     def _grow_slots(self) -> None:
         old = len(self._tables)
