@@ -276,8 +276,9 @@ class Engine:
         preempted: set[str] = set()
         try:
             while self._running:
-                self._reuse_prefixes(preempted)
                 segments = schedule(self._running.values(), self.budget)
+                while self._reuse_prefixes(segments, preempted):  # less to compute:
+                    segments = schedule(self._running.values(), self.budget)  # room for more
                 while segments:
                     step = kv_step(segments)
                     try:
@@ -293,17 +294,23 @@ class Engine:
         finally:
             self.stats.plan_s += time.perf_counter() - t0
 
-    def _reuse_prefixes(self, skip: set[str]) -> None:
-        """Streams holding no KV yet start on their longest cached prefix
-        (the requests in ``skip`` excepted)."""
+    def _reuse_prefixes(self, segments: list[Segment], skip: set[str]) -> bool:
+        """Streams about to start (scheduled, nothing in the KV cache yet)
+        take their longest cached prefix, the requests in ``skip`` excepted;
+        True when one did. Matched only when scheduled: pages are registered
+        as steps commit, so a stream matched early would miss them."""
         if not self.prefix_cache:
-            return
-        for req in self._running.values():
-            if req.id in skip:
+            return False
+        matched = False
+        for rid, label, _, _ in segments:
+            req = self._running[rid]
+            if req.fed[label] or rid in skip:
                 continue
-            for label, fed in req.fed.items():
-                if fed == 0 and label not in self.mgr.labels(req.id):
-                    req.fed[label] = self.mgr.match_prefix(req.id, label, req.streams[label])
+            if label in self.mgr.labels(rid):  # matched nothing before: match anew
+                self.mgr.release(rid, label)
+            req.fed[label] = self.mgr.match_prefix(rid, label, req.streams[label])
+            matched = matched or req.fed[label] > 0
+        return matched
 
     def _logits(self, ids: list[int], plan: Any, at: list[int]) -> torch.Tensor:
         """Logits ``[len(at), vocab]`` at packed positions ``at`` of the step."""
