@@ -183,6 +183,21 @@ def test_a_step_with_no_tokens_gives_no_logits(llama):
     assert logits.shape == (0, paged.config.vocab_size)
 
 
+def test_an_empty_logits_at_still_writes_the_steps_kv(llama):
+    """Logits at no token (a prefill chunk that ends no stream) still run the
+    forward: the chunk's keys and values land in the cache."""
+    _, paged = llama
+    written = []
+    for logits_at in (None, torch.tensor([], dtype=torch.int64)):
+        run = Runner(paged, page_size=4)
+        plan = run.streams.plan([("a", 5)])
+        ids = torch.tensor([5, 6, 7, 8, 9])
+        logits = forward_step(paged, ids, plan, run.cache, logits_at=logits_at)
+        assert logits.shape == ((5 if logits_at is None else 0), paged.config.vocab_size)
+        written.append(run.cache.layer(0).clone())
+    assert written[1].abs().sum() > 0 and torch.equal(written[0], written[1])
+
+
 def test_forward_step_rejects_bad_input(llama):
     reference, paged = llama
     run = Runner(paged, page_size=4)

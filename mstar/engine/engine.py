@@ -315,13 +315,10 @@ class Engine:
     def _logits(self, ids: list[int], plan: Any, at: list[int]) -> torch.Tensor:
         """Logits ``[len(at), vocab]`` at packed positions ``at`` of the step."""
         input_ids = torch.tensor(ids, device=self.device)
-        # forward_step skips the whole forward (KV writes included) for an
-        # empty logits_at: ask for one row and drop it
-        index = torch.tensor(at or [len(ids) - 1], dtype=torch.int64)
-        logits = forward_step(
+        index = torch.tensor(at, dtype=torch.int64)
+        return forward_step(
             self.model, input_ids, plan, self.cache, flashinfer=self.flashinfer, logits_at=index
         )
-        return logits[: len(at)]
 
     def _on_logits(self, req: Request, label: str, logits: torch.Tensor) -> None:
         """A stream's last token is in: choose its sample's next token."""

@@ -175,14 +175,17 @@ def forward_step(
     if logits_at is not None:
         _check_logits_at(logits_at, total)
     vocab = model.config.get_text_config().vocab_size
-    if total == 0 or (logits_at is not None and logits_at.numel() == 0):
+    if total == 0:
         return torch.empty(0, vocab, device=input_ids.device)
+    keep = logits_at
+    if logits_at is not None and not len(logits_at):  # the step's KV is still written
+        keep = torch.tensor([total - 1])  # (the head at one token, dropped)
     position_ids = positions(plan)
     if any(spec.chunk_sizes):
         _check_chunk_positions(plan, position_ids.numpy(), cache.page_size)
     options: dict[str, Any] = {}
-    if logits_at is not None and spec.keeps_logits:
-        options["logits_to_keep"] = logits_at.to(input_ids.device)
+    if keep is not None and spec.keeps_logits:
+        options["logits_to_keep"] = keep.to(input_ids.device)
     token = _CONTEXT.set(_Step(plan, cache, flashinfer, spec.chunk_sizes))
     try:
         with torch.no_grad():
@@ -195,9 +198,9 @@ def forward_step(
     finally:
         _CONTEXT.reset(token)
     logits = output.logits[0]
-    if logits_at is not None and not spec.keeps_logits:
-        logits = logits[logits_at.to(logits.device)]
-    return logits
+    if keep is not None and not spec.keeps_logits:
+        logits = logits[keep.to(logits.device)]
+    return logits if logits_at is None else logits[: len(logits_at)]
 
 
 def _verdict(model: PreTrainedModel) -> KVSpec | str:
