@@ -453,8 +453,7 @@ class KVManager:
             and (self._epoch[rows.slots] == rows.epochs).all()
         ):  # the last committed step's rows: resolved, checked and grouped then
             slots = rows.slots.copy()
-            ends = self._stored[slots] + spans
-            return self._sized(step, keys, [], slots, spans, ends, rows.requests, rows.groups)
+            return self._sized(step, keys, [], slots, spans, rows.requests, rows.groups)
         slots = np.fromiter(map(self._slot_of.__getitem__, keys), np.int64, n)
         new = (slots == 0).nonzero()[0].tolist()
         for i in new:  # a known stream's key was checked when it was made
@@ -474,14 +473,14 @@ class KVManager:
             raise InvalidStep(
                 f"request {key[0]!r} (label {key[1]!r}) is already in an admitted step", *key
             )
-        ends = self._stored[slots] + spans
         _check_forks(step)
         groups = self._groups(step, keys)
-        return self._sized(step, keys, new, slots, spans, ends, requests, groups)
+        return self._sized(step, keys, new, slots, spans, requests, groups)
 
-    def _sized(self, step, keys, new, slots, spans, ends, requests, groups) -> _Admitted:
+    def _sized(self, step, keys, new, slots, spans, requests, groups) -> _Admitted:
         """The admission record, once the rows are resolved: lengths checked,
         page needs, tokens."""
+        ends, num_pages, grow = self._needs(slots, spans)
         if len(keys) and np.maximum.reduce(ends) > _INT32_MAX:
             i = int(np.argmax(ends))
             raise InvalidStep(
@@ -489,10 +488,6 @@ class KVManager:
                 f" {int(spans[i])} for request {keys[i][0]!r}, label {keys[i][1]!r}",
                 *keys[i],
             )
-        num_pages = ends + (self.page_size - 1)
-        num_pages //= self.page_size
-        grow = num_pages - self._npages[slots]
-        np.maximum(grow, 0, out=grow)
         tokens = None
         if self._prefix is not None and step.commit:
             try:
@@ -500,6 +495,16 @@ class KVManager:
             except TokenError as err:
                 raise InvalidStep(str(err)) from err
         return _Admitted(keys, new, slots, spans, ends, num_pages, grow, requests, groups, tokens)
+
+    def _needs(self, slots: np.ndarray, spans: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Each row's length with its span, the pages holding it, and the
+        pages it takes beyond those its stream holds (int64 ``[B]`` each)."""
+        ends = self._stored[slots] + spans
+        num_pages = ends + (self.page_size - 1)
+        num_pages //= self.page_size
+        grow = num_pages - self._npages[slots]
+        np.maximum(grow, 0, out=grow)
+        return ends, num_pages, grow
 
     def _groups(self, step: KVStep, keys: list[tuple[str, str]]) -> dict[str, np.ndarray | None]:
         """Plan label -> the rows it packs (``group_by_plan_label``'s order)."""
@@ -577,9 +582,7 @@ class KVManager:
                     self._fork(request_id, src, dst, rec)
             rec.slots = np.fromiter(map(self._slot_of.__getitem__, rec.keys), np.int64)
             rec.new = (rec.slots == 0).nonzero()[0].tolist()
-            rec.ends = self._stored[rec.slots] + rec.spans
-            rec.num_pages = -(-rec.ends // self.page_size)
-            rec.grow = np.maximum(rec.num_pages - self._npages[rec.slots], 0)
+            rec.ends, rec.num_pages, rec.grow = self._needs(rec.slots, rec.spans)
         for i in rec.new:
             key = rec.keys[i]
             rec.slots[i] = self._new_stream(*key, np.zeros(0, np.int32), 0)
@@ -725,12 +728,7 @@ class KVManager:
             elif entry[0] == "new":
                 _, (request_id, label), slot = entry
                 self._unmap(request_id, label)
-                table = self._tables[slot][: self._npages[slot]]
-                self._pages.release(table[~np.isin(table, mine)])
-                self._tables[slot] = None
-                self._npages[slot] = self._stored[slot] = 0
-                self._epoch[slot] = -1
-                self._free_slots.append(slot)
+                self._free_slot(slot, keep=mine)
             else:  # replace
                 _, (request_id, label), old = entry
                 self._map(request_id, label, old)
@@ -789,8 +787,11 @@ class KVManager:
         del self._slot_of[request_id, label]
         return slot
 
-    def _free_slot(self, slot: int) -> None:
-        self._pages.release(self._tables[slot][: self._npages[slot]])
+    def _free_slot(self, slot: int, keep: np.ndarray | None = None) -> None:
+        """Free the slot and release its pages, but those in ``keep`` (pages
+        an undone step took from its reservation go back to it)."""
+        pages = self._tables[slot][: self._npages[slot]]
+        self._pages.release(pages if keep is None else pages[~np.isin(pages, keep)])
         self._tables[slot] = None
         self._npages[slot] = self._stored[slot] = 0
         self._epoch[slot] = -1
