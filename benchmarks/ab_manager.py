@@ -1,99 +1,200 @@
-"""Before/after: the same serving steps through the KVManager of a checkout.
+"""Before/after: the same serving steps through two checkouts' KVManager, in one process.
 
     git worktree add /tmp/before a495f14
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/ab_manager.py /tmp/before
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/ab_manager.py .
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/ab_manager.py /tmp/before [AFTER_ROOT=.] [--quick]
 
+Each checkout's ``mstar`` is copied to a temp dir as ``mstar_before`` / ``mstar_after``
+(its ``mstar`` imports rewritten), so both load side by side. Each case builds one
+manager per checkout and alternates their steps in one loop (before, after, before,
+...), each step (admit + plan + commit) timed alone, over a few rounds of fresh
+managers (200 steps each, so rows stay near their length); the table gives medians, µs.
 Only the public API (KVManager, KVStep, Segment), so any version runs it.
-Medians of steps each timed alone, µs: steady decode, churn (2 leave, 2 join),
-mixed (decode + a 512-token prefill), warm and cold (48 MiB written between
-steps), 256 x 32k steady beside one np.copyto of its indices, and batch 1.
+
+Page size 16, rows staggered (row i prefilled with ctx + i % 16 tokens). Cases: batch
+1 x 4k decode; 256 x 4k decode on one reused Segment tuple and on fresh Segments each
+step; 256 x 32k decode beside one np.copyto of its step's indices (timed alone); churn
+(2 rows leave, 2 join with an untimed prefill, then the decode); mixed (decode + a new
+512-token prefill row); and steady, churn and mixed cold (48 MiB written before each).
+``--quick`` runs ~5x fewer steps (~40 s; the full run ~2.5 min). Comparing a checkout
+with itself gives ratios within a few % of 1.
 """
 
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import re
+import shutil
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
-root = str(Path(sys.argv[1]).resolve())
-sys.path.insert(0, root)
-
-import numpy as np  # noqa: E402
-
-from mstar.engine.resources.kv.manager import KVManager  # noqa: E402
-from mstar.engine.resources.step import KVStep, Segment  # noqa: E402
+import numpy as np
 
 PS = 16
 EVICT = np.zeros(48 << 20, np.uint8)
+# `from mstar.x` / `import mstar` / lazy-import strings like "mstar.engine.request"
+_MSTAR = re.compile(r"""(\bfrom\s+|\bimport\s+|["'])mstar(?=[.\s])""")
 
 
-def step(m, segs):
-    s = KVStep(segs)
+class Api(NamedTuple):
+    KVManager: Any
+    KVStep: Any
+    Segment: Any
+
+
+def load(root: Path, name: str, tmp: Path) -> Api:
+    """Import ``root``'s mstar package as ``name`` (a rewritten copy under ``tmp``)."""
+    dst = tmp / name
+    shutil.copytree(root / "mstar", dst, ignore=shutil.ignore_patterns("__pycache__"))
+    for f in dst.rglob("*.py"):
+        f.write_text(_MSTAR.sub(rf"\g<1>{name}", f.read_text()))
+    manager = importlib.import_module(f"{name}.engine.resources.kv.manager")
+    step = importlib.import_module(f"{name}.engine.resources.step")
+    return Api(manager.KVManager, step.KVStep, step.Segment)
+
+
+def clock(fn: Callable[[], Any], cold: bool = False) -> tuple[float, Any]:
+    if cold:
+        EVICT[::64] += 1
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def step(api: Api, m: Any, segs: tuple) -> Any:
+    s = api.KVStep(segs)
     m.admit(s)
     p = m.plan(s)
     m.commit(s)
     return p
 
 
-def prefilled(batch, ctx, spare):
-    m = KVManager(batch * (ctx // PS + 300) + spare, PS)
+def decode(api: Api, names: list[str]) -> tuple:
+    return tuple(api.Segment(r, "main", 1) for r in names)
+
+
+def prefilled(api: Api, batch: int, ctx: int, spare: int = 0) -> tuple[Any, list[str]]:
+    m = api.KVManager(batch * (ctx // PS + 300) + spare, PS)
     names = [f"r{i}" for i in range(batch)]
-    step(m, tuple(Segment(r, "main", ctx + i % PS) for i, r in enumerate(names)))
+    step(api, m, tuple(api.Segment(r, "main", ctx + i % PS) for i, r in enumerate(names)))
     return m, names
 
 
-def median_us(prepare, n, cold):
-    times = []
-    for i in range(n):
-        timed = prepare(i)
-        if cold:
-            EVICT[::64] = i & 255
-        t0 = time.perf_counter()
-        timed()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e6
+# A case builds one checkout's manager and returns its i-th iteration: untimed setup,
+# then clock() around each timed part; it returns the parts' seconds.
+Iteration = Callable[[int], tuple[float, ...]]
+Case = Callable[[Api, int], Iteration]
 
 
-def main() -> None:
-    out = {}
-    for cold in (False, True):
-        tag = "cold" if cold else "warm"
-        m, names = prefilled(256, 4096, 0)
-        segs = tuple(Segment(r, "main", 1) for r in names)
-        out[f"steady {tag}"] = median_us(lambda i, m=m, s=segs: lambda: step(m, s), 200, cold)
-        m, names = prefilled(256, 4096, 200 * 2 * 260)
+def steady(batch: int, ctx: int, cold: bool = False, fresh: bool = False) -> Case:
+    def case(api: Api, n: int) -> Iteration:
+        m, names = prefilled(api, batch, ctx)
+        segs = decode(api, names)
 
-        def churn(i, m=m, names=names):
+        def it(i: int) -> tuple[float, ...]:
+            s = decode(api, names) if fresh else segs
+            return (clock(lambda: step(api, m, s), cold)[0],)
+
+        return it
+
+    return case
+
+
+def with_copyto(api: Api, n: int) -> Iteration:
+    m, names = prefilled(api, 256, 32768)
+    segs = decode(api, names)
+    target = np.empty(256 * (32768 // PS + 300), np.int32)
+
+    def it(i: int) -> tuple[float, ...]:
+        t_step, plan = clock(lambda: step(api, m, segs))
+        idx = plan["main"].cpu_indptrs.paged_kv_indices.numpy()
+        dst = target[: len(idx)]
+        return t_step, clock(lambda: np.copyto(dst, idx))[0]
+
+    return it
+
+
+def churn(cold: bool = False) -> Case:
+    def case(api: Api, n: int) -> Iteration:
+        m, names = prefilled(api, 256, 4096, n * 2 * 260)
+
+        def it(i: int) -> tuple[float, ...]:
             for r in names[:2]:
                 m.release(r)
             del names[:2]
             new = [f"j{i}.{j}" for j in range(2)]
-            step(m, tuple(Segment(r, "main", 4096) for r in new))
+            step(api, m, tuple(api.Segment(r, "main", 4096) for r in new))
             names.extend(new)
-            s = tuple(Segment(r, "main", 1) for r in names)
-            return lambda: step(m, s)
+            s = decode(api, names)
+            return (clock(lambda: step(api, m, s), cold)[0],)
 
-        out[f"churn {tag}"] = median_us(churn, 200, cold)
-        m, names = prefilled(256, 4096, 64)
-        last = []
+        return it
 
-        def mixed(i, m=m, names=names, last=last):
-            for r in last:
-                m.release(r)
-            last[:] = [f"m{i}"]
-            s = (*(Segment(r, "main", 1) for r in names), Segment(last[0], "main", 512))
-            return lambda: step(m, s)
+    return case
 
-        out[f"mixed {tag}"] = median_us(mixed, 200, cold)
-    m, names = prefilled(256, 32768, 0)
-    segs = tuple(Segment(r, "main", 1) for r in names)
-    indices = step(m, segs)["main"].cpu_indptrs.paged_kv_indices.numpy()
-    target = np.empty_like(indices)
-    out["steady 256x32k"] = median_us(lambda i: lambda: step(m, segs), 300, False)
-    out["copyto 256x32k"] = median_us(lambda i: lambda: np.copyto(target, indices), 300, False)
-    m, names = prefilled(1, 1024, 0)
-    segs = tuple(Segment(r, "main", 1) for r in names)
-    out["batch 1"] = median_us(lambda i: lambda: step(m, segs), 2000, False)
-    print(root, " ".join(f"{k}={v:.1f}" for k, v in out.items()))
+
+def mixed(cold: bool = False) -> Case:
+    def case(api: Api, n: int) -> Iteration:
+        m, names = prefilled(api, 256, 4096, 64)
+        rows = decode(api, names)
+
+        def it(i: int) -> tuple[float, ...]:
+            if i:
+                m.release(f"m{i - 1}")
+            s = (*rows, api.Segment(f"m{i}", "main", 512))
+            return (clock(lambda: step(api, m, s), cold)[0],)
+
+        return it
+
+    return case
+
+
+def compare(case: Case, apis: list[Api], n: int, rounds: int) -> np.ndarray:
+    """Medians, µs, [checkout, part]. Each round builds fresh managers (so rows stay near
+    their stated length) and alternates the checkouts' iterations in one loop."""
+    samples = []
+    for _ in range(rounds):
+        gc.collect()
+        its = [case(api, n) for api in apis]
+        samples += [[it(i) for it in its] for i in range(n)]
+    return np.median(np.array(samples), axis=0) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("before", type=Path)
+    ap.add_argument("after", type=Path, nargs="?", default=Path("."))
+    ap.add_argument("--quick", action="store_true", help="~5x fewer steps")
+    args = ap.parse_args()
+    k = 5 if args.quick else 1
+    cheap, warm, cold = 40 // k, 20 // k, 10 // k  # rounds (fresh managers) per case
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="ab_manager_") as tmp:
+        sys.path.insert(0, tmp)
+        roots = [args.before.resolve(), args.after.resolve()]
+        apis = [load(r, f"mstar_{s}", Path(tmp)) for r, s in zip(roots, ("before", "after"))]
+        print(f"before: {roots[0]}\nafter:  {roots[1]}\n")
+        rows["batch 1 x 4k"] = compare(steady(1, 4096), apis, 1000, warm)[:, 0]
+        rows["steady 256 x 4k"] = compare(steady(256, 4096), apis, 200, cheap)[:, 0]
+        fresh = steady(256, 4096, fresh=True)
+        rows["steady 256 x 4k, fresh Segments"] = compare(fresh, apis, 200, cheap)[:, 0]
+        both = compare(with_copyto, apis, 300, warm)
+        rows["steady 256 x 32k"], rows["copyto 256 x 32k"] = both[:, 0], both[:, 1]
+        rows["churn"] = compare(churn(), apis, 200, warm)[:, 0]
+        rows["mixed"] = compare(mixed(), apis, 200, warm)[:, 0]
+        rows["steady cold"] = compare(steady(256, 4096, cold=True), apis, 200, cold)[:, 0]
+        rows["churn cold"] = compare(churn(cold=True), apis, 200, cold)[:, 0]
+        rows["mixed cold"] = compare(mixed(cold=True), apis, 200, cold)[:, 0]
+    print("| step | before µs | after µs | after/before |\n|---|---:|---:|---:|")
+    for name, (b, a) in rows.items():
+        print(f"| {name} | {b:.1f} | {a:.1f} | {a / b:.2f} |")
+    r = both[:, 0] / both[:, 1]
+    print(f"\n256 x 32k step/copyto: before {r[0]:.1f}x, after {r[1]:.1f}x")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from __future__ import annotations
 import sys
 import threading
 from dataclasses import dataclass, field
+from itertools import accumulate
 from operator import itemgetter
 from typing import Any
 
@@ -49,6 +50,9 @@ _KEY = itemgetter(0, 1)  # a segment's (request_id, label)
 _SPAN = itemgetter(2)
 _TOKENS = itemgetter(3)
 _INT32_MAX = 2**31 - 1
+_NO_PAGES = np.zeros(0, np.int32)
+_FEW = 8  # up to this many rows, a step's per-row arithmetic runs on Python ints
+_NO_PAGES.flags.writeable = False
 
 
 class KVError(Exception):
@@ -134,7 +138,9 @@ class _Rows:
     """A committed step's rows, resolved: a next step with the same rows (a
     decode step) reuses them while every stream is the same (its epoch)."""
 
+    segments: tuple[Segment, ...]
     keys: list[tuple[str, str]]
+    spans: np.ndarray  # int32 [B]
     combined: dict[tuple[str, ...], str]
     slots: np.ndarray  # int64 [B]
     epochs: np.ndarray  # int64 [B]
@@ -157,7 +163,8 @@ class _Admitted:
     requests: dict[str, None]  # ordered
     groups: dict[str, np.ndarray | None]  # plan label -> rows (None: all, in order)
     tokens: Any = None  # with a prefix cache: the rows' tokens (see ``step_tokens``)
-    pool: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    pool: np.ndarray = field(default_factory=lambda: _NO_PAGES)
+    rows: _Rows | None = None  # the last step's rows, when this step reuses them
     used: int = 0
     planned: bool = False
     # The journal: ("grow", slots, old page counts), ("new", key, slot),
@@ -359,10 +366,19 @@ class KVManager:
             if rec.tokens is not None:  # only now is the step's KV final
                 self._record(step, rec)
             self._finish(rec)
-            if not _has_forks(step):
+            if rec.rows is not None and rec.rows is self._rows:  # the same streams again
+                rec.rows.segments, rec.rows.spans = step.segments, rec.spans
+            elif not _has_forks(step):
                 epochs = self._epoch[rec.slots]
                 self._rows = _Rows(
-                    rec.keys, step.combined_labels, rec.slots, epochs, rec.requests, rec.groups
+                    step.segments,
+                    rec.keys,
+                    rec.spans,
+                    step.combined_labels,
+                    rec.slots,
+                    epochs,
+                    rec.requests,
+                    rec.groups,
                 )
             del self._admitted[step]
 
@@ -437,23 +453,30 @@ class KVManager:
     def _admission(self, step: KVStep) -> _Admitted:
         """The step's rows, validated, as arrays; changes nothing."""
         segs = step.segments
+        rows = self._rows
+        reuse = (
+            rows is not None
+            and not self._admitted  # another step in flight: the checked path
+            and not _has_forks(step)
+            and step.combined_labels == rows.combined
+        )
+        if reuse and _equal_rows(segs, rows.segments) and self._same_streams(rows):
+            # The last committed step's rows (a decode step): checked, resolved
+            # and grouped then. Its slots are shared, never written in place.
+            rec = self._sized(step, rows.keys, [], rows.slots, rows.spans, rows.requests, rows.groups)
+            rec.rows = rows
+            return rec
         if segs and set(map(type, segs)) != {Segment}:
             bad = next(s for s in segs if type(s) is not Segment)
             raise TypeError(f"expected Segment rows, got {type(bad).__name__} {bad!r}")
         n = len(segs)
         keys = list(map(_KEY, segs))
         spans = _spans(list(map(_SPAN, segs)), keys)
-        rows = self._rows
-        if (
-            rows is not None
-            and not self._admitted  # another step in flight: the checked path
-            and not _has_forks(step)
-            and keys == rows.keys
-            and step.combined_labels == rows.combined
-            and (self._epoch[rows.slots] == rows.epochs).all()
-        ):  # the last committed step's rows: resolved, checked and grouped then
-            slots = rows.slots.copy()
-            return self._sized(step, keys, [], slots, spans, rows.requests, rows.groups)
+        if reuse and keys == rows.keys and self._same_streams(rows):
+            # The same streams with other spans or tokens.
+            rec = self._sized(step, keys, [], rows.slots, spans, rows.requests, rows.groups)
+            rec.rows = rows
+            return rec
         slots = np.fromiter(map(self._slot_of.__getitem__, keys), np.int64, n)
         new = (slots == 0).nonzero()[0].tolist()
         for i in new:  # a known stream's key was checked when it was made
@@ -477,14 +500,18 @@ class KVManager:
         groups = self._groups(step, keys)
         return self._sized(step, keys, new, slots, spans, requests, groups)
 
+    def _same_streams(self, rows: _Rows) -> bool:
+        return bool((self._epoch[rows.slots] == rows.epochs).all())
+
     def _sized(self, step, keys, new, slots, spans, requests, groups) -> _Admitted:
         """The admission record, once the rows are resolved: lengths checked,
         page needs, tokens."""
         ends, num_pages, grow = self._needs(slots, spans)
-        if len(keys) and np.maximum.reduce(ends) > _INT32_MAX:
+        longest = max(ends, default=0) if isinstance(ends, list) else np.maximum.reduce(ends)
+        if longest > _INT32_MAX:
             i = int(np.argmax(ends))
             raise InvalidStep(
-                f"expected a stream length < 2**31, got {int(ends[i] - spans[i])} + span"
+                f"expected a stream length < 2**31, got {int(ends[i]) - int(spans[i])} + span"
                 f" {int(spans[i])} for request {keys[i][0]!r}, label {keys[i][1]!r}",
                 *keys[i],
             )
@@ -498,7 +525,15 @@ class KVManager:
 
     def _needs(self, slots: np.ndarray, spans: np.ndarray) -> tuple[np.ndarray, ...]:
         """Each row's length with its span, the pages holding it, and the
-        pages it takes beyond those its stream holds (int64 ``[B]`` each)."""
+        pages it takes beyond those its stream holds (int64 ``[B]`` each;
+        lists of ints for a few rows, where numpy calls cost more than the
+        arithmetic)."""
+        if len(slots) <= _FEW:
+            ps, stored, npages = self.page_size, self._stored, self._npages
+            ends = [stored.item(s) + n for s, n in zip(slots.tolist(), spans.tolist())]
+            num_pages = [-(-end // ps) for end in ends]
+            grow = [max(n - npages.item(s), 0) for s, n in zip(slots.tolist(), num_pages)]
+            return ends, num_pages, grow
         ends = self._stored[slots] + spans
         num_pages = ends + (self.page_size - 1)
         num_pages //= self.page_size
@@ -587,15 +622,26 @@ class KVManager:
             key = rec.keys[i]
             rec.slots[i] = self._new_stream(*key, np.zeros(0, np.int32), 0)
             rec.journal.append(("new", key, int(rec.slots[i])))
-        rows = rec.grow.nonzero()[0]
+        grow = rec.grow
+        if isinstance(grow, list):  # a few rows (see ``_needs``)
+            if not any(grow):
+                return
+            grow = np.array(grow, np.int64)
+        rows = grow.nonzero()[0]
         if len(rows):  # the rows' new pages, in row order, from the reservation
-            slots, grow = rec.slots[rows], rec.grow[rows]
+            slots, grow = rec.slots[rows], grow[rows]
             had = self._npages[slots]
             pages = self._reserved(rec, int(np.add.reduce(grow)))
             rec.journal.append(("grow", slots, had))
-            at = 0
+            tables, at, page = self._tables, 0, pages.tolist()
             for slot, n, k in zip(slots.tolist(), had.tolist(), grow.tolist()):
-                self._table_with_room(slot, n + k)[n : n + k] = pages[at : at + k]
+                table = tables[slot]
+                if n + k > len(table):
+                    table = self._table_with_room(slot, n + k)
+                if k == 1:  # a decode row's page: a scalar store is cheaper than a slice
+                    table[n] = page[at]
+                else:
+                    table[n : n + k] = pages[at : at + k]
                 at += k
             self._npages[slots] = had + grow
             self._touch(slots)
@@ -612,8 +658,14 @@ class KVManager:
             rec.keys,
         )
         if rows is not None:
-            slots, spans, ends, num_pages = slots[rows], spans[rows], ends[rows], num_pages[rows]
             keys = [keys[i] for i in rows.tolist()]
+            slots, spans = slots[rows], spans[rows]
+            if isinstance(ends, list):
+                ends, num_pages = [ends[i] for i in rows.tolist()], [num_pages[i] for i in rows.tolist()]
+            else:
+                ends, num_pages = ends[rows], num_pages[rows]
+        if isinstance(ends, list):
+            return self._few_arrays(slots, spans, ends, num_pages, keys)
         b = len(slots)
         qo_indptr = np.zeros(b + 1, dtype=np.int32)
         np.add.accumulate(spans, out=qo_indptr[1:])
@@ -634,6 +686,26 @@ class KVManager:
             indices = self._splice(plan_label, slots, num_pages, kv_indptr)
         return qo_indptr, kv_indptr, indices, last, kv_lens, ends, slots, spans, keys
 
+    def _few_arrays(self, slots, spans, ends, num_pages, keys) -> tuple:
+        """``_arrays`` for a few rows, on Python ints."""
+        ps, tables = self.page_size, self._tables
+        kv_indptr = [0, *accumulate(num_pages)]
+        indices = np.empty(kv_indptr[-1], dtype=np.int32)
+        for slot, n, d in zip(slots.tolist(), num_pages, kv_indptr):
+            indices[d : d + n] = tables[slot][:n]
+        last = [(end - 1) % ps + 1 for end in ends]
+        return (
+            np.array([0, *accumulate(spans.tolist())], np.int32),
+            np.array(kv_indptr, np.int32),
+            indices,
+            np.array(last, np.int32),
+            np.array([end or ps for end in ends], np.int32),  # a row of none reads as ps
+            np.array(ends, np.int64),
+            slots,
+            spans,
+            keys,
+        )
+
     def _splice(
         self, plan_label: str, slots: np.ndarray, num_pages: np.ndarray, kv_indptr: np.ndarray
     ) -> np.ndarray:
@@ -645,6 +717,10 @@ class KVManager:
         prev = self._index.get(plan_label)
         if prev is None:
             copied = np.zeros(len(slots), np.int64)
+        elif self._grown_in_place(prev, slots, epochs, num_pages):
+            self._splice_grown(prev, out, slots, num_pages, kv_indptr)
+            self._index[plan_label] = _Index(slots, epochs, num_pages, kv_indptr, out)
+            return out
         else:
             where = np.full(len(self._epoch), -1, dtype=np.int64)
             where[prev.slots] = np.arange(len(prev.slots))
@@ -679,6 +755,36 @@ class KVManager:
             out[d + a : d + b] = tables[slot][a:b]
         self._index[plan_label] = _Index(slots, epochs, num_pages, kv_indptr, out)
         return out
+
+    @staticmethod
+    def _grown_in_place(prev: _Index, slots, epochs, num_pages) -> bool:
+        """Whether the rows are the previous plan's, in order, each with at
+        least the pages it had (a decode step's rows)."""
+        if prev.slots is not slots and (
+            len(prev.slots) != len(slots) or not (prev.slots == slots).all()
+        ):
+            return False
+        return bool((prev.epochs == epochs).all() and (num_pages >= prev.num_pages).all())
+
+    def _splice_grown(self, prev: _Index, out, slots, num_pages, kv_indptr) -> None:
+        """``_splice`` for rows that are the previous plan's: the old indices in
+        runs between rows that took pages, each such row's new pages from its
+        table (one slice copy per run, one per grown row)."""
+        grown = (num_pages != prev.num_pages).nonzero()[0]
+        old, tables = prev.indices, self._tables
+        src = dst = 0
+        for end, slot, a, b, stop in zip(
+            prev.kv_indptr[grown + 1].tolist(),
+            slots[grown].tolist(),
+            prev.num_pages[grown].tolist(),
+            num_pages[grown].tolist(),
+            kv_indptr[grown + 1].tolist(),
+        ):
+            out[dst : dst + end - src] = old[src:end]
+            dst += end - src
+            out[dst:stop] = tables[slot][a:b]
+            src, dst = end, stop
+        out[dst:] = old[src:]
 
     def _output(self, arrays: tuple) -> KVPlanOutput:
         qo_indptr, kv_indptr, indices, last, kv_lens, ends, slots, spans, keys = arrays
@@ -857,7 +963,7 @@ class KVManager:
 
     def _touch(self, slots: int | np.ndarray) -> None:
         """A new generation for streams whose pages or length changed."""
-        n = np.size(slots)
+        n = 1 if isinstance(slots, int) else len(slots)
         self._gen[slots] = (
             np.arange(self._tick + 1, self._tick + 1 + n) if n > 1 else self._tick + 1
         )
@@ -917,6 +1023,15 @@ def _spans(values: list, keys: list[tuple[str, str]]) -> np.ndarray:
                 f"expected span >= 0 and < 2**31, got {value} {where}", request_id, label
             )
     return np.array([int(v) for v in values], dtype=np.int32)
+
+
+def _equal_rows(a: tuple, b: tuple) -> bool:
+    """Whether two steps' segments are equal (tokens compared too: numpy
+    tokens that cannot be compared read as unequal)."""
+    try:
+        return a == b
+    except (ValueError, TypeError):
+        return False
 
 
 def _check_forks(step: KVStep) -> None:
