@@ -15,7 +15,7 @@ Page size 16, rows staggered (row i prefilled with ctx + i % 16 tokens). Cases: 
 step; 256 x 32k decode beside one np.copyto of its step's indices (timed alone); churn
 (2 rows leave, 2 join with an untimed prefill, then the decode); mixed (decode + a new
 512-token prefill row); and steady, churn and mixed cold (48 MiB written before each).
-``--quick`` runs ~5x fewer steps (~40 s; the full run ~2.5 min). Comparing a checkout
+``--quick`` runs ~5x fewer steps (~40 s; the full run ~3 min). Comparing a checkout
 with itself gives ratios within a few % of 1.
 """
 

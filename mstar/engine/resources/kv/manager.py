@@ -146,6 +146,7 @@ class _Rows:
     epochs: np.ndarray  # int64 [B]
     requests: dict[str, None]
     groups: dict[str, np.ndarray | None]
+    made: int  # the manager's count of streams made and freed then
 
 
 @dataclass(eq=False)
@@ -212,6 +213,7 @@ class KVManager:
         self._gen = np.zeros(1, dtype=np.int64)
         self._epoch = np.zeros(1, dtype=np.int64)
         self._free_slots: list[int] = []
+        self._made = 0  # streams made and freed so far (a step's rows stay resolved until it moves)
         self._tick = 0
         self._admitted: dict[KVStep, _Admitted] = {}
         self._index: dict[str, _Index] = {}
@@ -307,7 +309,10 @@ class KVManager:
             if step in self._admitted:
                 raise InvalidStep(f"step already admitted ({_describe(step)})", *_first_row(step))
             rec = self._admission(step)
-            need = self._fork_pages(step, rec) if _has_forks(step) else int(np.add.reduce(rec.grow))
+            if _has_forks(step):
+                need = self._fork_pages(step, rec)
+            else:
+                need = sum(rec.grow) if isinstance(rec.grow, list) else int(np.add.reduce(rec.grow))
             self._pages_fit(rec, need)
             rec.pool = self._pages.alloc(need)
             self._admitted[step] = rec
@@ -349,7 +354,7 @@ class KVManager:
                 if not planned:
                     self._apply(step, rec)
                 if step.commit:
-                    self._stored[rec.slots] += rec.spans
+                    self._stored[rec.slots] = rec.ends  # stored + span, rows being distinct
                     self._touch(rec.slots)
                 try:
                     for src, dst in step.post_forks:
@@ -367,7 +372,8 @@ class KVManager:
                 self._record(step, rec)
             self._finish(rec)
             if rec.rows is not None and rec.rows is self._rows:  # the same streams again
-                rec.rows.segments, rec.rows.spans = step.segments, rec.spans
+                rows = rec.rows  # its streams are as resolved: the step had no forks
+                rows.segments, rows.spans, rows.made = step.segments, rec.spans, self._made
             elif not _has_forks(step):
                 epochs = self._epoch[rec.slots]
                 self._rows = _Rows(
@@ -379,6 +385,7 @@ class KVManager:
                     epochs,
                     rec.requests,
                     rec.groups,
+                    self._made,
                 )
             del self._admitted[step]
 
@@ -501,6 +508,9 @@ class KVManager:
         return self._sized(step, keys, new, slots, spans, requests, groups)
 
     def _same_streams(self, rows: _Rows) -> bool:
+        """Whether the rows' streams are those they were resolved to."""
+        if rows.made == self._made:  # no stream made or freed since
+            return True
         return bool((self._epoch[rows.slots] == rows.epochs).all())
 
     def _sized(self, step, keys, new, slots, spans, requests, groups) -> _Admitted:
@@ -648,7 +658,8 @@ class KVManager:
 
     def _arrays(self, plan_label: str, rows: np.ndarray | None, rec: _Admitted) -> tuple:
         """One plan label's arrays, after ``_apply``: (qo_indptr, kv_indptr,
-        indices, last, kv_lens, ends, slots, spans, keys)."""
+        indices, last, kv_lens, ends, slots, spans, keys, write), ``write``
+        each row's (page, offset) for a step of decode rows, else None."""
         ps = self.page_size
         slots, spans, ends, num_pages, keys = (
             rec.slots,
@@ -684,7 +695,10 @@ class KVManager:
                 indices[d : d + n] = tables[slot][:n]
         else:
             indices = self._splice(plan_label, slots, num_pages, kv_indptr)
-        return qo_indptr, kv_indptr, indices, last, kv_lens, ends, slots, spans, keys
+        write = None
+        if b and int(qo_indptr[-1]) == b and np.maximum.reduce(spans) == 1:  # decode rows
+            write = indices[kv_indptr[1:] - 1].astype(np.int64), (last - 1).astype(np.int64)
+        return qo_indptr, kv_indptr, indices, last, kv_lens, ends, slots, spans, keys, write
 
     def _few_arrays(self, slots, spans, ends, num_pages, keys) -> tuple:
         """``_arrays`` for a few rows, on Python ints."""
@@ -694,6 +708,12 @@ class KVManager:
         for slot, n, d in zip(slots.tolist(), num_pages, kv_indptr):
             indices[d : d + n] = tables[slot][:n]
         last = [(end - 1) % ps + 1 for end in ends]
+        write = None
+        if ends and all(span == 1 for span in spans.tolist()):  # decode rows
+            write = (
+                np.array([indices[d - 1] for d in kv_indptr[1:]], np.int64),
+                np.array(last, np.int64) - 1,
+            )
         return (
             np.array([0, *accumulate(spans.tolist())], np.int32),
             np.array(kv_indptr, np.int32),
@@ -704,6 +724,7 @@ class KVManager:
             slots,
             spans,
             keys,
+            write,
         )
 
     def _splice(
@@ -787,18 +808,17 @@ class KVManager:
         out[dst:] = old[src:]
 
     def _output(self, arrays: tuple) -> KVPlanOutput:
-        qo_indptr, kv_indptr, indices, last, kv_lens, ends, slots, spans, keys = arrays
+        qo_indptr, kv_indptr, indices, last, kv_lens, ends, slots, spans, keys, write = arrays
         host = (qo_indptr, kv_indptr, indices, last)
+        decode_pages, decode_offsets = write or (None, None)
         if self.ring is None:
             tensors = [torch.from_numpy(a) for a in host]
         else:
             tensors = [self.ring.take(a) for a in host]
-        b = len(slots)
-        decode = b > 0 and int(qo_indptr[-1]) == b and np.maximum.reduce(spans) == 1
         return KVPlanOutput(
             PagedIndptrs(*tensors, HostLens(kv_lens)),
-            decode_pages=indices[kv_indptr[1:] - 1].astype(np.int64) if decode else None,
-            decode_offsets=(last - 1).astype(np.int64) if decode else None,
+            decode_pages=decode_pages,
+            decode_offsets=decode_offsets,
             rows=keys,
             view_builder=_Views(keys, indices, kv_indptr, ends, spans, self._gen[slots]),
         )
@@ -870,6 +890,7 @@ class KVManager:
         if not self._free_slots:
             self._grow_slots()
         slot = self._free_slots.pop()
+        self._made += 1
         self._tables[slot] = table
         self._npages[slot] = len(table)
         self._stored[slot] = stored
@@ -901,6 +922,7 @@ class KVManager:
         self._tables[slot] = None
         self._npages[slot] = self._stored[slot] = 0
         self._epoch[slot] = -1
+        self._made += 1
         self._free_slots.append(slot)
 
     def _table_with_room(self, slot: int, size: int) -> np.ndarray:
