@@ -702,20 +702,20 @@ class KVManager:
 
     def _few_arrays(self, slots, spans, ends, num_pages, keys) -> tuple:
         """``_arrays`` for a few rows, on Python ints."""
-        ps, tables = self.page_size, self._tables
+        ps, tables, spans_l = self.page_size, self._tables, spans.tolist()
         kv_indptr = [0, *accumulate(num_pages)]
         indices = np.empty(kv_indptr[-1], dtype=np.int32)
         for slot, n, d in zip(slots.tolist(), num_pages, kv_indptr):
             indices[d : d + n] = tables[slot][:n]
         last = [(end - 1) % ps + 1 for end in ends]
         write = None
-        if ends and all(span == 1 for span in spans.tolist()):  # decode rows
+        if ends and spans_l.count(1) == len(spans_l):  # decode rows
             write = (
-                np.array([indices[d - 1] for d in kv_indptr[1:]], np.int64),
-                np.array(last, np.int64) - 1,
+                np.array([indices.item(d - 1) for d in kv_indptr[1:]], np.int64),
+                np.array([n - 1 for n in last], np.int64),
             )
         return (
-            np.array([0, *accumulate(spans.tolist())], np.int32),
+            np.array([0, *accumulate(spans_l)], np.int32),
             np.array(kv_indptr, np.int32),
             indices,
             np.array(last, np.int32),
