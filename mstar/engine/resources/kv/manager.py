@@ -204,10 +204,10 @@ class KVManager:
         self.ring = ring
         self._lock = threading.Lock()
         self._pages = PagePool(self.num_pages, self.page_size)
-        self._prefix = PrefixChains(self._pages, self.page_size) if prefix_cache else None
         self._slot_of = _Slots()
         self._streams: dict[str, dict[str, int]] = {}  # request -> label -> slot
         self._tables: list[np.ndarray | None] = [np.zeros(0, np.int32)]
+        self._prefix = PrefixChains(self._pages, self.page_size, self._tables) if prefix_cache else None
         self._stored = np.zeros(1, dtype=np.int64)
         self._npages = np.zeros(1, dtype=np.int64)
         self._gen = np.zeros(1, dtype=np.int64)
@@ -252,6 +252,8 @@ class KVManager:
         cache now, pages evicted so far."""
         with self._lock:
             p = self._prefix
+            if p is not None:
+                p.flush()
             return {
                 "tokens_queried": p.queried if p else 0,
                 "tokens_hit": p.hit if p else 0,
@@ -826,8 +828,7 @@ class KVManager:
     def _record(self, step: KVStep, rec: _Admitted) -> None:
         """Prefix cache: the step's committed tokens; fork targets made after
         them continue their sources' chains."""
-        tables = self._tables
-        self._prefix.record(rec.slots, self._stored[rec.slots] - rec.spans, rec.tokens, tables)
+        self._prefix.record(rec.slots, self._stored[rec.slots] - rec.spans, rec.tokens)
         for src, dst in step.post_forks:
             for request_id in rec.requests:
                 labels = self._streams[request_id]
@@ -917,6 +918,8 @@ class KVManager:
     def _free_slot(self, slot: int, keep: np.ndarray | None = None) -> None:
         """Free the slot and release its pages, but those in ``keep`` (pages
         an undone step took from its reservation go back to it)."""
+        if self._prefix is not None and self._prefix.waiting[slot]:
+            self._prefix.flush()  # its full pages are registered before they go
         pages = self._tables[slot][: self._npages[slot]]
         self._pages.release(pages if keep is None else pages[~np.isin(pages, keep)])
         self._tables[slot] = None

@@ -8,6 +8,11 @@ extended it carried its tokens; one without tokens stops it for good (its
 later pages are never registered, so nothing is keyed by tokens it lacks).
 Only committed tokens are recorded, after the step's fallible work, so a page
 is registered only once its KV is final.
+
+A decode step fills a page in a few rows at a time; registering them then
+would cost one pool call per step. Those pages wait (with their tokens) and
+are registered in one batch: before a lookup, before any of their streams is
+freed or forked, before other recording, or when a stream fills its next page.
 """
 
 from __future__ import annotations
@@ -56,15 +61,18 @@ class PrefixChains:
     """Per stream slot: recording on/off, the partial page's tokens, pages
     keyed, the last key and the namespace. Slot arrays grow with the manager's."""
 
-    def __init__(self, pool: PagePool, page_size: int) -> None:
+    def __init__(self, pool: PagePool, page_size: int, tables: list) -> None:
         self.pool = pool
         self.page_size = page_size
+        self.tables = tables  # the manager's page tables by slot (appended to, never rebound)
         self.on = np.zeros(0, dtype=bool)
         self.tail = np.zeros((0, page_size), dtype=np.int64)  # the partial page's tokens
         self.keyed = np.zeros(0, dtype=np.int64)  # full pages keyed (and registered)
         self.last_key = np.zeros(0, dtype=np.uint64)  # the last keyed page's (if keyed)
         self.namespace: list[str] = []
         self.queried = self.hit = 0  # tokens asked of match_prefix, tokens served
+        self.waiting = np.zeros(0, dtype=bool)  # per slot: a full page not yet registered
+        self._wait: list[tuple[np.ndarray, np.ndarray]] = []  # (slots [n], tokens [n, ps])
 
     def grow(self, n: int) -> None:
         old = len(self.on)
@@ -72,6 +80,7 @@ class PrefixChains:
         self.tail = np.concatenate((self.tail, np.zeros((n - old, self.page_size), np.int64)))
         self.keyed = np.concatenate((self.keyed, np.zeros(n - old, np.int64)))
         self.last_key = np.concatenate((self.last_key, np.zeros(n - old, np.uint64)))
+        self.waiting = np.concatenate((self.waiting, np.zeros(n - old, bool)))
         self.namespace += [""] * (n - old)
 
     def start(self, slot: int, namespace: str = "", keyed: int = 0, last: int | None = None):
@@ -83,6 +92,7 @@ class PrefixChains:
 
     def copy(self, src: int, dst: int) -> None:
         """A fork: ``dst`` continues ``src``'s chain."""
+        self.flush()
         self.on[dst] = self.on[src]
         self.tail[dst] = self.tail[src]
         self.keyed[dst] = self.keyed[src]
@@ -92,6 +102,7 @@ class PrefixChains:
     def match(self, tokens: np.ndarray, namespace: str) -> tuple[np.ndarray, int | None]:
         """The cached pages of the longest run of ``tokens``' full pages that
         leaves at least one token to compute, and the key of the last."""
+        self.flush()
         usable = (len(tokens) - 1) // self.page_size * self.page_size
         keys = self.pool.page_keys(tokens[: max(usable, 0)], None, namespace)
         pages = self.pool.lookup(keys)
@@ -99,10 +110,10 @@ class PrefixChains:
         self.hit += len(pages) * self.page_size
         return pages, int(keys.hashes[len(pages) - 1]) if len(pages) else None
 
-    def record(self, slots: np.ndarray, stored: np.ndarray, tokens, tables: list) -> None:
+    def record(self, slots: np.ndarray, stored: np.ndarray, tokens) -> None:
         """Committed tokens of a step's rows (``stored``: the lengths before
-        it); pages they fill are registered."""
-        ps = self.page_size
+        it); pages they fill are registered (a decode step's, in a while)."""
+        ps, tables = self.page_size, self.tables
         on = self.on[slots]
         if isinstance(tokens, np.ndarray):  # one token a row: vectorized
             live = slots[on]
@@ -110,8 +121,12 @@ class PrefixChains:
             self.tail[live, at] = tokens[on]
             filled = live[at == ps - 1]
             if len(filled):
-                self._register_next(filled, tables)
+                if self.waiting[filled].any():  # a stream's next page: its last goes first
+                    self.flush()
+                self.waiting[filled] = True
+                self._wait.append((filled, self.tail[filled]))
             return
+        self.flush()
         for slot, old, t, active in zip(slots.tolist(), stored.tolist(), tokens, on.tolist()):
             if not active or (t is not None and not len(t)):
                 continue
@@ -135,13 +150,20 @@ class PrefixChains:
         self.keyed[slot] = first + n
         self.last_key[slot] = keys.last
 
-    def _register_next(self, slots: np.ndarray, tables: list) -> None:
-        """Each of ``slots`` just filled its next page with its tail: one
-        batch for those continuing a chain, one call each for first pages."""
-        keyed = self.keyed[slots]
-        for slot in slots[keyed == 0].tolist():
-            self._register(slot, self.tail[slot], tables[slot])
-        slots, keyed = slots[keyed > 0], keyed[keyed > 0]
+    def flush(self) -> None:
+        """Register the full pages waiting: one batch for those continuing a
+        chain, one call each for first pages."""
+        if not self._wait:
+            return
+        slots = np.concatenate([w[0] for w in self._wait])
+        tokens = np.concatenate([w[1] for w in self._wait])
+        self._wait.clear()
+        self.waiting[slots] = False
+        tables, keyed = self.tables, self.keyed[slots]
+        for i in (keyed == 0).nonzero()[0].tolist():
+            self._register(int(slots[i]), tokens[i], tables[slots[i]])
+        first = keyed > 0
+        slots, keyed, tokens = slots[first], keyed[first], tokens[first]
         if not len(slots):
             return
         parents, pages = np.array(
@@ -149,6 +171,6 @@ class PrefixChains:
             dtype=np.int32,
         ).T
         self.last_key[slots] = self.pool.register_next(
-            pages, self.tail[slots], self.last_key[slots], parents
+            pages, tokens, self.last_key[slots], parents
         )[:]
         self.keyed[slots] += 1
