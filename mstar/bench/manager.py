@@ -12,8 +12,9 @@ the indices by list extends and ``torch.tensor``.
   warm, and cold: with the data caches evicted before each step (a 48 MiB
   write, one byte per 64), as after a model forward. The note compares each
   with the steady decode step of the same run.
-- ``prefix cache``: the steady decode step with the prefix cache on (every
-  segment carries its token) against it off; ``match_prefix`` of a 4k-token
+- ``prefix cache``: the steady decode step with the prefix cache on (fresh
+  segments each step, each carrying its new token) against it off (fresh
+  segments without tokens); ``match_prefix`` of a 4k-token
   prompt whose first 3.5k tokens are cached, against a hashlib digest and a
   dict lookup per page.
 """
@@ -223,8 +224,13 @@ def prefix_rows(batch: int = 256, context: int = 4096, steps: int = STEPS) -> li
         rng = np.random.default_rng(0)
         rows = [(f"r{i}", rng.integers(0, 50_000, context + i % PAGE_SIZE)) for i in range(batch)]
         _step(mgr, tuple(Segment(r, "main", len(t), t) for r, t in rows))
-        segments = tuple(Segment(r, "main", 1, [7]) for r, _ in rows)
-        timed.append(_median_us(lambda i, m=mgr, s=segments: lambda: _step(m, s), steps, None))
+        names = [r for r, _ in rows]
+
+        def decode(i, m=mgr, on=on, names=names):  # fresh rows, as a scheduler makes them
+            s = tuple(Segment(r, "main", 1, [i] if on else None) for r in names)
+            return lambda: _step(m, s)
+
+        timed.append(_median_us(decode, steps, None))
     out = [
         Row(
             "prefix cache",

@@ -47,8 +47,6 @@ from mstar.engine.resources.kv.prefix import PrefixChains, TokenError, step_toke
 from mstar.engine.resources.step import KVStep, Segment
 
 _KEY = itemgetter(0, 1)  # a segment's (request_id, label)
-_SPAN = itemgetter(2)
-_TOKENS = itemgetter(3)
 _INT32_MAX = 2**31 - 1
 _NO_PAGES = np.zeros(0, np.int32)
 _FEW = 8  # up to this many rows, a step's per-row arithmetic runs on Python ints
@@ -135,18 +133,20 @@ class _Index:
 
 @dataclass(eq=False)
 class _Rows:
-    """A committed step's rows, resolved: a next step with the same rows (a
-    decode step) reuses them while every stream is the same (its epoch)."""
+    """A step's rows, resolved: once it commits, a next step with the same
+    rows (a decode step) reuses them while every stream is the same (its
+    epoch)."""
 
     segments: tuple[Segment, ...]
+    columns: tuple[tuple, ...]  # the segments' fields: request ids, labels, spans, tokens
     keys: list[tuple[str, str]]
     spans: np.ndarray  # int32 [B]
     combined: dict[tuple[str, ...], str]
     slots: np.ndarray  # int64 [B]
-    epochs: np.ndarray  # int64 [B]
     requests: dict[str, None]
     groups: dict[str, np.ndarray | None]
-    made: int  # the manager's count of streams made and freed then
+    epochs: np.ndarray | None = None  # int64 [B], from the step's commit
+    made: int = -1  # the manager's count of streams made and freed then
 
 
 @dataclass(eq=False)
@@ -155,6 +155,7 @@ class _Admitted:
     spans apply) and a journal of what applying it changed, for undo."""
 
     keys: list[tuple[str, str]]  # [B] (request_id, label), batch order
+    columns: tuple[tuple, ...]  # the segments' fields (see ``_Rows``)
     new: list[int]  # rows whose stream the step creates
     slots: np.ndarray  # int64 [B]; 0 for a stream the step creates (until applied)
     spans: np.ndarray  # int32 [B]
@@ -165,7 +166,7 @@ class _Admitted:
     groups: dict[str, np.ndarray | None]  # plan label -> rows (None: all, in order)
     tokens: Any = None  # with a prefix cache: the rows' tokens (see ``step_tokens``)
     pool: np.ndarray = field(default_factory=lambda: _NO_PAGES)
-    rows: _Rows | None = None  # the last step's rows, when this step reuses them
+    rows: _Rows | None = None  # its rows: the last step's, reused, or its own
     used: int = 0
     planned: bool = False
     # The journal: ("grow", slots, old page counts), ("new", key, slot),
@@ -207,7 +208,9 @@ class KVManager:
         self._slot_of = _Slots()
         self._streams: dict[str, dict[str, int]] = {}  # request -> label -> slot
         self._tables: list[np.ndarray | None] = [np.zeros(0, np.int32)]
-        self._prefix = PrefixChains(self._pages, self.page_size, self._tables) if prefix_cache else None
+        self._prefix = (
+            PrefixChains(self._pages, self.page_size, self._tables) if prefix_cache else None
+        )
         self._stored = np.zeros(1, dtype=np.int64)
         self._npages = np.zeros(1, dtype=np.int64)
         self._gen = np.zeros(1, dtype=np.int64)
@@ -373,22 +376,12 @@ class KVManager:
             if rec.tokens is not None:  # only now is the step's KV final
                 self._record(step, rec)
             self._finish(rec)
-            if rec.rows is not None and rec.rows is self._rows:  # the same streams again
-                rows = rec.rows  # its streams are as resolved: the step had no forks
-                rows.segments, rows.spans, rows.made = step.segments, rec.spans, self._made
-            elif not _has_forks(step):
-                epochs = self._epoch[rec.slots]
-                self._rows = _Rows(
-                    step.segments,
-                    rec.keys,
-                    rec.spans,
-                    step.combined_labels,
-                    rec.slots,
-                    epochs,
-                    rec.requests,
-                    rec.groups,
-                    self._made,
-                )
+            if not _has_forks(step):  # the next step may reuse this one's rows
+                rows = rec.rows  # held by no other step in flight
+                rows.segments, rows.columns, rows.spans = step.segments, rec.columns, rec.spans
+                if rows is not self._rows or rows.slots is not rec.slots:  # (re)resolved
+                    rows.slots, rows.epochs = rec.slots, self._epoch[rec.slots]
+                rows.made, self._rows = self._made, rows
             del self._admitted[step]
 
     def abort(self, step: KVStep) -> None:
@@ -472,20 +465,23 @@ class KVManager:
         if reuse and _equal_rows(segs, rows.segments) and self._same_streams(rows):
             # The last committed step's rows (a decode step): checked, resolved
             # and grouped then. Its slots are shared, never written in place.
-            rec = self._sized(step, rows.keys, [], rows.slots, rows.spans, rows.requests, rows.groups)
-            rec.rows = rows
-            return rec
+            return self._sized(step, rows, rows.columns, rows.keys, [], rows.slots, rows.spans)
         if segs and set(map(type, segs)) != {Segment}:
             bad = next(s for s in segs if type(s) is not Segment)
             raise TypeError(f"expected Segment rows, got {type(bad).__name__} {bad!r}")
         n = len(segs)
-        keys = list(map(_KEY, segs))
-        spans = _spans(list(map(_SPAN, segs)), keys)
-        if reuse and keys == rows.keys and self._same_streams(rows):
-            # The same streams with other spans or tokens.
-            rec = self._sized(step, keys, [], rows.slots, spans, rows.requests, rows.groups)
-            rec.rows = rows
-            return rec
+        columns = tuple(zip(*segs)) or ((), (), (), ())  # one pass: ids, labels, spans, tokens
+        request_ids, labels, span_values = columns[:3]
+        if (
+            reuse
+            and request_ids == rows.columns[0]
+            and labels == rows.columns[1]
+            and self._same_streams(rows)
+        ):  # the same streams with other spans or tokens
+            spans = rows.spans if span_values == rows.columns[2] else _spans(span_values, rows.keys)
+            return self._sized(step, rows, columns, rows.keys, [], rows.slots, spans)
+        keys = list(zip(request_ids, labels))
+        spans = _spans(span_values, keys)
         slots = np.fromiter(map(self._slot_of.__getitem__, keys), np.int64, n)
         new = (slots == 0).nonzero()[0].tolist()
         for i in new:  # a known stream's key was checked when it was made
@@ -499,7 +495,7 @@ class KVManager:
                     f" label {key[1]!r}",
                     *key,
                 )
-        requests = dict.fromkeys(map(itemgetter(0), segs))
+        requests = dict.fromkeys(request_ids)
         if self._in_flight(requests):
             key = next(k for k in keys if self._in_flight({k[0]: None}))
             raise InvalidStep(
@@ -507,7 +503,9 @@ class KVManager:
             )
         _check_forks(step)
         groups = self._groups(step, keys)
-        return self._sized(step, keys, new, slots, spans, requests, groups)
+        combined = step.combined_labels
+        rows = _Rows(step.segments, columns, keys, spans, combined, slots, requests, groups)
+        return self._sized(step, rows, columns, keys, new, slots, spans)
 
     def _same_streams(self, rows: _Rows) -> bool:
         """Whether the rows' streams are those they were resolved to."""
@@ -515,9 +513,10 @@ class KVManager:
             return True
         return bool((self._epoch[rows.slots] == rows.epochs).all())
 
-    def _sized(self, step, keys, new, slots, spans, requests, groups) -> _Admitted:
-        """The admission record, once the rows are resolved: lengths checked,
-        page needs, tokens."""
+    def _sized(self, step, rows, columns, keys, new, slots, spans) -> _Admitted:
+        """The admission record, once the rows are resolved (``rows``: the last
+        step's, or this one's, unchecked against the streams): lengths
+        checked, page needs, tokens."""
         ends, num_pages, grow = self._needs(slots, spans)
         longest = max(ends, default=0) if isinstance(ends, list) else np.maximum.reduce(ends)
         if longest > _INT32_MAX:
@@ -530,10 +529,13 @@ class KVManager:
         tokens = None
         if self._prefix is not None and step.commit:
             try:
-                tokens = step_tokens(list(map(_TOKENS, step.segments)), spans, keys)
+                tokens = step_tokens(columns[3], spans, keys)
             except TokenError as err:
                 raise InvalidStep(str(err)) from err
-        return _Admitted(keys, new, slots, spans, ends, num_pages, grow, requests, groups, tokens)
+        return _Admitted(
+            keys, columns, new, slots, spans, ends, num_pages, grow, rows.requests, rows.groups,
+            tokens, rows=rows,
+        )  # fmt: skip
 
     def _needs(self, slots: np.ndarray, spans: np.ndarray) -> tuple[np.ndarray, ...]:
         """Each row's length with its span, the pages holding it, and the
@@ -674,7 +676,10 @@ class KVManager:
             keys = [keys[i] for i in rows.tolist()]
             slots, spans = slots[rows], spans[rows]
             if isinstance(ends, list):
-                ends, num_pages = [ends[i] for i in rows.tolist()], [num_pages[i] for i in rows.tolist()]
+                ends, num_pages = (
+                    [ends[i] for i in rows.tolist()],
+                    [num_pages[i] for i in rows.tolist()],
+                )
             else:
                 ends, num_pages = ends[rows], num_pages[rows]
         if isinstance(ends, list):
