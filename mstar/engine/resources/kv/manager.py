@@ -833,7 +833,7 @@ class KVManager:
     def _record(self, step: KVStep, rec: _Admitted) -> None:
         """Prefix cache: the step's committed tokens; fork targets made after
         them continue their sources' chains."""
-        self._prefix.record(rec.slots, self._stored[rec.slots] - rec.spans, rec.tokens)
+        self._prefix.record(rec.slots, np.subtract(rec.ends, rec.spans), rec.tokens)
         for src, dst in step.post_forks:
             for request_id in rec.requests:
                 labels = self._streams[request_id]

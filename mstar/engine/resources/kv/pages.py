@@ -123,25 +123,37 @@ class _KeyTable:
             rows, b = rows[more], (b[more] + 1) & self._mask
 
     def insert(self, keys: np.ndarray, pages: np.ndarray) -> None:
-        """Add ``keys`` (absent) for ``pages`` (not in the table)."""
+        """Add ``keys`` (absent) for ``pages`` (not in the table): in rounds of
+        one key a bucket, while their buckets have room; then one at a time."""
         b = (keys >> self._shift).astype(np.intp)
-        free = self._pages[b] < 0
-        col = free.argmax(axis=1)
-        if free[np.arange(len(b)), col].all() and len(np.unique(b)) == len(b):
-            flat = b * self.WIDTH + col  # the common case: distinct buckets with room
-        else:
-            flat = np.empty(len(b), dtype=np.intp)
-            for i, bucket in enumerate(b.tolist()):
-                while (room := np.flatnonzero(self._pages[bucket] < 0)).size == 0:
-                    self._nspilled += not self._spilled[bucket]
-                    self._spilled[bucket] = True
-                    bucket = (bucket + 1) & self._mask
-                flat[i] = bucket * self.WIDTH + room[0]
-                self._pages.flat[flat[i]] = pages[i]  # taken for the next key
+        todo = np.arange(len(b))
+        while len(todo):
+            _, first = np.unique(b[todo], return_index=True)
+            rows = todo[first]
+            free = self._pages[b[rows]] < 0
+            col = free.argmax(axis=1)
+            if not free[np.arange(len(rows)), col].all():  # a full bucket: spill, one by one
+                for i in todo.tolist():
+                    self._put(int(b[i]), keys[i], pages[i])
+                break
+            self._set(b[rows] * self.WIDTH + col, keys[rows], pages[rows])
+            rest = np.ones(len(todo), dtype=bool)
+            rest[first] = False
+            todo = todo[rest]
+        self.size += len(keys)
+
+    def _put(self, bucket: int, key: np.uint64, page: int) -> None:
+        """One key, in its bucket or the next with room (marking full ones spilled)."""
+        while (room := np.flatnonzero(self._pages[bucket] < 0)).size == 0:
+            self._nspilled += not self._spilled[bucket]
+            self._spilled[bucket] = True
+            bucket = (bucket + 1) & self._mask
+        self._set(bucket * self.WIDTH + room[0], key, page)
+
+    def _set(self, flat, keys, pages) -> None:
         self._pages.flat[flat] = pages
         self._keys.flat[flat] = keys
         self._slot[pages] = flat
-        self.size += len(keys)
 
     def remove(self, pages: np.ndarray) -> None:
         """Drop ``pages``' keys."""

@@ -116,9 +116,10 @@ class PrefixChains:
         ps, tables = self.page_size, self.tables
         on = self.on[slots]
         if isinstance(tokens, np.ndarray):  # one token a row: vectorized
-            live = slots[on]
-            at = stored[on] % ps
-            self.tail[live, at] = tokens[on]
+            live, at = slots, stored % ps
+            if not on.all():
+                live, at, tokens = live[on], at[on], tokens[on]
+            self.tail[live, at] = tokens
             filled = live[at == ps - 1]
             if len(filled):
                 if self.waiting[filled].any():  # a stream's next page: its last goes first
@@ -166,10 +167,9 @@ class PrefixChains:
         slots, keyed, tokens = slots[first], keyed[first], tokens[first]
         if not len(slots):
             return
-        parents, pages = np.array(
-            [tables[s][k - 1 : k + 1] for s, k in zip(slots.tolist(), keyed.tolist())],
-            dtype=np.int32,
-        ).T
+        rows = [(tables[s], k) for s, k in zip(slots.tolist(), keyed.tolist())]
+        parents = np.array([table.item(k - 1) for table, k in rows], dtype=np.int32)
+        pages = np.array([table.item(k) for table, k in rows], dtype=np.int32)
         self.last_key[slots] = self.pool.register_next(
             pages, tokens, self.last_key[slots], parents
         )[:]
