@@ -352,6 +352,49 @@ def test_repeated_decode_after_commit_false_and_allocation_failure():
     mgr.check_invariants()
 
 
+@pytest.mark.parametrize("few_rows", [0, 8])
+def test_an_equal_step_after_its_stream_was_replaced_reads_the_new_stream(few_rows):
+    """Equal rows reuse the last step's resolution only while its streams are
+    the same: a stream released and made again (here by an aborted step, then
+    by a prefix match) is resolved anew."""
+    mgr = KVManager(num_pages=64, page_size=4, prefix_cache=True)
+    mgr._few_rows = few_rows
+    prompt = list(range(9))
+    step = KVStep((Segment("a", "main", 9, prompt), Segment("b", "main", 9, prompt)))
+    for s in (step, KVStep(step.segments)):  # the second: equal segments, reused rows
+        mgr.admit(s)
+        mgr.plan(s)
+        mgr.commit(s)
+    mgr.release("b")
+    again = KVStep((Segment("b", "main", 3, [1, 2, 3]),))
+    mgr.admit(again)
+    mgr.abort(again)  # b made and freed: no stream
+    decode = (Segment("a", "main", 1, [5]), Segment("b", "main", 1, [5]))
+    out = run_step(mgr, *decode)["main"]
+    assert [v.length for v in out.views] == [19, 1]  # b is a new stream
+    mgr.release("b")
+    assert mgr.match_prefix("b", "main", prompt) == 8  # b again, on a's cached pages
+    out = run_step(mgr, *decode)["main"]
+    assert [v.length for v in out.views] == [20, 9]
+    assert_same_as_fresh_build(out, 4)
+    mgr.check_invariants()
+
+
+def test_equal_steps_with_numpy_tokens_and_many_rows():
+    """Segments whose numpy tokens cannot be compared as a whole take the
+    checked path; a wide batch takes the array path, spliced."""
+    mgr = KVManager(num_pages=2048, page_size=4, prefix_cache=True)
+    rows = [f"r{i}" for i in range(80)]
+    run_step(mgr, *((r, "main", 2 + i % 5, np.arange(2 + i % 5)) for i, r in enumerate(rows)))
+    for k in range(6):
+        for tokens in (np.array([k, k]), np.array([k, k])):  # equal, not identical
+            out = run_step(mgr, *((r, "main", 2, tokens) for r in rows))["main"]
+            fresh = build_paged_indptrs(out.views, 4)
+            assert all(a.tolist() == b.tolist() for a, b in zip(out.cpu_indptrs, fresh))
+    assert [mgr.stored_len(r, "main") for r in rows[:5]] == [26, 27, 28, 29, 30]
+    mgr.check_invariants()
+
+
 def test_decode_with_combined_labels_and_a_ring():
     ring = PinnedIndexRing(numel=4, depth=2, per_plan=2)
     mgr = KVManager(num_pages=64, page_size=2, ring=ring)
@@ -432,13 +475,15 @@ class ManagerMachine(RuleBasedStateMachine):
     @initialize(
         page_size=st.sampled_from([1, 2, 3, 5]),
         num_pages=st.integers(3, 30),
-        splice=st.booleans(),
+        path=st.sampled_from(["few", "copy", "splice"]),
     )
-    def setup(self, page_size, num_pages, splice):
+    def setup(self, page_size, num_pages, path):
         self.ps = page_size
         self.cache = TokenCache(num_pages, page_size)
         self.mgr = KVManager(num_pages=num_pages, page_size=page_size, cache=self.cache)
-        if splice:  # every plan spliced from the label's last, however few its rows
+        if path != "few":  # the array path, however few the rows
+            self.mgr._few_rows = 0
+        if path == "splice":  # every plan spliced from the label's last
             self.mgr._splice_rows = 0
         self.hist = {}  # (request, label) -> token ids
         self.pages = {}  # (request, label) -> pages held

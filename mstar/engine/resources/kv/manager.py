@@ -48,9 +48,6 @@ from mstar.engine.resources.step import KVStep, Segment
 
 _KEY = itemgetter(0, 1)  # a segment's (request_id, label)
 _INT32_MAX = 2**31 - 1
-_NO_PAGES = np.zeros(0, np.int32)
-_FEW = 8  # up to this many rows, a step's per-row arithmetic runs on Python ints
-_NO_PAGES.flags.writeable = False
 
 
 class KVError(Exception):
@@ -165,7 +162,7 @@ class _Admitted:
     requests: dict[str, None]  # ordered
     groups: dict[str, np.ndarray | None]  # plan label -> rows (None: all, in order)
     tokens: Any = None  # with a prefix cache: the rows' tokens (see ``step_tokens``)
-    pool: np.ndarray = field(default_factory=lambda: _NO_PAGES)
+    pool: np.ndarray | None = None  # the pages reserved (set by ``admit``)
     rows: _Rows | None = None  # its rows: the last step's, reused, or its own
     used: int = 0
     planned: bool = False
@@ -222,6 +219,7 @@ class KVManager:
         self._index: dict[str, _Index] = {}
         self._rows: _Rows | None = None  # the last committed step's rows, for the next
         self._recycler = _Recycler()
+        self._few_rows = 8  # up to this many rows, per-row arithmetic runs on Python ints
         self._splice_rows = 64  # from this many rows a label's indices are spliced from its last
 
     # --- queries -----------------------------------------------------------------------
@@ -542,7 +540,7 @@ class KVManager:
         pages it takes beyond those its stream holds (int64 ``[B]`` each;
         lists of ints for a few rows, where numpy calls cost more than the
         arithmetic)."""
-        if len(slots) <= _FEW:
+        if len(slots) <= self._few_rows:
             ps, stored, npages = self.page_size, self._stored, self._npages
             ends = [stored.item(s) + n for s, n in zip(slots.tolist(), spans.tolist())]
             num_pages = [-(-end // ps) for end in ends]
