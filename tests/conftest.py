@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -95,3 +96,15 @@ def smollm2():
     except FileNotFoundError as err:
         pytest.skip(str(err))
     return load("smollm2")
+
+
+@pytest.fixture(autouse=True)
+def poisoned_index_memory(monkeypatch):
+    """Index arrays the manager fills start as garbage, not as an old plan's
+    indices: a part it forgets to write cannot read back right by chance."""
+    from mstar.engine.resources.kv import manager
+
+    def empty(self, n: int):
+        return np.full(n, -7, dtype=np.int32)
+
+    monkeypatch.setattr(manager._Recycler, "empty", empty)

@@ -395,6 +395,31 @@ def test_equal_steps_with_numpy_tokens_and_many_rows():
     mgr.check_invariants()
 
 
+@pytest.mark.parametrize("tail_rows", [0, 8])
+def test_spliced_plans_with_rows_joining_and_leaving_at_the_end(tail_rows):
+    """A plan spliced from the label's last: rows that kept their place, then
+    rows that joined (a prefill chunk, new requests) or left; each plan
+    equals the arrays built from its own views."""
+    mgr = KVManager(num_pages=1024, page_size=4)
+    mgr._few_rows, mgr._splice_rows, mgr._tail_rows = 0, 0, tail_rows
+    rows = [f"r{i}" for i in range(6)]
+    run_step(mgr, *((r, "main", 3 + 2 * i) for i, r in enumerate(rows)))
+    joined = []
+    for k in range(12):
+        if k % 3 == 0:  # two requests join at the end, one with a long prefill
+            joined += [(f"j{k}", 9), (f"q{k}", 1)]
+        elif k % 3 == 2:  # the last joined leave
+            for r, _ in joined[-2:]:
+                mgr.release(r)
+            joined = joined[:-2]
+        step = [(r, "main", 1) for r in rows] + [(r, "main", n) for r, n in joined]
+        out = run_step(mgr, *step)["main"]
+        fresh = build_paged_indptrs(out.views, 4)
+        assert all(a.tolist() == b.tolist() for a, b in zip(out.cpu_indptrs, fresh))
+        joined = [(r, 1) for r, _ in joined]  # from now on they decode
+        mgr.check_invariants()
+
+
 def test_decode_with_combined_labels_and_a_ring():
     ring = PinnedIndexRing(numel=4, depth=2, per_plan=2)
     mgr = KVManager(num_pages=64, page_size=2, ring=ring)
@@ -475,7 +500,7 @@ class ManagerMachine(RuleBasedStateMachine):
     @initialize(
         page_size=st.sampled_from([1, 2, 3, 5]),
         num_pages=st.integers(3, 30),
-        path=st.sampled_from(["few", "copy", "splice"]),
+        path=st.sampled_from(["few", "copy", "splice", "splice kept rows"]),
     )
     def setup(self, page_size, num_pages, path):
         self.ps = page_size
@@ -483,8 +508,10 @@ class ManagerMachine(RuleBasedStateMachine):
         self.mgr = KVManager(num_pages=num_pages, page_size=page_size, cache=self.cache)
         if path != "few":  # the array path, however few the rows
             self.mgr._few_rows = 0
-        if path == "splice":  # every plan spliced from the label's last
+        if path.startswith("splice"):  # every plan spliced from the label's last
             self.mgr._splice_rows = 0
+        if path == "splice":  # by runs, unless every row kept its place
+            self.mgr._tail_rows = 0
         self.hist = {}  # (request, label) -> token ids
         self.pages = {}  # (request, label) -> pages held
         self.next_token = 0

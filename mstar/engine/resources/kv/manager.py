@@ -27,7 +27,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from itertools import accumulate
-from operator import itemgetter
+from operator import eq, itemgetter
 from typing import Any
 
 import numpy as np
@@ -221,6 +221,7 @@ class KVManager:
         self._recycler = _Recycler()
         self._few_rows = 8  # up to this many rows, per-row arithmetic runs on Python ints
         self._splice_rows = 64  # from this many rows a label's indices are spliced from its last
+        self._tail_rows = 8  # rows after the last plan's that are spliced from their tables
 
     # --- queries -----------------------------------------------------------------------
 
@@ -479,14 +480,29 @@ class KVManager:
             spans = rows.spans if span_values == rows.columns[2] else _spans(span_values, rows.keys)
             return self._sized(step, rows, columns, rows.keys, [], rows.slots, spans)
         keys = list(zip(request_ids, labels))
-        spans = _spans(span_values, keys)
-        slots = np.fromiter(map(self._slot_of.__getitem__, keys), np.int64, n)
+        k = self._shared_rows(rows, keys) if reuse else 0
+        if k:  # the last step's leading rows again, then others (rows joined, left)
+            slots = np.concatenate((rows.slots[:k], self._resolve(keys[k:])))
+            if span_values[:k] == rows.columns[2][:k]:
+                spans = np.concatenate((rows.spans[:k], _spans(span_values[k:], keys[k:])))
+            else:
+                spans = _spans(span_values, keys)
+            tail = slots[k:]
+            repeated = not set(tail[tail != 0].tolist()).isdisjoint(rows.slots[:k].tolist())
+        else:
+            slots = self._resolve(keys)
+            spans = _spans(span_values, keys)
+            repeated = False
         new = (slots == 0).nonzero()[0].tolist()
         for i in new:  # a known stream's key was checked when it was made
             _check_key(*keys[i])
-        if n > 1:
-            known = np.sort(slots[slots != 0])
-            if (known[1:] == known[:-1]).any() or len({keys[i] for i in new}) < len(new):
+        if n > k + 1 or repeated:  # the rows it did not reuse are each one stream
+            known = np.sort(slots[k:][slots[k:] != 0])
+            if (
+                repeated
+                or (known[1:] == known[:-1]).any()
+                or len({keys[i] for i in new}) < len(new)
+            ):
                 key = _first_repeat(keys)
                 raise InvalidStep(
                     f"expected one segment per stream, got two for request {key[0]!r},"
@@ -504,6 +520,18 @@ class KVManager:
         combined = step.combined_labels
         rows = _Rows(step.segments, columns, keys, spans, combined, slots, requests, groups)
         return self._sized(step, rows, columns, keys, new, slots, spans)
+
+    def _resolve(self, keys: list[tuple[str, str]]) -> np.ndarray:
+        """The streams' slots, int64; 0 for a stream not made yet."""
+        return np.fromiter(map(self._slot_of.__getitem__, keys), np.int64, len(keys))
+
+    def _shared_rows(self, rows: _Rows, keys: list[tuple[str, str]]) -> int:
+        """How many leading rows are the last step's, on the same streams."""
+        same = list(map(eq, keys, rows.keys))
+        k = same.index(False) if False in same else len(same)
+        if k and rows.made != self._made:
+            k *= bool((self._epoch[rows.slots[:k]] == rows.epochs[:k]).all())
+        return k
 
     def _same_streams(self, rows: _Rows) -> bool:
         """Whether the rows' streams are those they were resolved to."""
@@ -709,7 +737,7 @@ class KVManager:
         """``_arrays`` for a few rows, on Python ints."""
         ps, tables, spans_l = self.page_size, self._tables, spans.tolist()
         kv_indptr = [0, *accumulate(num_pages)]
-        indices = np.empty(kv_indptr[-1], dtype=np.int32)
+        indices = self._recycler.empty(kv_indptr[-1])
         for slot, n, d in zip(slots.tolist(), num_pages, kv_indptr):
             indices[d : d + n] = tables[slot][:n]
         last = [(end - 1) % ps + 1 for end in ends]
@@ -743,8 +771,8 @@ class KVManager:
         prev = self._index.get(plan_label)
         if prev is None:
             copied = np.zeros(len(slots), np.int64)
-        elif self._grown_in_place(prev, slots, epochs, num_pages):
-            self._splice_grown(prev, out, slots, num_pages, kv_indptr)
+        elif len(slots) - (k := _kept_rows(prev, slots, epochs, num_pages)) <= self._tail_rows:
+            self._splice_kept(prev, k, out, slots, num_pages, kv_indptr)
             self._index[plan_label] = _Index(slots, epochs, num_pages, kv_indptr, out)
             return out
         else:
@@ -782,21 +810,12 @@ class KVManager:
         self._index[plan_label] = _Index(slots, epochs, num_pages, kv_indptr, out)
         return out
 
-    @staticmethod
-    def _grown_in_place(prev: _Index, slots, epochs, num_pages) -> bool:
-        """Whether the rows are the previous plan's, in order, each with at
-        least the pages it had (a decode step's rows)."""
-        if prev.slots is not slots and (
-            len(prev.slots) != len(slots) or not (prev.slots == slots).all()
-        ):
-            return False
-        return bool((prev.epochs == epochs).all() and (num_pages >= prev.num_pages).all())
-
-    def _splice_grown(self, prev: _Index, out, slots, num_pages, kv_indptr) -> None:
-        """``_splice`` for rows that are the previous plan's: the old indices in
-        runs between rows that took pages, each such row's new pages from its
-        table (one slice copy per run, one per grown row)."""
-        grown = (num_pages != prev.num_pages).nonzero()[0]
+    def _splice_kept(self, prev: _Index, k: int, out, slots, num_pages, kv_indptr) -> None:
+        """``_splice`` when the first ``k`` rows are the previous plan's first
+        (see ``_kept_rows``) and the rest are few: the old indices in runs
+        between rows that took pages, each such row's new pages and each
+        later row's pages from its table."""
+        grown = (num_pages[:k] != prev.num_pages[:k]).nonzero()[0]
         old, tables = prev.indices, self._tables
         src = dst = 0
         for end, slot, a, b, stop in zip(
@@ -810,7 +829,10 @@ class KVManager:
             dst += end - src
             out[dst:stop] = tables[slot][a:b]
             src, dst = end, stop
-        out[dst:] = old[src:]
+        end = int(prev.kv_indptr[k])
+        out[dst : dst + end - src] = old[src:end]
+        for slot, n, d in zip(slots[k:].tolist(), num_pages[k:].tolist(), kv_indptr[k:].tolist()):
+            out[d : d + n] = tables[slot][:n]
 
     def _output(self, arrays: tuple) -> KVPlanOutput:
         qo_indptr, kv_indptr, indices, last, kv_lens, ends, slots, spans, keys, write = arrays
@@ -1014,6 +1036,16 @@ class _Views:
                 keys, bounds, bounds[1:], lengths.tolist(), spans.tolist(), generations.tolist()
             )
         ]
+
+
+def _kept_rows(prev: _Index, slots, epochs, num_pages) -> int:
+    """How many leading rows are the previous plan's, on the same streams,
+    each with at least the pages it had."""
+    m = min(len(prev.slots), len(slots))
+    kept = prev.slots[:m] == slots[:m]
+    kept &= prev.epochs[:m] == epochs[:m]
+    kept &= num_pages[:m] >= prev.num_pages[:m]
+    return m if kept.all() else int(kept.argmin())
 
 
 def _pages_for(tokens: int, page_size: int) -> int:
