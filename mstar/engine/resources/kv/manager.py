@@ -480,7 +480,7 @@ class KVManager:
             spans = rows.spans if span_values == rows.columns[2] else _spans(span_values, rows.keys)
             return self._sized(step, rows, columns, rows.keys, [], rows.slots, spans)
         keys = list(zip(request_ids, labels))
-        k = self._shared_rows(rows, keys) if reuse else 0
+        k = self._shared_rows(rows, request_ids, labels) if reuse else 0
         if k:  # the last step's leading rows again, then others (rows joined, left)
             slots = np.concatenate((rows.slots[:k], self._resolve(keys[k:])))
             if span_values[:k] == rows.columns[2][:k]:
@@ -525,10 +525,13 @@ class KVManager:
         """The streams' slots, int64; 0 for a stream not made yet."""
         return np.fromiter(map(self._slot_of.__getitem__, keys), np.int64, len(keys))
 
-    def _shared_rows(self, rows: _Rows, keys: list[tuple[str, str]]) -> int:
-        """How many leading rows are the last step's, on the same streams."""
-        same = list(map(eq, keys, rows.keys))
-        k = same.index(False) if False in same else len(same)
+    def _shared_rows(self, rows: _Rows, request_ids: tuple, labels: tuple) -> int:
+        """How many leading rows are the last step's, on the same streams
+        (compared by column: the ids are mostly the very same objects)."""
+        k = len(request_ids)
+        for new, old in ((request_ids, rows.columns[0]), (labels, rows.columns[1])):
+            same = list(map(eq, new[:k], old))
+            k = same.index(False) if False in same else len(same)
         if k and rows.made != self._made:
             k *= bool((self._epoch[rows.slots[:k]] == rows.epochs[:k]).all())
         return k
