@@ -867,3 +867,23 @@ def test_abort_restores_a_replaced_fork_target_and_lengths():
     plans = run_step(mgr, ("r2", "a", 2))  # scheduled again at once
     view = one_view(plans, "r2", "a")
     assert (view.length, view.to_compute) == (8, 2)
+
+
+@pytest.mark.parametrize("splice_rows", [0, 64])
+def test_a_held_plan_keeps_its_indices_while_later_plans_reuse_memory(monkeypatch, splice_rows):
+    """Index arrays large enough to be recycled are reused only once nothing
+    outside holds them: plans a consumer keeps never change under it."""
+    monkeypatch.undo()  # the real recycler, not the test suite's poisoned one
+    mgr = KVManager(num_pages=40_000, page_size=1)
+    mgr._splice_rows = splice_rows
+    rows = [f"r{i}" for i in range(20)]
+    run_step(mgr, *((r, "main", 1000 + i) for i, r in enumerate(rows)))
+    held = []
+    for k in range(12):
+        out = run_step(mgr, *((r, "main", 1) for r in rows))["main"]
+        if k % 3 == 0:  # keep some plans, drop the others
+            held.append((out, out.cpu_indptrs.paged_kv_indices.clone()))
+        for plan, indices in held:
+            assert plan.cpu_indptrs.paged_kv_indices.equal(indices)
+    assert len(out.cpu_indptrs.paged_kv_indices) > 1 << 14  # large enough to be recycled
+    assert_same_as_fresh_build(held[0][0], 1)
