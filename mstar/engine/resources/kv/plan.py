@@ -250,10 +250,6 @@ def _pages_problem(pages: Any) -> str | None:
     return None
 
 
-def _last(v: SequenceView, page_size: int) -> int:
-    return (v.start + v.length - 1) % page_size + 1
-
-
 def _overflows(end: np.ndarray, room: np.ndarray, computed: np.ndarray, page_size: int) -> bool:
     """Whether an int32 result would overflow: an end, a ``kv_lens`` or the
     total of ``to_compute`` beyond 2**31 - 1 (int64 ``end`` and ``room``)."""
@@ -268,7 +264,7 @@ def _overflows(end: np.ndarray, room: np.ndarray, computed: np.ndarray, page_siz
 
 def _invalid_view(segments: Sequence[SequenceView], page_size: int) -> ValueError:
     """The error for the first invalid row of ``segments`` (the slow path,
-    taken only once the vectorized check has failed)."""
+    taken only once a builder's checks have failed)."""
     computed = 0
     for i, v in enumerate(segments):
         why = (
@@ -278,19 +274,24 @@ def _invalid_view(segments: Sequence[SequenceView], page_size: int) -> ValueErro
             or _pages_problem(v.page_idxs)
         )
         if why is None:
-            need = -(-(v.start + v.length) // page_size)
-            computed += v.to_compute
-            if v.to_compute > v.length:
-                why = f"expected to_compute <= length, got to_compute={v.to_compute} > length={v.length}"
+            # Python ints: sums of numpy scalars may wrap
+            length, to_compute, start = int(v.length), int(v.to_compute), int(v.start)
+            end = start + length
+            need = -(-end // page_size)
+            computed += to_compute
+            if to_compute > length:
+                why = (
+                    f"expected to_compute <= length, got to_compute={to_compute} > length={length}"
+                )
             elif len(v.page_idxs) < need:
                 why = (
-                    f"expected at least {need} pages for start + length = {v.start + v.length}"
+                    f"expected at least {need} pages for start + length = {end}"
                     f" at page_size {page_size}, got {len(v.page_idxs)}"
                 )
-            elif v.start + v.length > _INT32_MAX:
-                why = f"expected start + length < 2**31, got {v.start} + {v.length}"
+            elif end > _INT32_MAX:
+                why = f"expected start + length < 2**31, got {start} + {length}"
             elif (
-                kv := max(len(v.page_idxs) - 1, 0) * page_size + _last(v, page_size)
+                kv := max(len(v.page_idxs) - 1, 0) * page_size + (end - 1) % page_size + 1
             ) > _INT32_MAX:
                 why = f"expected kv_lens < 2**31 (it is int32), got {kv}"
             elif computed > _INT32_MAX:
@@ -300,10 +301,10 @@ def _invalid_view(segments: Sequence[SequenceView], page_size: int) -> ValueErro
         return ValueError(
             f"invalid view for request {v.request_id!r}, label {v.label!r} (row {i}): {why}"
         )
-    raise AssertionError("vectorized check failed but no row is invalid")
+    raise AssertionError("a builder's checks failed but no row is invalid")
 
 
-def _page_ids(pages: tuple, total: int) -> np.ndarray:
+def _page_ids(pages: Sequence, total: int) -> np.ndarray:
     """All rows' page ids concatenated, int32 [total]; ``ValueError`` if any
     is no integer or out of range (the caller then names the row)."""
     if pages and isinstance(pages[0], np.ndarray):
@@ -349,9 +350,75 @@ def build_paged_indptrs(
     if type(page_size) is not int or not 0 < page_size <= _INT32_MAX:
         _check_page_size(page_size)  # raises unless a numpy integer in range
         page_size = int(page_size)
-    # Column-wise through numpy: a handful of array ops whatever the batch. Each
-    # op costs about a microsecond, so their count is the cost at small batch
-    # (hence ufunc methods over their slower numpy wrappers).
+    build = _arrays_by_row if len(segments) <= _FEW_ROWS else _arrays_by_column
+    arrays, kv_lens = build(segments, page_size)
+    if ring is None:
+        tensors = [torch.from_numpy(a) for a in arrays]
+    else:
+        tensors = [ring.take(a) for a in arrays]
+    return PagedIndptrs(*tensors, HostLens(kv_lens))
+
+
+# Up to this many rows ``build_paged_indptrs`` works row by row on Python ints:
+# a row costs under a microsecond there against a few tenths column-wise, but
+# the column-wise route's 25 or so numpy ops cost about 30 us whatever the
+# batch. Measured, the two meet at about 36-40 rows.
+_FEW_ROWS = 32
+
+# What the two builders return: (qo_indptr, paged_kv_indptr, paged_kv_indices,
+# paged_kv_last_page_len) as int32 arrays, and kv_lens (int32 array or list).
+_Arrays = tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], Any]
+
+
+def _arrays_by_row(segments: Sequence[SequenceView], page_size: int) -> _Arrays:
+    """``build_paged_indptrs``'s arrays for a few rows: the arithmetic and
+    checks on Python ints, then one ``np.array`` per column."""
+    qo, kv_indptr, last, kv_lens, pages = [0], [0], [], [], []
+    queries = total_pages = 0
+    try:
+        for _, _, row_pages, length, to_compute, start, _ in segments:
+            if not (
+                type(length) in _INT_TYPES
+                and type(to_compute) in _INT_TYPES
+                and type(start) in _INT_TYPES
+            ):
+                raise ValueError("non-integer lengths")
+            length, to_compute, start = int(length), int(to_compute), int(start)
+            num_pages = len(row_pages)
+            end = start + length
+            row_last = (end - 1) % page_size + 1  # (start + length) % page_size or page_size
+            row_kv_len = max(num_pages - 1, 0) * page_size + row_last
+            queries += to_compute
+            total_pages += num_pages
+            # _arrays_by_column's refusals: with the pages covering the end,
+            # 0 <= to_compute <= length <= end <= row_kv_len < 2**31
+            if not (
+                0 <= to_compute <= length
+                and start >= 0
+                and end <= num_pages * page_size
+                and row_kv_len <= _INT32_MAX
+                and queries <= _INT32_MAX
+            ):
+                raise ValueError("invalid row")
+            qo.append(queries)
+            kv_indptr.append(total_pages)
+            last.append(row_last)
+            kv_lens.append(row_kv_len)
+            pages.append(row_pages)
+        indices = _page_ids(pages, total_pages)
+        if indices.size and np.minimum.reduce(indices) < 0:
+            raise ValueError("negative page ids")
+    except (ValueError, TypeError, OverflowError):
+        raise _invalid_view(segments, page_size) from None
+    qo, kv_indptr, last = (np.array(a, dtype=np.int32) for a in (qo, kv_indptr, last))
+    return (qo, kv_indptr, indices, last), kv_lens
+
+
+def _arrays_by_column(segments: Sequence[SequenceView], page_size: int) -> _Arrays:
+    """``build_paged_indptrs``'s arrays column-wise through numpy: a handful
+    of array ops whatever the batch. Each op costs about a microsecond, so
+    their count is the cost at small batch (hence ufunc methods over their
+    slower numpy wrappers)."""
     _, _, pages, length, to_compute, start, _ = zip(*segments) if segments else ((),) * 7
     try:
         if not _INT_TYPES.issuperset(map(type, itertools.chain(length, start, to_compute))):
@@ -393,12 +460,7 @@ def build_paged_indptrs(
     np.maximum(kv_lens, 0, out=kv_lens)
     kv_lens *= page_size
     kv_lens += last
-    arrays = (qo_indptr, kv_indptr, indices, last)
-    if ring is None:
-        tensors = [torch.from_numpy(a) for a in arrays]
-    else:
-        tensors = [ring.take(a) for a in arrays]
-    return PagedIndptrs(*tensors, HostLens(kv_lens))
+    return (qo_indptr, kv_indptr, indices, last), kv_lens
 
 
 def context_only_views(
