@@ -887,3 +887,26 @@ def test_a_held_plan_keeps_its_indices_while_later_plans_reuse_memory(monkeypatc
             assert plan.cpu_indptrs.paged_kv_indices.equal(indices)
     assert len(out.cpu_indptrs.paged_kv_indices) > 1 << 14  # large enough to be recycled
     assert_same_as_fresh_build(held[0][0], 1)
+
+
+@pytest.mark.parametrize("few_rows", [0, 8])
+def test_rows_leaving_ahead_and_joining_behind_keep_every_stream(few_rows):
+    """Churn as a scheduler makes it: the oldest rows finish, new ones join at
+    the end; each row keeps its own stream and length."""
+    mgr = KVManager(num_pages=4096, page_size=4)
+    mgr._few_rows = few_rows
+    names = [f"r{i}" for i in range(10)]
+    length = {r: 3 + i for i, r in enumerate(names)}
+    run_step(mgr, *((r, "main", n) for r, n in length.items()))
+    for k in range(8):
+        for r in names[: k % 3]:  # 0, 1 or 2 leave ahead
+            mgr.release(r)
+            del length[r]
+        names = names[k % 3 :] + [f"j{k}"]
+        length[f"j{k}"] = 0
+        out = run_step(mgr, *((r, "main", 1) for r in names))["main"]
+        for r in names:
+            length[r] += 1
+        assert [v.length for v in out.views] == [length[r] for r in names]
+        assert_same_as_fresh_build(out, 4)
+        mgr.check_invariants()

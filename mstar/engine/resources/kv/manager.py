@@ -48,6 +48,7 @@ from mstar.engine.resources.step import KVStep, Segment
 
 _KEY = itemgetter(0, 1)  # a segment's (request_id, label)
 _INT32_MAX = 2**31 - 1
+_LEFT_AHEAD = 8  # rows that may leave ahead of a step's reused rows
 
 
 class KVError(Exception):
@@ -480,15 +481,16 @@ class KVManager:
             spans = rows.spans if span_values == rows.columns[2] else _spans(span_values, rows.keys)
             return self._sized(step, rows, columns, rows.keys, [], rows.slots, spans)
         keys = list(zip(request_ids, labels))
-        k = self._shared_rows(rows, request_ids, labels) if reuse else 0
-        if k:  # the last step's leading rows again, then others (rows joined, left)
-            slots = np.concatenate((rows.slots[:k], self._resolve(keys[k:])))
-            if span_values[:k] == rows.columns[2][:k]:
-                spans = np.concatenate((rows.spans[:k], _spans(span_values[k:], keys[k:])))
+        d, k = self._shared_rows(rows, request_ids, labels) if reuse else (0, 0)
+        if k:  # the last step's rows again (rows left before them, joined or left after)
+            kept = rows.slots[d : d + k]
+            slots = np.concatenate((kept, self._resolve(keys[k:])))
+            if span_values[:k] == rows.columns[2][d : d + k]:
+                spans = np.concatenate((rows.spans[d : d + k], _spans(span_values[k:], keys[k:])))
             else:
                 spans = _spans(span_values, keys)
             tail = slots[k:]
-            repeated = not set(tail[tail != 0].tolist()).isdisjoint(rows.slots[:k].tolist())
+            repeated = not set(tail[tail != 0].tolist()).isdisjoint(kept.tolist())
         else:
             slots = self._resolve(keys)
             spans = _spans(span_values, keys)
@@ -525,16 +527,25 @@ class KVManager:
         """The streams' slots, int64; 0 for a stream not made yet."""
         return np.fromiter(map(self._slot_of.__getitem__, keys), np.int64, len(keys))
 
-    def _shared_rows(self, rows: _Rows, request_ids: tuple, labels: tuple) -> int:
-        """How many leading rows are the last step's, on the same streams
-        (compared by column: the ids are mostly the very same objects)."""
+    def _shared_rows(self, rows: _Rows, request_ids: tuple, labels: tuple) -> tuple[int, int]:
+        """``(d, k)``: the last step's rows ``[d, d + k)`` are this step's first
+        ``k``, on the same streams (rows that left before them, rows that
+        joined or left after). Compared by column: the ids are mostly the very
+        same objects."""
+        old_ids = rows.columns[0]
+        if not request_ids or not old_ids:
+            return 0, 0
+        try:  # a few rows ahead of it may have left
+            d = old_ids.index(request_ids[0], 0, _LEFT_AHEAD + 1)
+        except ValueError:
+            return 0, 0
         k = len(request_ids)
-        for new, old in ((request_ids, rows.columns[0]), (labels, rows.columns[1])):
-            same = list(map(eq, new[:k], old))
+        for new, old in ((request_ids, old_ids), (labels, rows.columns[1])):
+            same = list(map(eq, new[:k], old[d:]))
             k = same.index(False) if False in same else len(same)
         if k and rows.made != self._made:
-            k *= bool((self._epoch[rows.slots[:k]] == rows.epochs[:k]).all())
-        return k
+            k *= bool((self._epoch[rows.slots[d : d + k]] == rows.epochs[d : d + k]).all())
+        return d, k
 
     def _same_streams(self, rows: _Rows) -> bool:
         """Whether the rows' streams are those they were resolved to."""
