@@ -889,15 +889,18 @@ def test_a_held_plan_keeps_its_indices_while_later_plans_reuse_memory(monkeypatc
     assert_same_as_fresh_build(held[0][0], 1)
 
 
-@pytest.mark.parametrize("few_rows", [0, 8])
-def test_rows_leaving_ahead_and_joining_behind_keep_every_stream(few_rows):
+@pytest.mark.parametrize("path", ["few", "copy", "splice"])
+def test_rows_leaving_ahead_and_joining_behind_keep_every_stream(path):
     """Churn as a scheduler makes it: the oldest rows finish, new ones join at
-    the end; each row keeps its own stream and length."""
+    the end; each row keeps its own stream and length, and a spliced plan
+    copies the kept rows' old indices from where they sat."""
     mgr = KVManager(num_pages=4096, page_size=4)
-    mgr._few_rows = few_rows
+    mgr._few_rows = 8 if path == "few" else 0
+    mgr._splice_rows = 0 if path == "splice" else 64
     names = [f"r{i}" for i in range(10)]
     length = {r: 3 + i for i, r in enumerate(names)}
-    run_step(mgr, *((r, "main", n) for r, n in length.items()))
+    first = run_step(mgr, *((r, "main", n) for r, n in length.items()))["main"]
+    pages = {v.request_id: v.page_idxs for v in first.views}
     for k in range(8):
         for r in names[: k % 3]:  # 0, 1 or 2 leave ahead
             mgr.release(r)
@@ -908,5 +911,10 @@ def test_rows_leaving_ahead_and_joining_behind_keep_every_stream(few_rows):
         for r in names:
             length[r] += 1
         assert [v.length for v in out.views] == [length[r] for r in names]
+        for v in out.views:  # a stream's pages only ever grow, and are its own
+            assert v.page_idxs[: len(pages.get(v.request_id, []))] == pages.get(v.request_id, [])
+            pages[v.request_id] = v.page_idxs
+        held = [p for v in out.views for p in v.page_idxs]
+        assert len(held) == len(set(held))
         assert_same_as_fresh_build(out, 4)
         mgr.check_invariants()

@@ -376,7 +376,10 @@ class KVManager:
             if rec.tokens is not None:  # only now is the step's KV final
                 self._record(step, rec)
             self._finish(rec)
-            if not _has_forks(step):  # the next step may reuse this one's rows
+            # The next step may reuse this one's rows; a step of new streams
+            # only (newcomers' prefill) leaves the last rows, which come next.
+            newcomers = self._rows is not None and len(rec.new) == len(rec.keys)
+            if not _has_forks(step) and not newcomers:
                 rows = rec.rows  # held by no other step in flight
                 rows.segments, rows.columns, rows.spans = step.segments, rec.columns, rec.spans
                 if rows is not self._rows or rows.slots is not rec.slots:  # (re)resolved
@@ -480,8 +483,8 @@ class KVManager:
         ):  # the same streams with other spans or tokens
             spans = rows.spans if span_values == rows.columns[2] else _spans(span_values, rows.keys)
             return self._sized(step, rows, columns, rows.keys, [], rows.slots, spans)
-        keys = list(zip(request_ids, labels))
         d, k = self._shared_rows(rows, request_ids, labels) if reuse else (0, 0)
+        keys = (rows.keys[d : d + k] if k else []) + list(zip(request_ids[k:], labels[k:]))
         if k:  # the last step's rows again (rows left before them, joined or left after)
             kept = rows.slots[d : d + k]
             slots = np.concatenate((kept, self._resolve(keys[k:])))
@@ -518,7 +521,7 @@ class KVManager:
                 f"request {key[0]!r} (label {key[1]!r}) is already in an admitted step", *key
             )
         _check_forks(step)
-        groups = self._groups(step, keys)
+        groups = self._groups(step, keys, labels)
         combined = step.combined_labels
         rows = _Rows(step.segments, columns, keys, spans, combined, slots, requests, groups)
         return self._sized(step, rows, columns, keys, new, slots, spans)
@@ -595,11 +598,13 @@ class KVManager:
         np.maximum(grow, 0, out=grow)
         return ends, num_pages, grow
 
-    def _groups(self, step: KVStep, keys: list[tuple[str, str]]) -> dict[str, np.ndarray | None]:
+    def _groups(
+        self, step: KVStep, keys: list[tuple[str, str]], labels: tuple[str, ...]
+    ) -> dict[str, np.ndarray | None]:
         """Plan label -> the rows it packs (``group_by_plan_label``'s order)."""
-        labels = dict.fromkeys(map(itemgetter(1), keys))
-        if not step.combined_labels and len(labels) <= 1:
-            return dict.fromkeys(labels)  # one standalone label: every row, in order
+        distinct = dict.fromkeys(labels)
+        if not step.combined_labels and len(distinct) <= 1:
+            return dict.fromkeys(distinct)  # one standalone label: every row, in order
         if not isinstance(step.combined_labels, dict):
             raise TypeError(
                 f"expected combined_labels a dict, got {type(step.combined_labels).__name__}"
@@ -785,8 +790,10 @@ class KVManager:
         prev = self._index.get(plan_label)
         if prev is None:
             copied = np.zeros(len(slots), np.int64)
-        elif len(slots) - (k := _kept_rows(prev, slots, epochs, num_pages)) <= self._tail_rows:
-            self._splice_kept(prev, k, out, slots, num_pages, kv_indptr)
+        elif (
+            len(slots) - (kept := _kept_rows(prev, slots, epochs, num_pages))[1] <= self._tail_rows
+        ):
+            self._splice_kept(prev, *kept, out, slots, num_pages, kv_indptr)
             self._index[plan_label] = _Index(slots, epochs, num_pages, kv_indptr, out)
             return out
         else:
@@ -824,18 +831,19 @@ class KVManager:
         self._index[plan_label] = _Index(slots, epochs, num_pages, kv_indptr, out)
         return out
 
-    def _splice_kept(self, prev: _Index, k: int, out, slots, num_pages, kv_indptr) -> None:
-        """``_splice`` when the first ``k`` rows are the previous plan's first
-        (see ``_kept_rows``) and the rest are few: the old indices in runs
-        between rows that took pages, each such row's new pages and each
-        later row's pages from its table."""
-        grown = (num_pages[:k] != prev.num_pages[:k]).nonzero()[0]
+    def _splice_kept(self, prev: _Index, d: int, k: int, out, slots, num_pages, kv_indptr) -> None:
+        """``_splice`` when the first ``k`` rows are the previous plan's rows
+        ``[d, d + k)`` (see ``_kept_rows``) and the rest are few: the old
+        indices in runs between rows that took pages, each such row's new
+        pages and each later row's pages from its table."""
+        had = prev.num_pages[d : d + k]
+        grown = (num_pages[:k] != had).nonzero()[0]
         old, tables = prev.indices, self._tables
-        src = dst = 0
+        src, dst = int(prev.kv_indptr[d]), 0
         for end, slot, a, b, stop in zip(
-            prev.kv_indptr[grown + 1].tolist(),
+            prev.kv_indptr[grown + d + 1].tolist(),
             slots[grown].tolist(),
-            prev.num_pages[grown].tolist(),
+            had[grown].tolist(),
             num_pages[grown].tolist(),
             kv_indptr[grown + 1].tolist(),
         ):
@@ -843,7 +851,7 @@ class KVManager:
             dst += end - src
             out[dst:stop] = tables[slot][a:b]
             src, dst = end, stop
-        end = int(prev.kv_indptr[k])
+        end = int(prev.kv_indptr[d + k])
         out[dst : dst + end - src] = old[src:end]
         for slot, n, d in zip(slots[k:].tolist(), num_pages[k:].tolist(), kv_indptr[k:].tolist()):
             out[d : d + n] = tables[slot][:n]
@@ -1052,14 +1060,19 @@ class _Views:
         ]
 
 
-def _kept_rows(prev: _Index, slots, epochs, num_pages) -> int:
-    """How many leading rows are the previous plan's, on the same streams,
-    each with at least the pages it had."""
-    m = min(len(prev.slots), len(slots))
-    kept = prev.slots[:m] == slots[:m]
-    kept &= prev.epochs[:m] == epochs[:m]
-    kept &= num_pages[:m] >= prev.num_pages[:m]
-    return m if kept.all() else int(kept.argmin())
+def _kept_rows(prev: _Index, slots, epochs, num_pages) -> tuple[int, int]:
+    """``(d, k)``: the first ``k`` rows are the previous plan's rows ``[d, d +
+    k)`` (a few ahead of them may have left), on the same streams, each with
+    at least the pages it had."""
+    ahead = (prev.slots[: _LEFT_AHEAD + 1] == slots[:1]).nonzero()[0] if len(slots) else ()
+    if not len(ahead):
+        return 0, 0
+    d = int(ahead[0])
+    m = min(len(prev.slots) - d, len(slots))
+    kept = prev.slots[d : d + m] == slots[:m]
+    kept &= prev.epochs[d : d + m] == epochs[:m]
+    kept &= num_pages[:m] >= prev.num_pages[d : d + m]
+    return d, m if kept.all() else int(kept.argmin())
 
 
 def _pages_for(tokens: int, page_size: int) -> int:
