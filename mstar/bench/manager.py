@@ -181,33 +181,51 @@ def _mixed(mgr, names: list[str], tag: str, baseline: bool):
     return prepare
 
 
+def _medians_us(steps_by_kind: dict, steps: int, evict: _Evictor | None) -> dict[str, float]:
+    """``_median_us`` of several kinds of step, taken in turns (one step of
+    each kind, then the next), so a machine's drift moves them alike."""
+    times: dict[str, list[float]] = {kind: [] for kind in steps_by_kind}
+    for i in range(steps):
+        for kind, step in steps_by_kind.items():
+            prepare = step(i)
+            if evict is not None:
+                evict()
+            t0 = time.perf_counter()
+            prepare()
+            times[kind].append(time.perf_counter() - t0)
+    return {kind: float(np.median(t)) * 1e6 for kind, t in times.items()}
+
+
 def serving_rows(batch: int = 256, context: int = 4096, steps: int = STEPS) -> list[Row]:
     """Steady, churn and mixed steps at ``batch`` x ``context``, warm and cold,
-    ours against the list baseline; notes compare with the steady step."""
+    ours against the list baseline; the three kinds are timed in turns, and
+    notes compare churn and mixed with the steady step."""
     evict = _Evictor()
     out = []
     spare = steps * 2 * (-(-context // PAGE_SIZE)) + -(-PREFILL // PAGE_SIZE) + 1
     for temp, ev in (("warm", None), ("cold", evict)):
-        timed = {}
-        for kind in ("steady", "churn", "mixed"):
-            figures = []
-            for baseline in (False, True):
+        figures: dict[str, list[float]] = {}
+        for baseline in (False, True):
+            kinds = {}
+            for kind in ("steady", "churn", "mixed"):
                 mgr, base, names = _prefilled(batch, context, spare)
                 m = base if baseline else mgr
                 if kind == "steady":
-                    step = _steady(m, names, baseline)
+                    kinds[kind] = _steady(m, names, baseline)
                 elif kind == "churn":
-                    step = _churn(m, list(names), "j", context, baseline)
+                    kinds[kind] = _churn(m, list(names), "j", context, baseline)
                 else:
-                    step = _mixed(m, names, "m", baseline)
-                figures.append(_median_us(step, steps, ev))
-            timed[kind] = figures
-            ratio = figures[0] / timed["steady"][0]
+                    kinds[kind] = _mixed(m, names, "m", baseline)
+            for kind, us in _medians_us(kinds, steps, ev).items():
+                figures.setdefault(kind, []).append(us)
+        for kind, (ours, theirs) in figures.items():
+            ratio = ours / figures["steady"][0]
             out.append(
                 Row(
                     f"{kind} step",
                     f"{batch}x{context} {temp}",
-                    *figures,
+                    ours,
+                    theirs,
                     params={"batch": batch, "context": context, "cold": int(ev is not None)},
                     note="" if kind == "steady" else f"{ratio:.2f}x steady",
                 )
