@@ -905,7 +905,7 @@ def test_rows_leaving_ahead_and_joining_behind_keep_every_stream(path):
         for r in names[: k % 3]:  # 0, 1 or 2 leave ahead
             mgr.release(r)
             del length[r]
-        names = names[k % 3 :] + [f"j{k}"]
+        names = [*names[k % 3 :], f"j{k}"]
         length[f"j{k}"] = 0
         out = run_step(mgr, *((r, "main", 1) for r in names))["main"]
         for r in names:
