@@ -192,6 +192,21 @@ def test_build_empty():
     assert isinstance(built.kv_lens, HostLens)
 
 
+CORRUPTIONS = [  # what _corrupt breaks
+    "negative length",
+    "negative to_compute",
+    "to_compute > length",
+    "too few pages",
+    "negative page",
+    "float length",
+    "bool to_compute",
+    "float start",
+    "int64 page beyond int32",
+    "float page array",
+    "str page",
+]
+
+
 def _corrupt(views, i, how, page_size):
     v = views[i]
     covering = -(-(v.start + max(v.length, 1)) // page_size)
@@ -220,21 +235,7 @@ def _corrupt(views, i, how, page_size):
 @given(
     views_and_page_size(min_rows=1),
     st.data(),
-    st.sampled_from(
-        [
-            "negative length",
-            "negative to_compute",
-            "to_compute > length",
-            "too few pages",
-            "negative page",
-            "float length",
-            "bool to_compute",
-            "float start",
-            "int64 page beyond int32",
-            "float page array",
-            "str page",
-        ]
-    ),
+    st.sampled_from(CORRUPTIONS),
 )
 def test_build_rejects_invalid_view_naming_the_row(case, data, how):
     views, page_size = case
@@ -464,19 +465,6 @@ def _break(views, i, how, page_size):
     }[how]()
 
 
-CORRUPTIONS = [
-    "negative length",
-    "negative to_compute",
-    "to_compute > length",
-    "too few pages",
-    "negative page",
-    "float length",
-    "bool to_compute",
-    "float start",
-    "int64 page beyond int32",
-    "float page array",
-    "str page",
-]
 BREAKS = [
     *CORRUPTIONS,
     "length beyond int32",

@@ -120,15 +120,7 @@ class _Evictor:
 
 def _median_us(step, steps: int, evict: _Evictor | None) -> float:
     """Median µs of ``step()``, each timed alone (after ``evict()``, if given)."""
-    times = []
-    for i in range(steps):
-        prepare = step(i)  # untimed setup, then the timed step
-        if evict is not None:
-            evict()
-        t0 = time.perf_counter()
-        prepare()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e6
+    return _medians_us({"": step}, steps, evict)[""]
 
 
 def _steady(mgr, names: list[str], baseline: bool):

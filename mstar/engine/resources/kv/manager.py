@@ -586,10 +586,15 @@ class KVManager:
         lists of ints for a few rows, where numpy calls cost more than the
         arithmetic)."""
         if len(slots) <= self._few_rows:
-            ps, stored, npages = self.page_size, self._stored, self._npages
-            ends = [stored.item(s) + n for s, n in zip(slots.tolist(), spans.tolist())]
+            ps, stored, npages, slot_list = (
+                self.page_size,
+                self._stored,
+                self._npages,
+                slots.tolist(),
+            )
+            ends = [stored.item(s) + n for s, n in zip(slot_list, spans.tolist())]
             num_pages = [-(-end // ps) for end in ends]
-            grow = [max(n - npages.item(s), 0) for s, n in zip(slots.tolist(), num_pages)]
+            grow = [max(n - npages.item(s), 0) for s, n in zip(slot_list, num_pages)]
             return ends, num_pages, grow
         ends = self._stored[slots] + spans
         num_pages = ends + (self.page_size - 1)
@@ -718,13 +723,11 @@ class KVManager:
             rec.keys,
         )
         if rows is not None:
-            keys = [keys[i] for i in rows.tolist()]
+            row_list = rows.tolist()
+            keys = [keys[i] for i in row_list]
             slots, spans = slots[rows], spans[rows]
             if isinstance(ends, list):
-                ends, num_pages = (
-                    [ends[i] for i in rows.tolist()],
-                    [num_pages[i] for i in rows.tolist()],
-                )
+                ends, num_pages = [ends[i] for i in row_list], [num_pages[i] for i in row_list]
             else:
                 ends, num_pages = ends[rows], num_pages[rows]
         if isinstance(ends, list):
@@ -742,9 +745,7 @@ class KVManager:
         np.maximum(kv_lens, last, out=kv_lens)
         if b < self._splice_rows:
             indices = self._recycler.empty(int(kv_indptr[-1]))
-            tables = self._tables
-            for slot, n, d in zip(slots.tolist(), num_pages.tolist(), kv_indptr.tolist()):
-                indices[d : d + n] = tables[slot][:n]
+            self._copy_rows(indices, slots.tolist(), num_pages.tolist(), kv_indptr.tolist())
         else:
             indices = self._splice(plan_label, slots, num_pages, kv_indptr)
         write = None
@@ -754,11 +755,10 @@ class KVManager:
 
     def _few_arrays(self, slots, spans, ends, num_pages, keys) -> tuple:
         """``_arrays`` for a few rows, on Python ints."""
-        ps, tables, spans_l = self.page_size, self._tables, spans.tolist()
+        ps, spans_l = self.page_size, spans.tolist()
         kv_indptr = [0, *accumulate(num_pages)]
         indices = self._recycler.empty(kv_indptr[-1])
-        for slot, n, d in zip(slots.tolist(), num_pages, kv_indptr):
-            indices[d : d + n] = tables[slot][:n]
+        self._copy_rows(indices, slots.tolist(), num_pages, kv_indptr)
         last = [(end - 1) % ps + 1 for end in ends]
         write = None
         if ends and spans_l.count(1) == len(spans_l):  # decode rows
@@ -853,8 +853,13 @@ class KVManager:
             src, dst = end, stop
         end = int(prev.kv_indptr[d + k])
         out[dst : dst + end - src] = old[src:end]
-        for slot, n, d in zip(slots[k:].tolist(), num_pages[k:].tolist(), kv_indptr[k:].tolist()):
-            out[d : d + n] = tables[slot][:n]
+        self._copy_rows(out, slots[k:].tolist(), num_pages[k:].tolist(), kv_indptr[k:].tolist())
+
+    def _copy_rows(self, out: np.ndarray, slots: list, num_pages: list, starts: list) -> None:
+        """Each row's pages from its table into ``out`` at its start."""
+        tables = self._tables
+        for slot, n, start in zip(slots, num_pages, starts):
+            out[start : start + n] = tables[slot][:n]
 
     def _output(self, arrays: tuple) -> KVPlanOutput:
         qo_indptr, kv_indptr, indices, last, kv_lens, ends, slots, spans, keys, write = arrays

@@ -163,8 +163,8 @@ class PrefixChains:
         tables, keyed = self.tables, self.keyed[slots]
         for i in (keyed == 0).nonzero()[0].tolist():
             self._register(int(slots[i]), tokens[i], tables[slots[i]])
-        first = keyed > 0
-        slots, keyed, tokens = slots[first], keyed[first], tokens[first]
+        chained = keyed > 0
+        slots, keyed, tokens = slots[chained], keyed[chained], tokens[chained]
         if not len(slots):
             return
         rows = [(tables[s], k) for s, k in zip(slots.tolist(), keyed.tolist())]
