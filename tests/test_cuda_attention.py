@@ -33,7 +33,7 @@ def _pair(rows, page_size, dtype):
     """The CPU scenario, the CUDA one, their step plans and the queries."""
     cases = [
         Scenario(rows, page_size, KV_HEADS, seed=11, head_dim=HEAD_DIM, dtype=dtype, device=d)
-        for d in ("cpu", "cuda")
+        for d in ("cpu", "cuda:0")  # an index: KVCache and AttentionSchedule compare devices
     ]
     decode = all(n == 1 for _, n in rows)
     plans = [case.step(decode=decode) for case in cases]
@@ -60,7 +60,7 @@ def test_cuda_schedule_serves_every_layer_and_bfloat16(kind):
     """A schedule built on CUDA once (as forward_step does) and bf16 K/V and
     queries give the CPU's float32 result to bf16 precision."""
     (cpu, cuda), (cpu_plan, cuda_plan), q = _pair(ROWS[kind], 16, torch.bfloat16)
-    schedule = AttentionSchedule(cuda_plan.cpu_indptrs, 16, "cuda")
+    schedule = AttentionSchedule(cuda_plan.cpu_indptrs, 16, "cuda:0")
     expected = paged_attention(
         q.float(), cpu.cache.layer(0).float(), cpu_plan.cpu_indptrs, window_left=9
     )

@@ -40,7 +40,7 @@ def _step(rows: list[tuple[int, int]], page_size: int, seed: int):
     (the manager's, index arrays from a pinned ring), written; plus queries."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     num_pages = sum(-(-(h + n) // page_size) for h, n in rows) + 4
-    cache = KVCache(1, num_pages, page_size, KV_HEADS, HEAD_DIM, DTYPE, "cuda")
+    cache = KVCache(1, num_pages, page_size, KV_HEADS, HEAD_DIM, DTYPE, "cuda:0")
     mgr = KVManager(num_pages, page_size, cache=cache, ring=PinnedIndexRing())
     plan = None
     for part in (0, 1):
@@ -110,7 +110,7 @@ def test_engine_forward_through_flashinfer(adapter):
     spec = kv_spec(model)
     model.set_attn_implementation(register())
     caches = [
-        KVCache(num_pages=64, page_size=16, dtype=DTYPE, device="cuda", **spec.cache_kwargs())
+        KVCache(num_pages=64, page_size=16, dtype=DTYPE, device="cuda:0", **spec.cache_kwargs())
         for _ in range(2)
     ]
     mgr = KVManager(64, 16, ring=PinnedIndexRing())
