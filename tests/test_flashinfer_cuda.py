@@ -9,6 +9,8 @@ window variants (each a kernel of its own)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -91,20 +93,15 @@ def test_flashinfer_prefill_not_causal(adapter):
 
 @torch.no_grad()
 def test_engine_forward_through_flashinfer(adapter):
-    """A bf16 Llama with head width 64 through ``forward_step``: FlashInfer's
-    logits against paged_attention's, step after step (decode and mixed)."""
+    """The seeded tiny Llama widened to head width 64, in bf16, through
+    ``forward_step``: FlashInfer's logits against paged_attention's, step
+    after step (decode and mixed)."""
     transformers = pytest.importorskip("transformers")
+    from mstar.demo import build_model
     from mstar.integrations.hf import forward_step, kv_spec, register
 
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
+    config = copy.deepcopy(build_model(seed=0)[0].config)
+    config.hidden_size, config.intermediate_size, config.head_dim = 256, 512, 64
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval().to("cuda", DTYPE)
     spec = kv_spec(model)
