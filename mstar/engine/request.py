@@ -7,6 +7,7 @@ from typing import Literal
 
 import torch
 
+from mstar.engine.detokenizer import TextStream
 from mstar.engine.sampling import SamplingParams
 
 FinishReason = Literal["stop", "length"]
@@ -16,13 +17,17 @@ GUIDED = ("cond", "uncond")
 @dataclass
 class CompletionOutput:
     """One sample: ``token_ids`` generated (the EOS/stop token that ended it
-    included), ``text`` decoded without that token (``None`` without a
-    tokenizer), ``finish_reason`` (``None`` while running)."""
+    included, and every token up to one that completed a stop string),
+    ``text`` decoded so far without that token and ending before a stop string
+    (``None`` without a tokenizer), ``finish_reason`` (``None`` while running),
+    ``delta``: the text made final since this sample was last handed out by
+    ``step()`` (all deltas joined are the final ``text``)."""
 
     index: int
     token_ids: list[int]
     text: str | None
     finish_reason: FinishReason | None
+    delta: str = ""
 
 
 @dataclass
@@ -41,13 +46,23 @@ class Completion:
 @dataclass(eq=False)
 class Sample:
     """One of a request's outputs: the streams it feeds its tokens to (one,
-    or ``cond``/``uncond`` when guided) and its own generator."""
+    or ``cond``/``uncond`` when guided), its own generator, and its text
+    (``None`` without a tokenizer), of which ``shown`` characters were handed out."""
 
     index: int
     labels: tuple[str, ...]
     generator: torch.Generator | None
+    text: TextStream | None = None
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    shown: int = 0
+
+    def output(self) -> CompletionOutput:
+        """Its record now; what it carries as ``delta`` counts as handed out."""
+        text = None if self.text is None else self.text.text
+        delta = "" if text is None else text[self.shown :]
+        self.shown += len(delta)
+        return CompletionOutput(self.index, list(self.token_ids), text, self.finish_reason, delta)
 
 
 @dataclass(eq=False)
