@@ -218,10 +218,10 @@ def run_generate(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     assert last is not None and last.finished, "a stream ends with its completion finished"
     if params.n == 1:
-        print()
+        print(flush=True)
     else:
         for out in last.outputs:
-            print(f"[{out.index}] {out.text}")
+            print(f"[{out.index}] {out.text}", flush=True)
     tokens = sum(len(o.token_ids) for o in last.outputs)
     reasons = ", ".join(dict.fromkeys(o.finish_reason for o in last.outputs))
     print(f"({reasons}: {tokens} tokens, {tokens / seconds:.1f} tokens/s)", file=sys.stderr)
