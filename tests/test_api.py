@@ -293,10 +293,16 @@ def test_generate_refuses_to_run_over_requests_it_did_not_add(tiny):
 # --- streaming -----------------------------------------------------------------------------
 
 
+STOPS = ("🌊", "世界", "a 🌊", "b\n", "ab", "x y")  # most span tokens
+
+
 @FEW
-@given(text=EMOJI_CJK, stops=st.lists(st.text("ab🌊 世", min_size=1, max_size=3), max_size=2))
-def test_text_stream_joins_to_the_decode_and_ends_before_a_stop(tok, text, stops):
-    ids = tok.encode("x" + text)
+@given(
+    parts=st.lists(st.one_of(EMOJI_CJK, st.sampled_from(STOPS)), max_size=6),
+    stops=st.lists(st.sampled_from(STOPS), max_size=2),
+)
+def test_text_stream_joins_to_the_decode_and_ends_before_a_stop(tok, parts, stops):
+    ids = tok.encode("x" + "".join(parts))
     full = tok.decode(ids, skip_special_tokens=True)
     stream = TextStream(tok, tuple(stops))
     seen, used = [], 0

@@ -16,7 +16,7 @@ import itertools
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,7 +194,7 @@ class Engine:
                 "expected a conversation (a list of messages) or a list of them,"
                 f" got {type(conversations).__name__}"
             )
-        one = bool(conversations) and isinstance(conversations[0], dict)
+        one = bool(conversations) and isinstance(conversations[0], Mapping)
         batch = [conversations] if one else conversations
         return self.generate([self.encode_chat(c) for c in batch], params)
 
@@ -230,7 +230,13 @@ class Engine:
         here; the requests are queued at the first ``next``, and closing the
         iterator (or dropping it) aborts those still running."""
         requests = self._requests(prompts, params)
-        return (c for completions in self._serve(requests) for c in completions)
+
+        def completions() -> Iterator[Completion]:
+            with contextlib.closing(self._serve(requests)) as steps:
+                for done in steps:
+                    yield from done
+
+        return completions()
 
     def abort(self, request_id: str) -> None:
         """Drop a running request; its pages return at once."""
@@ -351,12 +357,10 @@ class Engine:
             chosen: list[tuple[Request, str]] = []
             starts = plan.cpu_indptrs.qo_indptr.tolist()
             for (rid, label), start, end in zip(plan.rows, starts, starts[1:]):
-                req = self._running[rid]
-                fed = req.fed[label]
-                ids += req.streams[label][fed : fed + end - start]
-                req.fed[label] = fed + end - start
-                touched[rid] = req
-                if req.fed[label] == len(req.streams[label]):
+                req = touched[rid] = self._running[rid]
+                tokens, choose = req.feed(label, end - start)
+                ids += tokens
+                if choose:
                     at.append(end - 1)
                     chosen.append((req, label))
             logits = self._logits(ids, plan, at)
@@ -429,9 +433,7 @@ class Engine:
                 return
             cond, uncond = req.pending.pop("cond"), req.pending.pop("uncond")
             logits = uncond + req.guidance_scale * (cond - uncond)
-            sample = req.samples[0]
-        else:
-            sample = req.samples[0] if label == "main" else req.samples[int(label[1:])]
+        sample = req.by_label[label]
         self._emit(req, sample, sample_token(logits, req.params, sample.generator))
 
     def _emit(self, req: Request, sample: Sample, token: int) -> None:

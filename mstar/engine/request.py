@@ -73,7 +73,8 @@ class Request:
     generated tokens still to be fed) and ``fed`` to how many are in the KV
     cache. A plain request has ``main``; with ``n > 1``, ``main`` until its
     prompt is in, then ``s0..s{n-1}``; a guided one ``cond``/``uncond``.
-    ``pending`` holds a guided stream's last logits until its twin's arrive.
+    ``pending`` holds a guided stream's last logits until its twin's arrive;
+    ``by_label`` maps a sample's stream labels to it.
     """
 
     id: str
@@ -85,6 +86,10 @@ class Request:
     streams: dict[str, list[int]] = field(default_factory=dict)
     fed: dict[str, int] = field(default_factory=dict)
     pending: dict[str, torch.Tensor] = field(default_factory=dict)
+    by_label: dict[str, Sample] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.by_label = {label: s for s in self.samples for label in s.labels}
 
     @property
     def forked(self) -> bool:
@@ -97,6 +102,15 @@ class Request:
 
     def holds_kv(self) -> bool:
         return any(self.fed.values())
+
+    def feed(self, label: str, count: int) -> tuple[list[int], bool]:
+        """The next ``count`` tokens of stream ``label`` go into the KV cache:
+        they, and whether the stream is then in to its end (its logits choose
+        the next token)."""
+        fed = self.fed[label]
+        self.fed[label] = fed + count
+        tokens = self.streams[label]
+        return tokens[fed : fed + count], fed + count == len(tokens)
 
     def restart(self) -> None:
         """Nothing in the KV cache any more: every stream is fed again from its
