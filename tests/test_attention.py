@@ -182,6 +182,55 @@ def test_one_schedule_serves_every_layer_of_a_step():
         paged_attention(q, layer, plan.cpu_indptrs, schedule=schedule)
 
 
+def test_every_layer_of_a_step_reads_its_own_pages():
+    """Layers sharing a schedule (and its gather buffers) in turn each see
+    their own keys: a buffer left from the layer before is never read."""
+    rows = [(20, 1), (3, 1), (10, 6), (0, 4)]
+    case = Scenario(rows, 4, 2, seed=7)
+    plan = case.step()
+    schedule = AttentionSchedule(plan.cpu_indptrs, 4)
+    layers = [case.cache.layer(0), torch.randn_like(case.cache.layer(0))]
+    q = torch.cat(case.queries([n for _, n in rows], 4))
+    for layer in [*layers, *layers]:
+        got = paged_attention(q, layer, plan.cpu_indptrs, schedule=schedule)
+        assert torch.equal(got, paged_attention(q, layer, plan.cpu_indptrs))
+
+
+def test_strided_layer_and_pair_layout_match_contiguous():
+    """The same pages as a contiguous layer, a strided view of a wider one,
+    and a (k, v) pair give the same result, with and without the sdpa path."""
+    rows = [(9, 1), (2, 1), (0, 5)]
+    case = Scenario(rows, 4, 2, seed=8)
+    plan = case.step()
+    layer = case.cache.layer(0)
+    wide = torch.zeros(*layer.shape[:-1], 2 * HEAD_DIM)
+    wide[..., :HEAD_DIM] = layer
+    strided = wide[..., :HEAD_DIM]
+    assert not strided.is_contiguous()
+    pair = (layer[:, 0].clone(), layer[:, 1].clone())
+    q = torch.cat(case.queries([n for _, n in rows], 4))
+    for opts in ({}, {"softcap": 2.0}):
+        want = paged_attention(q, layer, plan.cpu_indptrs, **opts)
+        for other in (strided, pair):
+            assert torch.equal(paged_attention(q, other, plan.cpu_indptrs, **opts), want)
+
+
+def test_batch_rows_stay_in_plan_order():
+    """Rows batched together keep their plan order, so a batch of rows
+    with one query each reads q as one run (no gather, no scatter); padded
+    batches do not."""
+    rows = [(0, 115), (300, 1), (290, 1), (310, 1)]
+    case = Scenario(rows, 16, 1, seed=0)
+    schedule = AttentionSchedule(case.step().cpu_indptrs, 16)
+    by_shape = {tuple(b.tokens.shape): b for b in schedule.batches}
+    assert set(by_shape) == {(3, 1), (1, 115)}
+    assert by_shape[3, 1].tokens.flatten().tolist() == [115, 116, 117]
+    assert by_shape[3, 1].span == slice(115, 118)
+    assert by_shape[1, 115].span == slice(0, 115)
+    padded = AttentionSchedule(Scenario([(9, 3), (9, 2)], 4, 1, seed=0).step().cpu_indptrs, 4)
+    assert [b.span for b in padded.batches] == [None]
+
+
 def test_decode_rows_are_not_padded_to_a_chunk():
     """15 decode rows of similar lengths beside a 115-token chunk: two
     batches, the decode rows' one query each; rows without queries or keys
