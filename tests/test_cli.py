@@ -151,7 +151,11 @@ def test_mixed_jobs_vary_in_length_and_share_a_preamble(smollm2):
     assert len({len(j.prompt) for j in jobs}) > 20
     arrivals = [j.arrival for j in jobs]
     assert arrivals == sorted(arrivals) and arrivals[0] == 0 < arrivals[-1]
-    assert {j.arrival for j in mixed_jobs(tokenizer, 8, (16, 256), 0, 0.0)} == {0.0}
+    at_once = mixed_jobs(tokenizer, 64, (16, 256), 0, 0.0)
+    assert {j.arrival for j in at_once} == {0.0}
+    assert [(j.prompt, j.max_new_tokens) for j in at_once] == [
+        (j.prompt, j.max_new_tokens) for j in jobs
+    ]
     shared = [j.prompt for j in jobs[::2]]
     common = next(i for i, col in enumerate(zip(*shared)) if len(set(col)) > 1)
     assert common > 150

@@ -78,7 +78,7 @@ def mixed_jobs(
     from mstar.demo import CHAT_QUESTIONS
     from mstar.engine.loader import chat_prompt
 
-    rng = random.Random(seed)
+    rng, gaps = random.Random(seed), random.Random(seed + 1)  # the same prompts at any gap
     jobs, arrival = [], 0.0
     for i in range(num):
         text = " ".join(
@@ -86,7 +86,7 @@ def mixed_jobs(
         )
         prompt = chat_prompt(tokenizer, PREAMBLE + text if i % 2 == 0 else text)
         jobs.append(Job(prompt, rng.randint(*new_tokens), arrival))
-        arrival += rng.expovariate(1 / mean_gap) if mean_gap > 0 else 0.0
+        arrival += gaps.expovariate(1 / mean_gap) if mean_gap > 0 else 0.0
     return jobs
 
 
@@ -213,7 +213,7 @@ def run_mixed(
 
     stage("loading SmolLM2")
     model, tokenizer = load("smollm2")
-    num, new_tokens, gap, batch = (16, (8, 48), 0.4, 8) if quick else (64, (16, 256), 0.3, 16)
+    num, new_tokens, gap, batch = (12, (8, 32), 0.4, 6) if quick else (64, (16, 256), 0.3, 16)
     eos = tokenizer.eos_token_id
     config = GenerationConfig(
         do_sample=False, eos_token_id=eos, pad_token_id=eos, max_new_tokens=new_tokens[1]
