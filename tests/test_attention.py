@@ -284,6 +284,34 @@ def test_rows_without_keys_give_zeros(causal):
         assert torch.equal(out[2:4], torch.zeros(2, 2, HEAD_DIM))
 
 
+def test_blind_queries_give_zeros_whatever_the_backend(monkeypatch):
+    """Queries that see no key are zeroed by paged_attention itself, not
+    left to the sdpa backend (CUDA's may give NaN there): the schedule names
+    them, and a backend writing NaN for them changes nothing."""
+    import torch.nn.functional as F
+
+    from mstar.engine.resources.attn import paged
+
+    real = F.scaled_dot_product_attention
+
+    def nan_when_blind(q, k, v, attn_mask=None, **kwargs):
+        out = real(q, k, v, attn_mask=attn_mask, **kwargs)
+        if attn_mask is None:
+            return out
+        return out.masked_fill(~attn_mask.any(dim=-1, keepdim=True), float("nan"))
+
+    layer = torch.randn(3, 2, 4, 1, HEAD_DIM)
+    indptrs = _indptrs([0, 2, 7], [0, 0, 1], [2], [4, 3])  # row 1: 3 keys, 5 queries
+    q = torch.randn(7, 2, HEAD_DIM)
+    want = paged_attention(q, layer, indptrs)
+    schedule = AttentionSchedule(indptrs, 4)
+    ((_, blind),) = schedule.masks(True, -1, None)
+    assert blind.tolist() == [[True, True, False, False, False]]
+    monkeypatch.setattr(paged.F, "scaled_dot_product_attention", nan_when_blind)
+    got = paged_attention(q, layer, indptrs, schedule=schedule)
+    assert torch.equal(got, want) and torch.equal(got[2:4], torch.zeros(2, 2, HEAD_DIM))
+
+
 def test_rows_without_queries_are_never_read():
     """A row with no queries is skipped whole: even an out-of-range page of
     its own is not gathered."""

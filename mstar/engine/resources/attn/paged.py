@@ -77,14 +77,14 @@ def paged_attention(
     shape = (q.shape[0], q.shape[1], v_pages.shape[-1])
     out = q.new_empty(shape) if schedule.writes_all else q.new_zeros(shape)
     masks = schedule.masks(causal, window_left, chunk_size)
-    for i, (batch, visible) in enumerate(zip(schedule.batches, masks)):
+    for i, (batch, (visible, blind)) in enumerate(zip(schedule.batches, masks)):
         k, v = _gather(kv_layer, k_pages, v_pages, batch.page_ids, schedule.scratch(i, kv_layer))
         if batch.span is None:
             rows_q = q[batch.tokens]
         else:
             rows_q = q[batch.span].view(*batch.tokens.shape, *q.shape[1:])
         if softcap is None and sink is None:
-            rows_out = _sdpa(rows_q, k, v, visible, scale)
+            rows_out = _sdpa(rows_q, k, v, visible, scale, blind)
         else:
             rows_out = _attend(rows_q, k, v, visible, scale, softcap, sink)
         if batch.span is None:
@@ -93,6 +93,11 @@ def paged_attention(
         else:
             out[batch.span] = rows_out.flatten(0, 1)
     return out
+
+
+# A batch's visibility mask [R, max_q, L] (None: all visible) and its queries
+# that see no key [R, max_q] (None: none).
+_Masks = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 class _Batch(NamedTuple):
@@ -149,7 +154,7 @@ class AttentionSchedule:
                 )
             )
         self.writes_all = not qo_lens[num_pages == 0].any()  # every query is in a batch
-        self._masks: dict[tuple, list[torch.Tensor | None]] = {}
+        self._masks: dict[tuple, list[_Masks]] = {}
         self._scratch: list[torch.Tensor | None] = [None] * len(self.batches)
 
     def scratch(self, i: int, kv_layer: KVLayer) -> torch.Tensor | None:
@@ -163,16 +168,18 @@ class AttentionSchedule:
             buf = self._scratch[i] = kv_layer.new_empty(shape)
         return buf
 
-    def masks(
-        self, causal: bool, window_left: int, chunk_size: int | None
-    ) -> list[torch.Tensor | None]:
-        """Each batch's visibility mask under these options (memoized)."""
+    def masks(self, causal: bool, window_left: int, chunk_size: int | None) -> list[_Masks]:
+        """Each batch's visibility mask under these options, and its queries
+        that see no key (memoized)."""
         key = (causal, window_left, chunk_size)
         if key not in self._masks:
-            self._masks[key] = [
-                _visible(b, self.page_size, causal, window_left, chunk_size, self.device)
-                for b in self.batches
-            ]
+            self._masks[key] = []
+            for b in self.batches:
+                seen = _visible(b, self.page_size, causal, window_left, chunk_size, self.device)
+                blind = None if seen is None else ~seen.any(dim=-1)
+                self._masks[key].append(
+                    (seen, blind if blind is not None and blind.any() else None)
+                )
         return self._masks[key]
 
 
@@ -255,13 +262,19 @@ def _gather(
 
 
 def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor | None,
+    scale: float,
+    blind: torch.Tensor | None,
 ) -> torch.Tensor:
     """``_attend`` without softcap or sinks, as one
     ``scaled_dot_product_attention`` call on strided views (its fused
-    kernel reads each KV head for its group of query heads, softmaxes in
-    float32 and gives zeros where a query sees no key); returns ``[R, max_q,
-    H, v_dim]`` in q's dtype."""
+    kernel reads each KV head for its group of query heads and softmaxes in
+    float32); queries in ``blind`` (``[R, max_q]``, seeing no key) give
+    zeros, whatever the backend makes of them. Returns ``[R, max_q, H,
+    v_dim]`` in q's dtype."""
     rows_out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
@@ -269,8 +282,10 @@ def _sdpa(
         attn_mask=None if visible is None else visible[:, None],
         scale=scale,
         enable_gqa=True,
-    )
-    return rows_out.transpose(1, 2)
+    ).transpose(1, 2)
+    if blind is not None:
+        rows_out = rows_out.masked_fill(blind[..., None, None], 0.0)
+    return rows_out
 
 
 def _attend(
