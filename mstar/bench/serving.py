@@ -109,8 +109,9 @@ def serve_engine(engine_for: Callable[[], Any], jobs: list[Job]) -> Served:
         if not engine.has_unfinished():
             time.sleep(max(0.0, jobs[len(ids)].arrival - now))
             continue
-        for c in engine.step():
-            first.setdefault(c.request_id, time.perf_counter() - start)
+        for c in engine.step():  # a request fed a prompt chunk comes back without tokens
+            if c.outputs[0].token_ids:
+                first.setdefault(c.request_id, time.perf_counter() - start)
             if c.finished:
                 done[c.request_id] = c.outputs[0].token_ids
     end = time.perf_counter() - start
