@@ -1,0 +1,84 @@
+"""Index arrays from lengths, and lengths back from index arrays.
+
+The arithmetic every producer and reader of a plan's index arrays shares
+(FlashInfer's conventions): a row whose pages hold tokens ``[0, end)`` of the
+page space has ``last_page_len = (end - 1) % page_size + 1`` (``end %
+page_size``, a full page reading as ``page_size``) and ``kv_lens = max(pages
+- 1, 0) * page_size + last_page_len``. The manager and ``build_paged_indptrs``
+build their arrays with ``index_arrays``; the cache's write slots, paged
+attention and positions read rows back with ``row_lengths``.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+INT32_MAX = 2**31 - 1
+
+
+class IndexArrays(NamedTuple):
+    """int32 ``[B + 1]``, ``[B + 1]``, ``[B]``, ``[B]``."""
+
+    qo_indptr: np.ndarray
+    kv_indptr: np.ndarray
+    last_page_len: np.ndarray
+    kv_lens: np.ndarray
+
+
+def index_arrays(
+    queries: list[int] | np.ndarray,
+    num_pages: list[int] | np.ndarray,
+    ends: list[int] | np.ndarray,
+    page_size: int,
+) -> IndexArrays:
+    """The index arrays of rows with ``queries`` new tokens, ``num_pages``
+    pages and ``ends`` tokens each (``end >= 0``, ``end <= num_pages *
+    page_size``). Lists of Python ints (a few rows: per-row arithmetic costs
+    less than numpy calls there) or integer arrays; a value beyond int32
+    raises ``OverflowError``."""
+    if isinstance(ends, list):
+        last = [(end - 1) % page_size + 1 for end in ends]
+        kv_lens = [max(n - 1, 0) * page_size + x for n, x in zip(num_pages, last)]
+        return IndexArrays(
+            np.array([0, *accumulate(queries)], np.int32),
+            np.array([0, *accumulate(num_pages)], np.int32),
+            np.array(last, np.int32),
+            np.array(kv_lens, np.int32),
+        )
+    b = len(ends)
+    qo_indptr = np.zeros(b + 1, dtype=np.int32)
+    np.add.accumulate(queries, out=qo_indptr[1:])
+    kv_indptr = np.zeros(b + 1, dtype=np.int32)
+    np.add.accumulate(num_pages, out=kv_indptr[1:])
+    room = np.remainder(np.negative(ends), page_size, dtype=np.int32)  # the last page's free slots
+    last = np.subtract(page_size, room, dtype=np.int32)
+    kv_lens = np.maximum(num_pages, 1, dtype=np.int32)  # max(pages - 1, 0) * ps + last, as
+    kv_lens *= page_size  # max(pages, 1) * ps - room
+    kv_lens -= room
+    return IndexArrays(qo_indptr, kv_indptr, last, kv_lens)
+
+
+class RowLengths(NamedTuple):
+    """int64 ``[B]`` each: queries, pages and keys (0 for a row of no pages)."""
+
+    queries: np.ndarray
+    num_pages: np.ndarray
+    kv_lens: np.ndarray
+
+
+def row_lengths(
+    qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int
+) -> RowLengths:
+    """Each row's lengths, read back from its index tensors (any device)."""
+    queries = np.diff(_host(qo_indptr))
+    num_pages = np.diff(_host(kv_indptr))
+    kv_lens = np.where(num_pages > 0, (num_pages - 1) * page_size + _host(last_page_len), 0)
+    return RowLengths(queries, num_pages, kv_lens)
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.cpu().numpy().astype(np.int64)
