@@ -20,15 +20,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from mstar.engine.resources.kv.lengths import index_arrays
 from mstar.engine.resources.kv.plan import (
-    HostLens,
     KVPlanOutput,
-    PagedIndptrs,
     PinnedIndexRing,
     SequenceView,
+    host_indptrs,
 )
 from mstar.engine.resources.kv.recycler import Recycler
 from mstar.engine.resources.kv.streams import StreamTable
@@ -129,14 +127,9 @@ class IndexBuilder:
         """A label's ``KVPlanOutput`` from its ``arrays``: tensors (ring
         buffers, with a ring) and a lazy view builder."""
         qo_indptr, kv_indptr, indices, last, kv_lens, ends, slots, spans, keys, write = arrays
-        host = (qo_indptr, kv_indptr, indices, last)
         decode_pages, decode_offsets = write or (None, None)
-        if ring is None:
-            tensors = [torch.from_numpy(a) for a in host]
-        else:
-            tensors = [ring.take(a) for a in host]
         return KVPlanOutput(
-            PagedIndptrs(*tensors, HostLens(kv_lens)),
+            host_indptrs((qo_indptr, kv_indptr, indices, last), kv_lens, ring),
             decode_pages=decode_pages,
             decode_offsets=decode_offsets,
             rows=keys,

@@ -12,12 +12,17 @@ attention and positions read rows back with ``row_lengths``.
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 INT32_MAX = 2**31 - 1
+# The types an integer length, count or page id may have: Python int or a
+# numpy integer (not bool).
+INT_TYPES = frozenset(
+    {int, *(t for t in np.sctypeDict.values() if issubclass(t, np.integer))} - {np.timedelta64}
+)
 
 
 class IndexArrays(NamedTuple):
@@ -63,21 +68,24 @@ def index_arrays(
 
 
 class RowLengths(NamedTuple):
-    """int64 ``[B]`` each: queries, pages and keys (0 for a row of no pages)."""
+    """A plan's rows read back from its index tensors, int64 host arrays:
+    ``qo_indptr`` and ``kv_indptr`` ``[B + 1]``, then per row its queries,
+    pages and keys (``kv_lens``; 0 for a row of no pages)."""
 
+    qo_indptr: np.ndarray
+    kv_indptr: np.ndarray
     queries: np.ndarray
     num_pages: np.ndarray
     kv_lens: np.ndarray
 
 
-def row_lengths(
-    qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int
-) -> RowLengths:
-    """Each row's lengths, read back from its index tensors (any device)."""
-    queries = np.diff(_host(qo_indptr))
-    num_pages = np.diff(_host(kv_indptr))
-    kv_lens = np.where(num_pages > 0, (num_pages - 1) * page_size + _host(last_page_len), 0)
-    return RowLengths(queries, num_pages, kv_lens)
+def row_lengths(indptrs: Any, page_size: int) -> RowLengths:
+    """The rows of ``indptrs`` (a ``PagedIndptrs``, on any device)."""
+    qo_indptr, kv_indptr = _host(indptrs.qo_indptr), _host(indptrs.paged_kv_indptr)
+    num_pages = np.diff(kv_indptr)
+    last = _host(indptrs.paged_kv_last_page_len)
+    kv_lens = np.where(num_pages > 0, (num_pages - 1) * page_size + last, 0)
+    return RowLengths(qo_indptr, kv_indptr, np.diff(qo_indptr), num_pages, kv_lens)
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
