@@ -94,7 +94,9 @@ class IndexBuilder:
                 ends, num_pages = ends[rows], num_pages[rows]
         if rec.few:
             return self._few(slots, spans, ends, num_pages, keys)
-        qo_indptr, kv_indptr, last, kv_lens = index_arrays(spans, num_pages, ends, self.page_size)
+        qo_indptr, kv_indptr, last, kv_lens = index_arrays(
+            spans, num_pages, ends, self.page_size, exact=True
+        )
         b = len(slots)
         if b < self.paths.splice_rows:
             indices = self._recycler.empty(int(kv_indptr[-1]))

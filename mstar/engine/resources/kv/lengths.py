@@ -39,12 +39,15 @@ def index_arrays(
     num_pages: list[int] | np.ndarray,
     ends: list[int] | np.ndarray,
     page_size: int,
+    exact: bool = False,
 ) -> IndexArrays:
     """The index arrays of rows with ``queries`` new tokens, ``num_pages``
     pages and ``ends`` tokens each (``end >= 0``, ``end <= num_pages *
     page_size``). Lists of Python ints (a few rows: per-row arithmetic costs
     less than numpy calls there) or integer arrays; a value beyond int32
-    raises ``OverflowError``."""
+    raises ``OverflowError`` from lists. ``exact``: each row holds just the
+    pages of its end (the manager's rows), so ``kv_lens`` is ``max(end,
+    last_page_len)``, one array op."""
     if isinstance(ends, list):
         last = [(end - 1) % page_size + 1 for end in ends]
         kv_lens = [max(n - 1, 0) * page_size + x for n, x in zip(num_pages, last)]
@@ -59,11 +62,17 @@ def index_arrays(
     np.add.accumulate(queries, out=qo_indptr[1:])
     kv_indptr = np.zeros(b + 1, dtype=np.int32)
     np.add.accumulate(num_pages, out=kv_indptr[1:])
-    room = np.remainder(np.negative(ends), page_size, dtype=np.int32)  # the last page's free slots
-    last = np.subtract(page_size, room, dtype=np.int32)
-    kv_lens = np.maximum(num_pages, 1, dtype=np.int32)  # max(pages - 1, 0) * ps + last, as
-    kv_lens *= page_size  # max(pages, 1) * ps - room
-    kv_lens -= room
+    kv_lens = ends.astype(np.int32)
+    last = kv_lens - 1
+    last %= page_size
+    last += 1
+    if exact:
+        np.maximum(kv_lens, last, out=kv_lens)
+    else:
+        kv_lens = np.maximum(num_pages, 1, dtype=np.int32)
+        kv_lens -= 1
+        kv_lens *= page_size
+        kv_lens += last
     return IndexArrays(qo_indptr, kv_indptr, last, kv_lens)
 
 
