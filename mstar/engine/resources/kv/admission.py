@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from mstar.engine.resources.kv.errors import AllocationFailed, InvalidStep, UnknownStream
-from mstar.engine.resources.kv.index import _LEFT_AHEAD, Paths
+from mstar.engine.resources.kv.index import LEFT_AHEAD, Paths
 from mstar.engine.resources.kv.journal import Journal
 from mstar.engine.resources.kv.lengths import INT32_MAX
 from mstar.engine.resources.kv.pages import PagePool
@@ -34,7 +34,7 @@ _KEY = itemgetter(0, 1)  # a segment's (request_id, label)
 
 
 @dataclass(eq=False)
-class Rows:
+class ResolvedRows:
     """A step's rows, checked and resolved: once it commits, a next step
     with the same rows reuses them while every stream is the same (its
     epoch)."""
@@ -58,7 +58,7 @@ class Admitted:
     ``few`` (see ``Paths.few_rows``), else int64 arrays."""
 
     keys: list[tuple[str, str]]  # [B] (request_id, label), batch order
-    columns: tuple[tuple, ...]  # the segments' fields (see ``Rows``)
+    columns: tuple[tuple, ...]  # the segments' fields (see ``ResolvedRows``)
     new: list[int]  # rows whose stream the step creates
     slots: np.ndarray  # int64 [B]; 0 for a stream the step creates (until applied)
     spans: np.ndarray  # int32 [B]
@@ -69,7 +69,7 @@ class Admitted:
     grow: Any  # [B]: pages each row takes
     requests: dict[str, None]  # ordered
     groups: dict[str, np.ndarray | None]  # plan label -> rows (None: all, in order)
-    rows: Rows  # its rows: the last step's, reused, or its own
+    resolved: ResolvedRows  # its rows: the last step's, reused, or its own
     tokens: Any = None  # with a prefix cache: the rows' tokens (see ``step_tokens``)
     need: int = 0  # pages to reserve
     journal: Journal | None = None  # its reserved pages and changes (set by ``admit``)
@@ -93,7 +93,7 @@ class Admission:
         self.page_size = page_size
         self.paths = paths
         self.admitted = admitted
-        self.last: Rows | None = None  # the last committed step's rows, for the next
+        self.last: ResolvedRows | None = None  # the last committed step's rows, for the next
 
     def check(self, step: KVStep) -> Admitted:
         """The admission record of a valid step, with the pages it needs
@@ -124,7 +124,7 @@ class Admission:
         newcomers = self.last is not None and len(rec.new) == len(rec.keys)
         if rec.forks or newcomers:
             return
-        rows = rec.rows  # held by no other step in flight
+        rows = rec.resolved  # held by no other step in flight
         rows.segments, rows.columns, rows.spans = step.segments, rec.columns, rec.spans
         if rows is not self.last or rows.slots is not rec.slots:  # (re)resolved
             rows.slots, rows.epochs = rec.slots, self.streams.epoch[rec.slots]
@@ -219,10 +219,12 @@ class Admission:
         _check_forks(step)
         groups = self._groups(step, keys, labels)
         combined = step.combined_labels
-        rows = Rows(step.segments, columns, keys, spans, combined, slots, requests, groups)
+        rows = ResolvedRows(step.segments, columns, keys, spans, combined, slots, requests, groups)
         return self._sized(step, rows, columns, new, slots, spans)
 
-    def _shared_rows(self, rows: Rows, request_ids: tuple, labels: tuple) -> tuple[int, int]:
+    def _shared_rows(
+        self, rows: ResolvedRows, request_ids: tuple, labels: tuple
+    ) -> tuple[int, int]:
         """``(d, k)``: the last step's rows ``[d, d + k)`` are this step's first
         ``k``, on the same streams (rows that left before them, rows that
         joined or left after). Compared by column: the ids are mostly the very
@@ -231,7 +233,7 @@ class Admission:
         if not request_ids or not old_ids:
             return 0, 0
         try:  # a few rows ahead of it may have left
-            d = old_ids.index(request_ids[0], 0, _LEFT_AHEAD + 1)
+            d = old_ids.index(request_ids[0], 0, LEFT_AHEAD + 1)
         except ValueError:
             return 0, 0
         k = len(request_ids)
@@ -242,13 +244,13 @@ class Admission:
             k *= bool((self.streams.epoch[rows.slots[d : d + k]] == rows.epochs[d : d + k]).all())
         return d, k
 
-    def _same_streams(self, rows: Rows) -> bool:
+    def _same_streams(self, rows: ResolvedRows) -> bool:
         """Whether the rows' streams are those they were resolved to."""
         if rows.made == self.streams.made:  # no stream made or freed since
             return True
         return bool((self.streams.epoch[rows.slots] == rows.epochs).all())
 
-    def _sized(self, step, rows: Rows, columns, new, slots, spans) -> Admitted:
+    def _sized(self, step, rows: ResolvedRows, columns, new, slots, spans) -> Admitted:
         """The admission record once the rows are resolved (``rows``: the last
         step's, or this one's): lengths checked, page needs, tokens."""
         keys = rows.keys

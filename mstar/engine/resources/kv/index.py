@@ -34,7 +34,7 @@ from mstar.engine.resources.kv.streams import StreamTable
 if TYPE_CHECKING:
     from mstar.engine.resources.kv.admission import Admitted
 
-_LEFT_AHEAD = 8  # rows that may leave ahead of a step's reused rows
+LEFT_AHEAD = 8  # rows that may leave ahead of a step's reused rows
 
 
 @dataclass
@@ -72,11 +72,11 @@ class IndexBuilder:
         """Splice no plan from the last ones (their pages may have gone back)."""
         self._last.clear()
 
-    def arrays(self, plan_label: str, rows: np.ndarray | None, rec: Admitted) -> tuple:
+    def arrays(self, plan_label: str, members: np.ndarray | None, rec: Admitted) -> tuple:
         """One plan label's arrays, after the step's pages are applied: (qo_indptr,
         kv_indptr, indices, last, kv_lens, ends, slots, spans, keys, write),
         ``write`` each row's (page, offset) for a step of decode rows, else
-        None. ``rows`` are the label's rows of the step (None: all, in order)."""
+        None. ``members`` are the label's row numbers in the step (None: all, in order)."""
         slots, spans, ends, num_pages, keys = (
             rec.slots,
             rec.spans,
@@ -84,14 +84,14 @@ class IndexBuilder:
             rec.num_pages,
             rec.keys,
         )
-        if rows is not None:
-            row_list = rows.tolist()
-            keys = [keys[i] for i in row_list]
-            slots, spans = slots[rows], spans[rows]
+        if members is not None:
+            rows = members.tolist()
+            keys = [keys[i] for i in rows]
+            slots, spans = slots[members], spans[members]
             if rec.few:
-                ends, num_pages = [ends[i] for i in row_list], [num_pages[i] for i in row_list]
+                ends, num_pages = [ends[i] for i in rows], [num_pages[i] for i in rows]
             else:
-                ends, num_pages = ends[rows], num_pages[rows]
+                ends, num_pages = ends[members], num_pages[members]
         if rec.few:
             return self._few(slots, spans, ends, num_pages, keys)
         qo_indptr, kv_indptr, last, kv_lens = index_arrays(
@@ -250,7 +250,7 @@ def _kept_rows(prev: _Index, slots, epochs, num_pages) -> tuple[int, int]:
     """``(d, k)``: the first ``k`` rows are the previous plan's rows ``[d, d +
     k)`` (a few ahead of them may have left), on the same streams, each with
     at least the pages it had."""
-    ahead = (prev.slots[: _LEFT_AHEAD + 1] == slots[:1]).nonzero()[0] if len(slots) else ()
+    ahead = (prev.slots[: LEFT_AHEAD + 1] == slots[:1]).nonzero()[0] if len(slots) else ()
     if not len(ahead):
         return 0, 0
     d = int(ahead[0])

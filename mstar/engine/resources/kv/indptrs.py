@@ -136,9 +136,7 @@ def _page_ids(pages: Sequence, total: int) -> np.ndarray:
 
 
 # Up to this many rows ``build_paged_indptrs`` works row by row on Python ints:
-# a row costs under a microsecond there against a few tenths column-wise, but
-# the column-wise route's 25 or so numpy ops cost about 30 us whatever the
-# batch. Measured, the two meet at about 36-40 rows.
+# a numpy call has a fixed cost that per-row arithmetic undercuts for a few rows.
 _FEW_ROWS = 32
 
 # What the two builders return: (qo_indptr, paged_kv_indptr, paged_kv_indices,
@@ -188,8 +186,8 @@ def _arrays_by_row(segments: Sequence[SequenceView], page_size: int) -> _Arrays:
 
 def _arrays_by_column(segments: Sequence[SequenceView], page_size: int) -> _Arrays:
     """The arrays column-wise through numpy: a handful of array ops whatever
-    the batch. Each op costs about a microsecond, so their count is the cost
-    at small batch (hence ufunc methods over their slower numpy wrappers)."""
+    the batch. Their count is the cost at small batch (hence ufunc methods
+    over their slower numpy wrappers)."""
     _, _, pages, length, to_compute, start, _ = zip(*segments) if segments else ((),) * 7
     try:
         if not INT_TYPES.issuperset(map(type, itertools.chain(length, start, to_compute))):

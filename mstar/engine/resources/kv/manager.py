@@ -204,9 +204,7 @@ class KVManager:
             mark = rec.journal.mark()
             try:
                 self._apply(step, rec)
-                arrays = [
-                    self._index.arrays(label, rows, rec) for label, rows in rec.groups.items()
-                ]
+                arrays = [self._index.arrays(label, m, rec) for label, m in rec.groups.items()]
                 if self.ring is not None:  # only a plan that is handed out advances the ring
                     self.ring.begin_plan()
                 outs = [self._index.publish(a, self.ring) for a in arrays]
@@ -230,8 +228,7 @@ class KVManager:
                 if not rec.planned:
                     self._apply(step, rec)
                 if step.commit:
-                    self._streams.stored[rec.slots] = rec.ends  # stored + span, rows distinct
-                    self._streams.touch(rec.slots)
+                    self._streams.advance(rec.slots, rec.ends)
                 if step.post_forks:  # they may fail: the lengths are journaled first
                     if step.commit:
                         journal.add(Advanced(rec.slots, rec.spans))
@@ -243,8 +240,9 @@ class KVManager:
             if rec.tokens is not None:  # only now is the step's KV final
                 self._prefix.record(rec.slots, np.subtract(rec.ends, rec.spans), rec.tokens)
                 self._forks.copy_chains(step.post_forks, rec.requests)
-            for slot in journal.replaced() if rec.forks else ():  # fork targets it replaced
-                self._streams.free(slot)
+            if rec.forks:
+                for slot in journal.replaced():  # fork targets it replaced go now
+                    self._streams.free(slot)
             self._admission.remember(step, rec)
             del self._admitted[step]
 
@@ -328,9 +326,9 @@ class KVManager:
             if not any(grow):
                 return
             grow = np.array(grow, np.int64)
-        rows = grow.nonzero()[0]
-        if len(rows):  # the rows' new pages, in row order, from the reservation
-            slots, grow = rec.slots[rows], grow[rows]
+        growing = grow.nonzero()[0]
+        if len(growing):  # their new pages, in row order, from the reservation
+            slots, grow = rec.slots[growing], grow[growing]
             pages = journal.take(int(np.add.reduce(grow)))
             journal.add(Grew(slots, streams.extend(slots, grow, pages)))
 

@@ -17,6 +17,8 @@ stands no epoch needs comparing.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from mstar.engine.resources.kv.pages import PagePool
@@ -125,6 +127,11 @@ class StreamTable:
         self.npages[slots] = had + grow
         self.touch(slots)
         return had
+
+    def advance(self, slots: np.ndarray, ends: Any) -> None:
+        """Streams ``slots`` (distinct) now hold ``ends`` tokens each."""
+        self.stored[slots] = ends
+        self.touch(slots)
 
     def touch(self, slots: int | np.ndarray) -> None:
         """A new generation for streams whose pages or length changed."""
