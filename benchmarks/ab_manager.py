@@ -11,10 +11,12 @@ managers (200 steps each, so rows stay near their length); the table gives media
 Only the public API (KVManager, KVStep, Segment), so any version runs it.
 
 Page size 16, rows staggered (row i prefilled with ctx + i % 16 tokens). Cases: batch
-1 x 4k decode; 256 x 4k decode on one reused Segment tuple and on fresh Segments each
+1 x 4k and 32 x 4k decode; 256 x 4k decode on one reused Segment tuple and on fresh Segments each
 step; 256 x 32k decode beside one np.copyto of its step's indices (timed alone); churn
 (2 rows leave, 2 join with an untimed prefill, then the decode); mixed (decode + a new
-512-token prefill row); and steady, churn and mixed cold (48 MiB written before each).
+512-token prefill row); steady, churn and mixed cold (48 MiB written before each);
+with the prefix cache on, the steady decode (fresh Segments carrying their token)
+and ``match_prefix`` of 4096 tokens with 3504 cached.
 ``--quick`` runs ~5x fewer steps (~40 s; the full run ~3 min). Comparing a checkout
 with itself gives ratios within a few % of 1.
 """
@@ -154,6 +156,38 @@ def mixed(cold: bool = False) -> Case:
     return case
 
 
+def prefix_decode(api: Api, n: int) -> Iteration:
+    m = api.KVManager(256 * (4096 // PS + 300), PS, prefix_cache=True)
+    rng = np.random.default_rng(0)
+    names = [f"r{i}" for i in range(256)]
+    lens = [4096 + i % PS for i in range(256)]
+    step(
+        api,
+        m,
+        tuple(api.Segment(r, "main", k, rng.integers(0, 50_000, k)) for r, k in zip(names, lens)),
+    )
+
+    def it(i: int) -> tuple[float, ...]:
+        s = tuple(api.Segment(r, "main", 1, [i]) for r in names)
+        return (clock(lambda: step(api, m, s))[0],)
+
+    return it
+
+
+def match_prefix(api: Api, n: int) -> Iteration:
+    tokens = np.random.default_rng(1).integers(0, 50_000, 4096)
+    m = api.KVManager(2 * 4096 // PS, PS, prefix_cache=True)
+    step(api, m, (api.Segment("warm", "main", 3504, tokens[:3504]),))
+    m.release("warm")
+
+    def it(i: int) -> tuple[float, ...]:
+        if i:
+            m.release(f"q{i - 1}")
+        return (clock(lambda: m.match_prefix(f"q{i}", "main", tokens))[0],)
+
+    return it
+
+
 def compare(case: Case, apis: list[Api], n: int, rounds: int) -> np.ndarray:
     """Medians, µs, [checkout, part]. Each round builds fresh managers (so rows stay near
     their stated length) and alternates the checkouts' iterations in one loop."""
@@ -180,6 +214,7 @@ def main() -> None:
         apis = [load(r, f"mstar_{s}", Path(tmp)) for r, s in zip(roots, ("before", "after"))]
         print(f"before: {roots[0]}\nafter:  {roots[1]}\n")
         rows["batch 1 x 4k"] = compare(steady(1, 4096), apis, 1000, warm)[:, 0]
+        rows["batch 32 x 4k"] = compare(steady(32, 4096), apis, 300, warm)[:, 0]
         rows["steady 256 x 4k"] = compare(steady(256, 4096), apis, 200, cheap)[:, 0]
         fresh = steady(256, 4096, fresh=True)
         rows["steady 256 x 4k, fresh Segments"] = compare(fresh, apis, 200, cheap)[:, 0]
@@ -190,6 +225,8 @@ def main() -> None:
         rows["steady cold"] = compare(steady(256, 4096, cold=True), apis, 200, cold)[:, 0]
         rows["churn cold"] = compare(churn(cold=True), apis, 200, cold)[:, 0]
         rows["mixed cold"] = compare(mixed(cold=True), apis, 200, cold)[:, 0]
+        rows["prefix on 256 x 4k"] = compare(prefix_decode, apis, 200, warm)[:, 0]
+        rows["match_prefix 4k"] = compare(match_prefix, apis, 200, warm)[:, 0]
     print("| step | before µs | after µs | after/before |\n|---|---:|---:|---:|")
     for name, (b, a) in rows.items():
         print(f"| {name} | {b:.1f} | {a:.1f} | {a / b:.2f} |")

@@ -102,9 +102,9 @@ def smollm2():
 def poisoned_index_memory(monkeypatch):
     """Index arrays the manager fills start as garbage, not as an old plan's
     indices: a part it forgets to write cannot read back right by chance."""
-    from mstar.engine.resources.kv import manager
+    from mstar.engine.resources.kv import recycler
 
     def empty(self, n: int):
         return np.full(n, -7, dtype=np.int32)
 
-    monkeypatch.setattr(manager._Recycler, "empty", empty)
+    monkeypatch.setattr(recycler.Recycler, "empty", empty)

@@ -7,7 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mstar.engine.resources.kv.pages import _BASE, PageKeys, PagePool, _seed
+from mstar.engine.resources.kv.keys import _BASE, _seed
+from mstar.engine.resources.kv.pages import PageKeys, PagePool
 
 MASK = (1 << 64) - 1
 
@@ -294,7 +295,7 @@ def test_a_found_page_after_another_parent_ends_the_match():
     kb = pool.page_keys([9, 9, 3, 4], None)
     pool.register(b, kb)
     forged = PageKeys(np.array([ka.hashes[0], kb.hashes[1]]), ka.tokens, "")
-    assert (pool._tokens[b[1]] == forged.tokens[1]).all()  # b[1] holds the asked tokens
+    assert (pool.registry.tokens[b[1]] == forged.tokens[1]).all()  # b[1] holds the asked tokens
     assert pool.lookup(forged).tolist() == [a[0]]
     assert pool.lookup(ka).tolist() == a.tolist() and pool.lookup(kb).tolist() == b.tolist()
 
@@ -325,21 +326,21 @@ def test_check_names_a_broken_rule():
     with pytest.raises(AssertionError, match="num_free"):
         pool.check()
     pool.num_cached -= 1
-    pool._parent[pages[1]] = 3
+    pool.registry.parent[pages[1]] = 3
     with pytest.raises(AssertionError, match="parent"):
         pool.check()
 
 
 def test_the_key_table_spills_and_still_finds_every_key():
     pool = PagePool(64, 1)
-    table = pool._table
+    table = pool.registry.table
     shift = int(table._shift)
     keys = np.array([(5 << shift) | i for i in range(20)], dtype=np.uint64)  # one bucket
     pages = pool.alloc(20)
     pool.register(pages, PageKeys(keys, np.arange(20).reshape(20, 1), ""))
     assert table._nspilled >= 2
-    assert pool._table.find(keys).tolist() == pages.tolist()
-    assert pool._table.find(keys + np.uint64(1 << 40)).tolist() == [-1] * 20
+    assert pool.registry.table.find(keys).tolist() == pages.tolist()
+    assert pool.registry.table.find(keys + np.uint64(1 << 40)).tolist() == [-1] * 20
     pool.release(pages)
     pool.check()
     pool.alloc(64)
@@ -534,17 +535,18 @@ class PoolMachine(RuleBasedStateMachine):
         assert pool.num_cached == len(model.queue)
         assert pool.num_free == len(model.stack) + len(model.queue)
         assert pool.free_pages()[: len(model.stack)].tolist() == model.stack
-        assert sorted(np.flatnonzero(pool._registered).tolist()) == sorted(model.chain)
+        assert sorted(np.flatnonzero(pool.registry.registered).tolist()) == sorted(model.chain)
         assert pool.num_evicted == model.evicted
         for page, (_, tokens) in model.chain.items():  # each page holds what its key claims
-            assert pool._tokens[page].tolist() == list(tokens[-PS:])
+            assert pool.registry.tokens[page].tolist() == list(tokens[-PS:])
         for namespace, tokens, _, _ in self.streams:  # and every stream its own
             full = len(tokens) // PS
             keys = pool.page_keys(np.array(tokens, dtype=np.int64), None, namespace)
             got = pool.lookup(keys)
             assert got.tolist() == model.lookup(self.chains(namespace, tokens, 0, full))
             assert all(
-                pool._tokens[p].tolist() == tokens[i * PS : (i + 1) * PS] for i, p in enumerate(got)
+                pool.registry.tokens[p].tolist() == tokens[i * PS : (i + 1) * PS]
+                for i, p in enumerate(got)
             )
 
 

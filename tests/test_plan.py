@@ -11,6 +11,7 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from mstar.engine.resources.kv import indptrs as indptrs_mod
 from mstar.engine.resources.kv import plan as plan_mod
 from mstar.engine.resources.kv.plan import (
     HostLens,
@@ -330,7 +331,7 @@ def test_build_refuses_int32_overflow_of_sums_naming_the_row():
         build_paged_indptrs(end, ps)
 
 
-@pytest.mark.parametrize("before", [0, plan_mod._FEW_ROWS])  # either builder
+@pytest.mark.parametrize("before", [0, indptrs_mod._FEW_ROWS])  # either builder
 def test_build_refuses_sums_of_numpy_integers_beyond_int32_naming_the_row(before):
     big, ps = np.int32(2**31 - 1), 2**30
     ok = [SequenceView("ok", "x", [0], 1, 0)] * before
@@ -364,11 +365,11 @@ def test_build_accepts_numpy_integers_lists_and_mixed_rows():
 # --- the two builders: row by row (few rows) and column-wise (numpy) ----------------------
 
 INT32_MAX = 2**31 - 1
-BUILDERS = (plan_mod._arrays_by_row, plan_mod._arrays_by_column)
+BUILDERS = (indptrs_mod._arrays_by_row, indptrs_mod._arrays_by_column)
 
 
 @st.composite
-def rows_either_side(draw, max_rows=plan_mod._FEW_ROWS + 16, sums_in_int32=True):
+def rows_either_side(draw, max_rows=indptrs_mod._FEW_ROWS + 16, sums_in_int32=True):
     """Valid views of up to ``max_rows`` rows (either side of the threshold):
     integer fields of assorted types, page ids as lists (ints or numpy
     scalars) or arrays of assorted integer dtypes, values up to the int32 edge.
@@ -516,17 +517,17 @@ def test_builders_refuse_the_same_views_with_the_same_error(how, case, data):
         event(f"both refuse: {by_row[0].__name__}")
 
 
-@pytest.mark.parametrize("n", [0, 1, plan_mod._FEW_ROWS, plan_mod._FEW_ROWS + 1, 80])
+@pytest.mark.parametrize("n", [0, 1, indptrs_mod._FEW_ROWS, indptrs_mod._FEW_ROWS + 1, 80])
 def test_build_takes_the_row_path_for_few_rows_only(monkeypatch, n):
     taken = []
     for name in ("_arrays_by_row", "_arrays_by_column"):
-        real = getattr(plan_mod, name)
+        real = getattr(indptrs_mod, name)
         monkeypatch.setattr(
-            plan_mod, name, lambda s, p, real=real, name=name: taken.append(name) or real(s, p)
+            indptrs_mod, name, lambda s, p, real=real, name=name: taken.append(name) or real(s, p)
         )
     views = [SequenceView(f"r{i}", "a", [i], 3, 1) for i in range(n)]
     assert_matches_reference(build_paged_indptrs(views, 4), views, 4)
-    assert taken == ["_arrays_by_row" if n <= plan_mod._FEW_ROWS else "_arrays_by_column"]
+    assert taken == ["_arrays_by_row" if n <= indptrs_mod._FEW_ROWS else "_arrays_by_column"]
 
 
 # --- HostLens, PagedIndptrs --------------------------------------------------------------

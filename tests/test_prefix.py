@@ -176,8 +176,8 @@ class PrefixMachine(RuleBasedStateMachine):
         for key, tokens in self.hist.items():
             assert self.mgr.stored_len(*key) == len(tokens)
         pool = self.mgr._pages  # every registered page holds the tokens its key claims
-        registered = np.flatnonzero(pool._registered)
-        assert (self.cache.slots[registered] == pool._tokens[registered]).all()
+        registered = np.flatnonzero(pool.registry.registered)
+        assert (self.cache.slots[registered] == pool.registry.tokens[registered]).all()
 
 
 TestPrefixMachine = PrefixMachine.TestCase

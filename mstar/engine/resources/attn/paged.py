@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mstar.engine.resources.kv.lengths import row_lengths
 from mstar.engine.resources.kv.plan import PagedIndptrs
 
 __all__ = ["AttentionSchedule", "paged_attention"]
@@ -127,12 +128,7 @@ class AttentionSchedule:
         self.indptrs = indptrs
         self.page_size = page_size
         self.device = torch.device(device)
-        qo_indptr = _host(indptrs.qo_indptr)
-        kv_indptr = _host(indptrs.paged_kv_indptr)
-        qo_lens, num_pages = np.diff(qo_indptr), np.diff(kv_indptr)
-        kv_lens = np.where(
-            num_pages > 0, (num_pages - 1) * page_size + _host(indptrs.paged_kv_last_page_len), 0
-        )
+        qo_indptr, kv_indptr, qo_lens, num_pages, kv_lens = row_lengths(indptrs, page_size)
         live = np.flatnonzero((qo_lens > 0) & (num_pages > 0))
         groups = _batch_rows(live, qo_lens, kv_lens)
         host_indices = indptrs.paged_kv_indices.cpu().numpy()
@@ -343,11 +339,6 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     for head in range(a.shape[1]):
         torch.bmm(a[:, head], b[:, head], out=out[head])
     return out.transpose(0, 1)
-
-
-def _host(t: torch.Tensor) -> np.ndarray:
-    """An index tensor as an int64 host array."""
-    return t.cpu().numpy().astype(np.int64)
 
 
 def _check_inputs(

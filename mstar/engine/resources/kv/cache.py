@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from mstar.engine.resources.kv.lengths import row_lengths
 from mstar.engine.resources.kv.plan import KVPlanOutput
 
 __all__ = ["KVCache", "KVLayer"]
@@ -147,14 +148,7 @@ def _write_slots(plan: KVPlanOutput, page_size: int) -> tuple[np.ndarray, np.nda
     from the plan's index arrays alone."""
     if plan.decode_pages is not None:
         return plan.decode_pages, plan.decode_offsets
-    indptrs = plan.cpu_indptrs
-    qo_indptr = indptrs.qo_indptr.numpy().astype(np.int64)
-    kv_indptr = indptrs.paged_kv_indptr.numpy().astype(np.int64)
-    counts = np.diff(qo_indptr)
-    num_pages = np.diff(kv_indptr)
-    kv_lens = np.where(
-        num_pages > 0, (num_pages - 1) * page_size + indptrs.paged_kv_last_page_len.numpy(), 0
-    )
+    qo_indptr, kv_indptr, counts, _, kv_lens = row_lengths(plan.cpu_indptrs, page_size)
     if (kv_lens < counts).any():
         row = int(np.flatnonzero(kv_lens < counts)[0])
         raise ValueError(
@@ -163,4 +157,4 @@ def _write_slots(plan: KVPlanOutput, page_size: int) -> tuple[np.ndarray, np.nda
     # A token's key slot: its row's first new slot plus its index in the row.
     slot = np.repeat(kv_lens - counts - qo_indptr[:-1], counts) + np.arange(qo_indptr[-1])
     page = np.repeat(kv_indptr[:-1], counts) + slot // page_size
-    return indptrs.paged_kv_indices.numpy()[page].astype(np.int64), slot % page_size
+    return plan.cpu_indptrs.paged_kv_indices.numpy()[page].astype(np.int64), slot % page_size

@@ -1,0 +1,171 @@
+"""The stream table: each (request, label) stream's slot, pages and length.
+
+Streams are struct-of-arrays by slot, so a step's rows, once resolved to
+slots, are array arithmetic. Slot 0 is the empty stream (no pages, length 0)
+that a stream not made yet resolves to. One map, request -> label -> slot,
+names the streams.
+
+Invariants: a stream's page table holds at least the pages of its length,
+in order; a free slot has no table, no pages, length 0 and epoch -1.
+
+Versions: ``gen[slot]`` changes whenever the stream's pages or length
+change (a view's ``generation``); ``epoch[slot]`` changes when the slot
+starts a new stream, so slots resolved earlier still name the same streams
+while their epochs match; ``made`` counts streams made and freed, so while it
+stands no epoch needs comparing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mstar.engine.resources.kv.pages import PagePool
+from mstar.engine.resources.kv.prefix import PrefixChains
+
+_NO_LABELS: dict[str, int] = {}  # an unknown request's (read, never written)
+
+
+class StreamTable:
+    """Slots of streams, their page tables, lengths and versions. Frees a
+    stream's pages to ``pool``; with a prefix cache, its ``PrefixChains``
+    (``prefix``) follow the slots."""
+
+    def __init__(self, pool: PagePool, page_size: int, prefix_cache: bool = False) -> None:
+        self.pool = pool
+        self.requests: dict[str, dict[str, int]] = {}  # request -> label -> slot
+        self.tables: list[np.ndarray | None] = [np.zeros(0, np.int32)]  # appended, never rebound
+        self.stored = np.zeros(1, dtype=np.int64)  # tokens committed
+        self.npages = np.zeros(1, dtype=np.int64)  # pages held (>= those of ``stored``)
+        self.gen = np.zeros(1, dtype=np.int64)
+        self.epoch = np.zeros(1, dtype=np.int64)
+        self.made = 0
+        self.prefix = PrefixChains(pool, page_size, self.tables) if prefix_cache else None
+        self._free: list[int] = []
+        self._tick = 0
+
+    # --- lookups -----------------------------------------------------------------------
+
+    def slot(self, request_id: str, label: str) -> int:
+        """The stream's slot; 0 when there is none."""
+        return self.requests.get(request_id, _NO_LABELS).get(label, 0)
+
+    def resolve(self, keys: list[tuple[str, str]]) -> np.ndarray:
+        """The streams' slots, int64; 0 for a stream not made yet."""
+        get = self.requests.get
+        return np.fromiter(
+            (get(r, _NO_LABELS).get(label, 0) for r, label in keys), np.int64, len(keys)
+        )
+
+    def labels(self, request_id: str) -> dict[str, int]:
+        """The request's streams, label -> slot (read only; empty if unknown)."""
+        return self.requests.get(request_id, _NO_LABELS)
+
+    def live(self) -> list[int]:
+        """Every stream's slot."""
+        return [slot for labels in self.requests.values() for slot in labels.values()]
+
+    # --- streams made and freed ------------------------------------------------------------
+
+    def make(self, request_id: str, label: str, table: np.ndarray, stored: int) -> int:
+        """A new stream on ``table`` (pages it owns) holding ``stored`` tokens."""
+        if not self._free:
+            self._grow()
+        slot = self._free.pop()
+        self.made += 1
+        self.tables[slot] = table
+        self.npages[slot] = len(table)
+        self.stored[slot] = stored
+        self._tick += 1
+        self.epoch[slot] = self._tick
+        self.touch(slot)
+        self.map(request_id, label, slot)
+        if self.prefix is not None:
+            self.prefix.start(slot)
+        return slot
+
+    def map(self, request_id: str, label: str, slot: int) -> None:
+        self.requests.setdefault(request_id, {})[label] = slot
+
+    def unmap(self, request_id: str, label: str) -> int:
+        """Forget the stream's name; its slot and pages stay until freed."""
+        labels = self.requests[request_id]
+        slot = labels.pop(label)
+        if not labels:
+            del self.requests[request_id]
+        return slot
+
+    def free(self, slot: int, keep: np.ndarray | None = None) -> None:
+        """Free the slot and release its pages, but those in ``keep`` (pages
+        an undone step took from its reservation go back to it)."""
+        if self.prefix is not None and self.prefix.waiting[slot]:
+            self.prefix.flush()  # its full pages are registered before they go
+        pages = self.tables[slot][: self.npages[slot]]
+        self.pool.release(pages if keep is None else pages[~np.isin(pages, keep)])
+        self.tables[slot] = None
+        self.npages[slot] = self.stored[slot] = 0
+        self.epoch[slot] = -1
+        self.made += 1
+        self._free.append(slot)
+
+    # --- streams growing ---------------------------------------------------------------------
+
+    def extend(self, slots: np.ndarray, grow: np.ndarray, pages: np.ndarray) -> np.ndarray:
+        """Stream ``slots[i]`` takes the next ``grow[i]`` of ``pages`` (in row
+        order; every ``grow[i] > 0``). Returns their page counts before."""
+        had, tables, at, page = self.npages[slots], self.tables, 0, pages.tolist()
+        for slot, n, k in zip(slots.tolist(), had.tolist(), grow.tolist()):
+            table = tables[slot]
+            if n + k > len(table):
+                table = self._with_room(slot, n + k)
+            if k == 1:  # a decode row's page: a scalar store is cheaper than a slice
+                table[n] = page[at]
+            else:
+                table[n : n + k] = pages[at : at + k]
+            at += k
+        self.npages[slots] = had + grow
+        self.touch(slots)
+        return had
+
+    def advance(self, slots: np.ndarray, ends: Any) -> None:
+        """Streams ``slots`` (distinct) now hold ``ends`` tokens each."""
+        self.stored[slots] = ends
+        self.touch(slots)
+
+    def touch(self, slots: int | np.ndarray) -> None:
+        """A new generation for streams whose pages or length changed."""
+        n = 1 if isinstance(slots, int) else len(slots)
+        self.gen[slots] = np.arange(self._tick + 1, self._tick + 1 + n) if n > 1 else self._tick + 1
+        self._tick += n
+
+    def check(self, live: list[int], page_size: int, refcount: np.ndarray) -> None:
+        """Raise ``AssertionError`` naming the first broken rule of ``live`` slots."""
+        for slot in live:
+            full = self.stored[slot] // page_size
+            if self.npages[slot] < -(-int(self.stored[slot]) // page_size):
+                raise AssertionError("broken rule: a stream holds the pages of its length")
+            if (refcount[self.tables[slot][full : self.npages[slot]]] != 1).any():
+                raise AssertionError("broken rule: no stream's still-writable page is shared")
+        if self.stored[0] or self.npages[0] or 0 in self._free:
+            raise AssertionError("broken rule: slot 0 is the empty stream")
+
+    def _with_room(self, slot: int, size: int) -> np.ndarray:
+        """The slot's page table, grown (geometrically) to hold ``size`` pages."""
+        table = self.tables[slot]
+        grown = np.empty(max(2 * len(table), size, 16), dtype=np.int32)
+        grown[: len(table)] = table
+        self.tables[slot] = grown
+        return grown
+
+    def _grow(self) -> None:
+        old = len(self.tables)
+        new = max(2 * old, 64)
+        self.tables.extend([None] * (new - old))
+        for name in ("stored", "npages", "gen", "epoch"):
+            arr = np.zeros(new, dtype=np.int64)
+            arr[:old] = getattr(self, name)
+            setattr(self, name, arr)
+        if self.prefix is not None:
+            self.prefix.grow(new)
+        self._free.extend(range(new - 1, old - 1, -1))
