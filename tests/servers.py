@@ -3,20 +3,16 @@ free port, stopped by the test (the fixture) that started it."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from typing import Any
 
 import uvicorn
 
+from mstar.serve.app import GracefulServer
+from mstar.serve.cli import free_port
+
 START_TIMEOUT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerThread:
@@ -29,7 +25,7 @@ class ServerThread:
             app, host="127.0.0.1", port=self.port, log_level="warning",
             timeout_graceful_shutdown=grace,
         )  # fmt: skip
-        self.server = uvicorn.Server(config)
+        self.server = GracefulServer(config, app.state.engine)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.base = f"http://127.0.0.1:{self.port}"
         self.url = f"{self.base}/v1"

@@ -23,6 +23,7 @@ from mstar.engine import Completion, Engine, SamplingParams, StepFailed
 from mstar.engine.engine import Prompt
 
 T = TypeVar("T")
+DRAIN_POLL_S = 0.05
 log = logging.getLogger(__name__)
 
 
@@ -87,7 +88,7 @@ class AsyncEngine:
         self._calls: list[tuple[Callable[[Engine], Any], Future]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._stopping = False
+        self._stopping = self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -100,6 +101,15 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._serve, name="mstar-engine", daemon=True)
         self._thread.start()
+
+    async def drain(self, grace: float) -> None:
+        """Refuse new requests, give those in flight ``grace`` seconds to
+        finish, then ``stop``."""
+        self._draining = True
+        deadline = time.monotonic() + grace
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        await self.stop()
 
     async def stop(self) -> None:
         """Abort what is still running (its streams fail) and stop the thread."""
@@ -138,6 +148,8 @@ class AsyncEngine:
         """Queue a request; its stream yields its completions. Raises what
         ``Engine.add_request`` raises (nothing is queued then), or
         ``Overloaded`` when ``max_waiting`` requests already wait."""
+        if self._draining:
+            raise Overloaded("the server is shutting down")
         if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
             raise Overloaded(f"{self.num_waiting} requests are waiting (max {self.max_waiting})")
         if request_id in self._streams:

@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import anyio
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -217,6 +218,22 @@ class Front:
         finally:
             self.aengine.abort(stream.request_id)  # a no-op once finished
         yield DONE
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn that, on shutdown, stops accepting, gives the requests in
+    flight ``timeout_graceful_shutdown`` seconds, then ends the rest (their
+    streams with an error event) before closing connections."""
+
+    def __init__(self, config: uvicorn.Config, aengine: AsyncEngine) -> None:
+        super().__init__(config)
+        self.aengine = aengine
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        for server in self.servers:
+            server.close()
+        await self.aengine.drain(self.config.timeout_graceful_shutdown or 0.0)
+        await super().shutdown(sockets)
 
 
 class EventStream(StreamingResponse):

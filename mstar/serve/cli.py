@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from mstar.cli import UsageError
-    from mstar.serve.app import create_app
+    from mstar.serve.app import GracefulServer, create_app
 
     for name in ("port", "page_size", "budget", "max_waiting"):
         if getattr(args, name) < (0 if name == "port" else 1):
@@ -76,8 +77,15 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn re-raises the signal it stopped on once it has shut down: let that be a no-op
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    uvicorn.Server(config).run()
+    GracefulServer(config, app.state.engine).run()
     return 0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def _engine(args: argparse.Namespace) -> Any:
