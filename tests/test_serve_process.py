@@ -65,3 +65,21 @@ def test_serve_exits_0_on_a_signal_and_ends_in_flight_streams(sig):
     last = json.loads(lines[-2][6:])
     assert "error" in last or last["choices"][0]["finish_reason"] == "length"
     assert not up(base)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["serve", "--budget", "0"], "--budget must be >= 1"),
+        (["serve", "--max-waiting", "0"], "--max-waiting must be >= 1"),
+        (["serve", "--model", "/no/such/model"], "--model /no/such/model"),
+        (["bench", "--serve", "--rates", "burst,0"], "--rates"),
+        (["bench", "--serve", "--no-self"], "--no-self needs at least one --url"),
+    ],
+)
+def test_serve_and_bench_serve_reject_impossible_options_in_one_line(capsys, args, message):
+    from mstar.cli import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

@@ -4,7 +4,10 @@ answer streams whole characters; a stop string spanning tokens ends it."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import functools
+import importlib.util
 
 import pytest
 
@@ -31,11 +34,16 @@ def offline(smollm2):
 
 
 @pytest.fixture(scope="module")
-def api(smollm2):
+def server(smollm2):
     model, tokenizer = smollm2
     app = create_app(Engine(copy.deepcopy(model), tokenizer, **POOL), model_name=MODEL)
     with ServerThread(app) as srv:
-        yield openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=120)
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    return openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=120)
 
 
 def answer(offline: Engine, messages: list[dict], **params):
@@ -115,3 +123,29 @@ def test_a_stop_string_spanning_tokens_ends_the_answer_before_it(api, offline):
     assert got.choices[0].finish_reason == "stop"
     deltas, finish, _ = stream_chat(api, messages, max_tokens=24, stop=stop)
     assert "".join(deltas) == want and finish == "stop"
+
+
+def test_bench_load_generator_measures_every_request(server, tmp_path):
+    from mstar.bench.serve import BURST, format_serve, run_load, summarize
+
+    rows = []
+    for rate in (BURST, 20.0):
+        ticks: list[int] = []
+        samples, seconds = asyncio.run(
+            run_load(
+                server.url, MODEL, 4, rate, max_tokens=3, tick=functools.partial(ticks.append, 1)
+            )
+        )
+        assert len(ticks) == 4 and all(s.error is None for s in samples)
+        assert all(s.tokens == 3 and 0 < s.ttft <= s.latency for s in samples)
+        rows.append(summarize("ours", rate, samples, seconds))
+    assert [r["completed"] for r in rows] == [4, 4]
+    assert all(r["output_tokens"] == 12 and None not in r["ttft_s"] + r["tpot_s"] for r in rows)
+    result = {"requests": 4, "max_tokens": 3, "threads": 2, "rows": rows, "peak_rss_bytes": {}}
+    table = format_serve(result)
+    assert "ours" in table and "burst" in table and "20.0" in table
+    if importlib.util.find_spec("matplotlib"):
+        from mstar.bench.serve import plot_serve
+
+        plot_serve(result, str(tmp_path / "serve.png"))
+        assert (tmp_path / "serve.png").stat().st_size > 0

@@ -244,10 +244,11 @@ def format_serve(result: dict) -> str:
     first = {r["rate"]: r for r in rows if r["target"] == rows[0]["target"]} if rows else {}
     head = (
         f"{result['requests']} streamed chat requests, max {result['max_tokens']} tokens, greedy;"
-        f" TTFT/TPOT p50/p90/p99 in ms; ratio: {rows[0]['target'] if rows else ''} / this"
+        f" TTFT/TPOT p50/p90/p99 in ms; x: how many times better the first target"
+        f" ({rows[0]['target'] if rows else ''}) does than this one"
     )
-    cols = ["target", "rate/s", "done", "out tok/s", "TTFT ms", "TPOT ms", "tok/s ratio",
-            "TTFT p50 ratio"]  # fmt: skip
+    cols = ["target", "rate/s", "done", "out tok/s", "TTFT ms", "TPOT ms", "tok/s x",
+            "TTFT p50 x"]  # fmt: skip
     table = [cols]
     for r in rows:
         base = first.get(r["rate"])
@@ -257,7 +258,7 @@ def format_serve(result: dict) -> str:
             [r["target"], str(r["rate"]), f"{r['completed']}/{r['requests']}",
              f"{r['tokens_per_s']:.1f}", ms(r["ttft_s"]), ms(r["tpot_s"]),
              "-" if ratio is None else f"{ratio:.2f}x",
-             "-" if not (t and t_base) else f"{t_base / t:.2f}x"]
+             "-" if not (t and t_base) else f"{t / t_base:.2f}x"]
         )  # fmt: skip
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
     lines = [head] + ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in table]

@@ -224,7 +224,10 @@ class AsyncEngine:
             rid for rid, item in out if not isinstance(item, Completion) or item.finished
         )
         if self.on_step is not None:
-            self.on_step(self.engine, time.perf_counter() - t0)
+            try:
+                self.on_step(self.engine, time.perf_counter() - t0)
+            except Exception:  # an observer's fault must not stop the engine
+                log.exception("on_step raised")
         self._send(out)
 
     def _shut_down(self) -> None:
@@ -232,7 +235,8 @@ class AsyncEngine:
         with self._lock:
             calls, self._calls = self._calls, []
         for _, future in calls:
-            future.set_exception(RuntimeError("the engine is shutting down"))
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError("the engine is shutting down"))
         failure = RequestFailed("the server is shutting down")
         ids = sorted(self._live)
         for rid in ids:
