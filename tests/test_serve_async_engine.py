@@ -57,7 +57,9 @@ def test_bad_requests_raise_at_add_and_stop_fails_what_is_in_flight(model):
     engine.step = held
 
     async def main() -> None:
+        assert not aengine.serving
         aengine.start()
+        assert aengine.serving
         with pytest.raises(ValueError, match="prompt"):
             await aengine.add_request([], SamplingParams(), request_id="empty")
         long = SamplingParams(max_new_tokens=300)
@@ -67,6 +69,7 @@ def test_bad_requests_raise_at_add_and_stop_fails_what_is_in_flight(model):
         gate.set()
         await anext(stream)
         await aengine.stop()
+        assert not aengine.serving
         with pytest.raises(RequestFailed, match="shutting down"):
             async for _ in stream:
                 pass

@@ -123,6 +123,11 @@ class AsyncEngine:
     # --- calls from coroutines ----------------------------------------------------------
 
     @property
+    def serving(self) -> bool:
+        """True while the engine thread runs and takes requests."""
+        return self._thread is not None and self._thread.is_alive() and not self._draining
+
+    @property
     def num_waiting(self) -> int:
         """Requests added that have no output yet."""
         return sum(s.first_output is None for s in self._streams.values())

@@ -31,7 +31,6 @@ from mstar.serve.metrics import ServerMetrics
 from mstar.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ParamError,
     param_named,
     sampling_params,
 )
@@ -68,6 +67,8 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict:
+        if not aengine.serving:
+            raise APIError(503, "the engine is not running")
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -109,10 +110,6 @@ def create_app(
         return await front.respond(
             request, call, ids, params, param="messages", streamed=body.stream
         )
-
-    @app.exception_handler(ParamError)
-    async def bad_param(request: Request, err: ParamError) -> JSONResponse:
-        return APIError(400, str(err), param=err.param).response()
 
     return app
 

@@ -12,6 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from mstar.serve.protocol import ParamError
+
 log = logging.getLogger(__name__)
 TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "server_overloaded"}
 
@@ -50,6 +52,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError) -> JSONResponse:
         return err.response()
+
+    @app.exception_handler(ParamError)
+    async def bad_param(request: Request, err: ParamError) -> JSONResponse:
+        return APIError(400, str(err), param=err.param).response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
