@@ -72,6 +72,8 @@ def test_serve_exits_0_on_a_signal_and_ends_in_flight_streams(sig):
     [
         (["serve", "--budget", "0"], "--budget must be >= 1"),
         (["serve", "--max-waiting", "0"], "--max-waiting must be >= 1"),
+        (["serve", "--pages", "0"], "--pages must be >= 1"),
+        (["serve", "--model", "random", "--device", "tpu"], "--device tpu"),
         (["serve", "--model", "/no/such/model"], "--model /no/such/model"),
         (["bench", "--serve", "--rates", "burst,0"], "--rates"),
         (["bench", "--serve", "--no-self"], "--no-self needs at least one --url"),

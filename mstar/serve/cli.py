@@ -57,9 +57,10 @@ def run(args: argparse.Namespace) -> int:
     from mstar.cli import UsageError
     from mstar.serve.app import GracefulServer, create_app
 
-    for name in ("port", "page_size", "budget", "max_waiting"):
-        if getattr(args, name) < (0 if name == "port" else 1):
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("port", "pages", "page_size", "budget", "max_waiting"):
+        least, value = int(name != "port"), getattr(args, name)
+        if value is not None and value < least:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
     engine = _engine(args)
     name = args.served_model_name or ("random" if args.model == "random" else Path(args.model).stem)
     app = create_app(engine, model_name=name, max_waiting=args.max_waiting)
@@ -89,16 +90,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _engine(args: argparse.Namespace) -> Any:
-    from mstar.cli import UsageError, load_model, make_engine
+    from mstar.cli import checked_device, load_model, make_engine
 
     if args.model == "random":
-        import torch
-
         from mstar.demo import build_model
 
-        if args.device.startswith("cuda") and not torch.cuda.is_available():
-            raise UsageError(f"--device {args.device}: CUDA is not available")
-        model, tokenizer = build_model(args.seed, args.device)[1], None
+        model, tokenizer = build_model(args.seed, str(checked_device(args.device)))[1], None
     else:
         model, tokenizer = load_model(args.model, args.device)
     return make_engine(
