@@ -124,7 +124,7 @@ def make_engine(model: Any, tokenizer: Any, device: str, **kwargs: Any) -> Any:
     from mstar.engine import Engine
     from mstar.engine.device import flashinfer_or_none
 
-    flashinfer = flashinfer_or_none(device) if device.startswith("cuda") else None
+    flashinfer = flashinfer_or_none(device, model) if device.startswith("cuda") else None
     try:
         return Engine(model, tokenizer, flashinfer=flashinfer, **kwargs)
     except (TypeError, ValueError) as err:

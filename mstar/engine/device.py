@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from mstar.integrations.hf import KVSpec
+from mstar.integrations.hf import KVSpec, flashinfer_unsupported, kv_spec
 
 # num_pages=None: the pool takes this share of the free device memory (on the
 # CPU, of the free host memory, at most HOST_POOL_BYTES: the host is shared)
@@ -76,10 +76,26 @@ def checked_device(device: object) -> torch.device:
     return device
 
 
-def flashinfer_or_none(device: str) -> Any:
-    """FlashInfer's paged attention on ``device``, or None (PyTorch's) without it."""
+# what FlashInfer's paged prefill/decode kernels are built for
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+def flashinfer_or_none(device: str, model: Any = None) -> Any:
+    """FlashInfer's paged attention on ``device``, or None (PyTorch's) without
+    it, or when ``model``'s weights or head width are ones its kernels lack
+    (float32, say): that model is served exactly by ``paged_attention``."""
     from mstar.engine.resources.attn.flashinfer import FlashInferPagedAttention
 
+    if model is not None:
+        spec = kv_spec(model)
+        dtype = next(model.parameters()).dtype
+        if (
+            dtype not in FLASHINFER_DTYPES
+            or spec.head_dim not in FLASHINFER_HEAD_DIMS
+            or flashinfer_unsupported(spec) is not None
+        ):
+            return None
     try:
         return FlashInferPagedAttention(device=device)
     except RuntimeError:

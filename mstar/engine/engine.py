@@ -28,6 +28,7 @@ from mstar.engine.prompts import NOT_A_SEQUENCE, chat_ids, prompt_list
 from mstar.engine.request import GUIDED, Completion, Request, Sample
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.manager import AllocationFailed, KVManager
+from mstar.engine.resources.kv.ring import PinnedIndexRing
 from mstar.engine.resources.step import KVStep, Segment
 from mstar.engine.sampling import SamplingParams, sample_token
 from mstar.engine.scheduler import kv_step, schedule
@@ -122,7 +123,11 @@ class Engine:
             device=param.device,
             **spec.cache_kwargs(),
         )
-        self.mgr = KVManager(num_pages, page_size, cache=self.cache, prefix_cache=prefix_cache)
+        # on CUDA the plan's index arrays leave from pinned memory, so their copies are asynchronous
+        ring = PinnedIndexRing() if self.device.type == "cuda" else None
+        self.mgr = KVManager(
+            num_pages, page_size, cache=self.cache, prefix_cache=prefix_cache, ring=ring
+        )
         self.prefix_cache = prefix_cache
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.max_len = getattr(model.config, "max_position_embeddings", None)
@@ -153,7 +158,7 @@ class Engine:
         device = checked_device(device)
         model, tokenizer = load(os.fspath(name), dtype=dtype)
         if device.type == "cuda" and "flashinfer" not in kwargs:
-            kwargs["flashinfer"] = flashinfer_or_none(str(device))
+            kwargs["flashinfer"] = flashinfer_or_none(str(device), model)
         return cls(model.to(device), tokenizer, **kwargs)
 
     # --- requests ------------------------------------------------------------------------

@@ -125,6 +125,16 @@ def supports(model: PreTrainedModel) -> str | None:
     return verdict if isinstance(verdict, str) else None
 
 
+def flashinfer_unsupported(spec: KVSpec) -> str | None:
+    """Why FlashInfer's adapter cannot serve a model of ``spec`` (None: it can)."""
+    return unsupported(
+        sinks=spec.sinks,
+        chunk_size=next((c for c in spec.chunk_sizes if c is not None), None),
+        head_dim=spec.head_dim,
+        v_head_dim=spec.v_head_dim,
+    )
+
+
 def kv_spec(model: PreTrainedModel) -> KVSpec:
     """The cache layout ``model`` needs; raises ``ValueError`` with the reason
     when ``supports(model)`` refuses it."""
@@ -164,12 +174,7 @@ def forward_step(
         raise ValueError(f"expected input_ids of shape ({total},), got {tuple(input_ids.shape)}")
     _check_cache(cache, spec)
     if flashinfer is not None:
-        reason = unsupported(
-            sinks=spec.sinks,
-            chunk_size=next((c for c in spec.chunk_sizes if c is not None), None),
-            head_dim=spec.head_dim,
-            v_head_dim=spec.v_head_dim,
-        )
+        reason = flashinfer_unsupported(spec)
         if reason is not None:
             raise ValueError(f"expected a model FlashInfer serves, got one with {reason}")
     if logits_at is not None:

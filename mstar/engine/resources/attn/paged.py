@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mstar.engine.resources.kv.cache import indexed_device
 from mstar.engine.resources.kv.lengths import row_lengths
 from mstar.engine.resources.kv.plan import PagedIndptrs
 
@@ -127,7 +128,7 @@ class AttentionSchedule:
     ) -> None:
         self.indptrs = indptrs
         self.page_size = page_size
-        self.device = torch.device(device)
+        self.device = indexed_device(device)
         qo_indptr, kv_indptr, qo_lens, num_pages, kv_lens = row_lengths(indptrs, page_size)
         live = np.flatnonzero((qo_lens > 0) & (num_pages > 0))
         groups = _batch_rows(live, qo_lens, kv_lens)

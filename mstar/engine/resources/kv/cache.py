@@ -59,7 +59,7 @@ class KVCache:
         self.head_dim = head_dim
         self.v_head_dim = v_head_dim
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = indexed_device(device)
         base = (num_pages, page_size, num_kv_heads)
         self._layers: list[KVLayer] = []
         for _ in range(num_layers):
@@ -158,3 +158,12 @@ def _write_slots(plan: KVPlanOutput, page_size: int) -> tuple[np.ndarray, np.nda
     slot = np.repeat(kv_lens - counts - qo_indptr[:-1], counts) + np.arange(qo_indptr[-1])
     page = np.repeat(kv_indptr[:-1], counts) + slot // page_size
     return plan.cpu_indptrs.paged_kv_indices.numpy()[page].astype(np.int64), slot % page_size
+
+
+def indexed_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index: ``"cuda"`` is the current CUDA device, so it
+    compares equal to the device of tensors made on it (``cuda:0``)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -1,0 +1,59 @@
+"""The engine's device helpers: FlashInfer is attached only to a model its
+kernels serve (half-precision weights, a head width they are built for), and a
+CUDA device without an index is the current one."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+pytest.importorskip("transformers")
+import torch
+
+import mstar.engine.resources.attn.flashinfer as flashinfer_module
+from mstar.demo import build_model
+from mstar.engine.device import flashinfer_or_none
+from mstar.engine.resources.kv.cache import indexed_device
+
+
+@pytest.fixture
+def adapter(monkeypatch):
+    """FlashInfer's adapter as if flashinfer and CUDA were there."""
+    made = object()
+    monkeypatch.setattr(flashinfer_module, "FlashInferPagedAttention", lambda device: made)
+    return made
+
+
+def model(head_dim: int, dtype: torch.dtype):
+    base = build_model(seed=0)[0]
+    config = copy.deepcopy(base.config)
+    config.head_dim = head_dim
+    return type(base)(config).to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "dtype", "served"),
+    [
+        (64, torch.bfloat16, True),
+        (64, torch.float16, True),
+        (64, torch.float32, False),  # from_pretrained's default dtype
+        (16, torch.bfloat16, False),  # the seeded tiny model's width
+    ],
+)
+def test_flashinfer_only_for_a_model_its_kernels_serve(adapter, head_dim, dtype, served):
+    got = flashinfer_or_none("cuda", model(head_dim, dtype))
+    assert (got is adapter) == served
+
+
+def test_flashinfer_without_a_model_is_built_as_asked(adapter):
+    assert flashinfer_or_none("cuda") is adapter
+
+
+def test_cpu_device_is_unchanged():
+    assert indexed_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_without_an_index_is_the_current_device():
+    assert indexed_device("cuda") == torch.zeros(1, device="cuda").device
