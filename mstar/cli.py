@@ -7,6 +7,7 @@ import argparse
 import copy
 import json
 import sys
+import time
 from typing import Any
 
 USAGE_ERROR = 2
@@ -15,8 +16,15 @@ USAGE_ERROR = 2
 DEMO_DEFAULTS = {"random": (8, 20, 32, 16), "real": (16, 24, 128, 8)}
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a mistake reported in one line (exit code 2)."""
+
+    def error(self, message: str) -> Any:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mstar-kv", description=__doc__)
+    parser = Parser(prog="mstar-kv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="continuous batching of chat prompts on SmolLM2")
     demo.add_argument(
@@ -33,10 +41,17 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--check", action="store_true", help="recompute every output with the model")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.add_argument("--no-prefix-cache", action="store_true", help="no KV reuse across requests")
-    gen = sub.add_parser("generate", help="generate from one prompt, streaming the tokens")
+    gen = sub.add_parser("generate", help="answer one prompt, streaming the text")
     gen.add_argument("prompt")
     gen.add_argument("--model", default="smollm2", help="smollm2 (default), a GGUF file or folder")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    mode = gen.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--chat", action="store_true", help="the prompt as a user message (the default when the"
+        " model has a chat template)",
+    )  # fmt: skip
+    mode.add_argument("--raw", action="store_true", help="plain completion of the prompt as is")
+    gen.add_argument("--system", help="a system message before the prompt (chat)")
+    gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     gen.add_argument("-n", type=int, default=1, help="samples (default 1)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -62,33 +77,47 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"mstar-kv {args.command}: error: {err}", file=sys.stderr)
         return USAGE_ERROR
+    except KeyboardInterrupt:
+        print(f"mstar-kv {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 class UsageError(Exception):
     """An impossible option: reported in one line, exit code 2."""
 
 
+def checked_device(device: str) -> Any:
+    """``--device`` as a ``torch.device`` this machine has, or a usage error."""
+    from mstar.engine.device import checked_device
+
+    try:
+        return checked_device(device)
+    except ValueError as err:
+        raise UsageError(f"--device {device}: {err}") from err
+
+
 def load_model(name: str, device: str) -> tuple[Any, Any]:
     """``(model, tokenizer)`` on ``device``, or a usage error naming what is missing."""
-    import torch
-
     from mstar.engine.loader import load
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {device}: CUDA is not available")
+    where = checked_device(device)
     try:
         model, tokenizer = load(name)
     except (FileNotFoundError, OSError, ValueError) as err:
         raise UsageError(f"--model {name}: {str(err).splitlines()[0]}") from err
-    return model.to(device), tokenizer
+    return model.to(where), tokenizer
 
 
 def make_engine(model: Any, tokenizer: Any, device: str, **kwargs: Any) -> Any:
+    """An ``Engine``, or a usage error for options it refuses (a pool too big for memory)."""
     from mstar.engine import Engine
-    from mstar.engine.engine import flashinfer_or_none
+    from mstar.engine.device import flashinfer_or_none
 
     flashinfer = flashinfer_or_none(device) if device.startswith("cuda") else None
-    return Engine(model, tokenizer, flashinfer=flashinfer, **kwargs)
+    try:
+        return Engine(model, tokenizer, flashinfer=flashinfer, **kwargs)
+    except (TypeError, ValueError) as err:
+        raise UsageError(str(err)) from err
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -103,11 +132,7 @@ def run_demo(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.model == "random":
-        import torch
-
-        if args.device.startswith("cuda") and not torch.cuda.is_available():
-            raise UsageError(f"--device {args.device}: CUDA is not available")
-        reference, model = build_model(args.seed, args.device)
+        reference, model = build_model(args.seed, checked_device(args.device))
         tokenizer = None
         workload = random_workload(model.config.vocab_size, args.requests, args.seed)
     else:
@@ -147,8 +172,18 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     from mstar.engine import SamplingParams
-    from mstar.engine.loader import chat_prompt
 
+    texts = {"the prompt": args.prompt, "--system": args.system or ""}
+    texts.update((f"--stop {s!r}", s) for s in args.stop)
+    for what, text in texts.items():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise UsageError(f"{what} is not valid UTF-8 text") from err
+    if not args.prompt:
+        raise UsageError("expected a non-empty prompt, got ''")
+    if args.raw and args.system:
+        raise UsageError("--system is a chat message: not with --raw")
     try:
         params = SamplingParams(
             max_new_tokens=args.max_new_tokens,
@@ -157,27 +192,39 @@ def run_generate(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             n=args.n,
             seed=args.seed,
+            stop=tuple(args.stop),
         )
     except ValueError as err:
         raise UsageError(str(err)) from err
     model, tokenizer = load_model(args.model, args.device)
     engine = make_engine(model, tokenizer, args.device, page_size=16)
-    prompt = chat_prompt(tokenizer, args.prompt) if args.chat else args.prompt
-    rid = engine.add_request(prompt, params)
-    shown = ""
-    while engine.has_unfinished():
-        for completion in engine.step():
-            if completion.request_id != rid:
-                continue
-            if params.n == 1:  # stream the one sample as its text grows
-                text = completion.outputs[0].text or ""
-                print(text[len(shown) :], end="", flush=True)
-                shown = text
-            elif completion.finished:
-                for out in completion.outputs:
-                    print(f"[{out.index}] {out.text}")
+    chat = not args.raw and tokenizer.chat_template is not None
+    if (args.chat or args.system) and not chat:
+        raise UsageError(f"--model {args.model} has no chat template: use --raw")
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    try:
+        prompt = (
+            engine.encode_chat([*system, {"role": "user", "content": args.prompt}])
+            if chat
+            else args.prompt
+        )
+        completions = engine.stream(prompt, params)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    start, last = time.perf_counter(), None
+    for last in completions:
+        if params.n == 1:  # the one sample's text as it grows
+            print(last.outputs[0].delta, end="", flush=True)
+    seconds = time.perf_counter() - start
+    assert last is not None and last.finished, "a stream ends with its completion finished"
     if params.n == 1:
-        print()
+        print(flush=True)
+    else:
+        for out in last.outputs:
+            print(f"[{out.index}] {out.text}", flush=True)
+    tokens = sum(len(o.token_ids) for o in last.outputs)
+    reasons = ", ".join(dict.fromkeys(o.finish_reason for o in last.outputs))
+    print(f"({reasons}: {tokens} tokens, {tokens / seconds:.1f} tokens/s)", file=sys.stderr)
     return 0
 
 

@@ -104,13 +104,15 @@ def random_workload(vocab: int, num_requests: int, seed: int) -> list[DemoReques
     return requests
 
 
-def build_model(seed: int, device: str = "cpu") -> tuple[torch.nn.Module, torch.nn.Module]:
+def build_model(
+    seed: int, device: str | torch.device = "cpu", vocab_size: int = 256
+) -> tuple[torch.nn.Module, torch.nn.Module]:
     """A seeded random Llama (no download), and a twin for the engine: the
     first is the oracle ``check`` compares against."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=256,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,

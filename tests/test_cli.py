@@ -1,7 +1,11 @@
 """``mstar-kv demo | generate | bench`` end to end, in a reduced size."""
 
 import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +15,8 @@ pytest.importorskip("rich")
 from mstar.cli import main
 from mstar.demo import build_model, check, random_workload, serve
 from mstar.engine import Engine
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_check_passes_under_memory_pressure(capsys):
@@ -79,7 +85,9 @@ def test_demo_rejects_impossible_options_in_one_line(capsys, args, message):
     [
         (["--model", "/nonexistent/model"], "--model /nonexistent/model"),
         (["--temperature", "-1"], "temperature"),
+        (["--temperature", "nan"], "expected temperature finite"),
         (["-n", "0"], "expected n >= 1"),
+        (["--raw", "--system", "Be brief."], "--system is a chat message"),
     ],
 )
 def test_generate_rejects_bad_options_in_one_line(capsys, args, message):
@@ -88,10 +96,62 @@ def test_generate_rejects_bad_options_in_one_line(capsys, args, message):
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
 
 
+def run_cli(*args: str | bytes) -> subprocess.CompletedProcess:
+    """``mstar-kv ARGS`` in a fresh interpreter running this checkout."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE"}
+    command = [sys.executable, "-m", "mstar.cli", *args]
+    return subprocess.run(command, capture_output=True, env=env, cwd=ROOT, timeout=600)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", ""], "expected a non-empty prompt"),
+        (["generate", "hi", "--device", "foo"], "--device foo: expected a device"),
+        (["generate", "hi", "--model", "EMPTY"], "expected a model folder (with config.json)"),
+        (["demo", "--model", "random", "--page-size", "100000000"], "fits the free memory"),
+    ],
+)
+def test_cli_mistakes_exit_2_with_one_line(capsys, tmp_path, args, message):
+    assert main([str(tmp_path) if a == "EMPTY" else a for a in args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_cli_refuses_a_prompt_longer_than_the_model(smollm2, capsys):
+    assert main(["generate", "--raw", "word " * 9000]) == 2
+    err = capsys.readouterr().err
+    assert "exceeds the model's max_position_embeddings 8192" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", b"caf\xe9"], "the prompt is not valid UTF-8"),  # argv as the OS passes it
+        (["generate", "hi", "--max-new-tokens", "2.5"], "invalid int value: '2.5'"),
+    ],
+)
+def test_cli_mistakes_in_a_real_process_print_no_traceback(args, message):
+    done = run_cli(*args)
+    err = done.stderr.decode()
+    assert done.returncode == 2, err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
 def test_generate_streams_a_chat_answer_on_smollm2(smollm2, capsys):
-    args = ["--chat", "--max-new-tokens", "12", "What is the capital of France?"]
+    args = ["--max-new-tokens", "12", "What is the capital of France?"]  # chat by default
     assert main(["generate", *args]) == 0
-    assert capsys.readouterr().out == "The capital of France is Paris.\n"
+    out, err = capsys.readouterr()
+    assert out == "The capital of France is Paris.\n"
+    assert err.startswith("(stop: 8 tokens, ") and err.endswith(" tokens/s)\n")
+    default = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    system = ["--system", default, "--stop", " of France", "--max-new-tokens", "12"]
+    assert main(["generate", *system, "What is the capital of France?"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "The capital\n" and err.startswith("(stop: 4 tokens")
+    assert main(["generate", "--raw", "--max-new-tokens", "3", "The capital of France is"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(" Paris") and err.startswith("(length: 3 tokens")
 
 
 def test_demo_on_smollm2_checks_against_hf_generate(smollm2, capsys):

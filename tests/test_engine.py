@@ -328,7 +328,7 @@ def test_a_budget_smaller_than_the_rows_still_serves_everything(models):
 
 
 def test_num_pages_none_sizes_the_pool_from_memory(models):
-    from mstar.engine.engine import HOST_POOL_BYTES
+    from mstar.engine.device import HOST_POOL_BYTES
 
     eng = Engine(copy.deepcopy(models[1]), page_size=8)
     cache = eng.cache

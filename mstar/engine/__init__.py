@@ -16,8 +16,9 @@ _EXPORTS = MappingProxyType(
         "CompletionOutput": "mstar.engine.request",
         "Engine": "mstar.engine.engine",
         "EngineStats": "mstar.engine.engine",
-        "RequestTooLarge": "mstar.engine.engine",
+        "RequestTooLarge": "mstar.engine.intake",
         "SamplingParams": "mstar.engine.sampling",
+        "StepFailed": "mstar.engine.engine",
     }
 )
 __all__ = sorted(_EXPORTS)

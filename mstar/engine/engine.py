@@ -11,34 +11,41 @@ a guided request decodes ``cond``/``uncond`` in lockstep.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from mstar.engine.request import GUIDED, Completion, CompletionOutput, Request, Sample
+from mstar.engine.device import check_pool_fits, checked_device, flashinfer_or_none, pool_pages
+from mstar.engine.intake import Intake
+from mstar.engine.prompts import NOT_A_SEQUENCE, chat_ids, prompt_list
+from mstar.engine.request import GUIDED, Completion, Request, Sample
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.manager import AllocationFailed, KVManager
 from mstar.engine.resources.step import KVStep, Segment
-from mstar.engine.sampling import SamplingParams, make_generator, sample_token
+from mstar.engine.sampling import SamplingParams, sample_token
 from mstar.engine.scheduler import kv_step, schedule
-from mstar.integrations.hf import KVSpec, forward_step, kv_spec, register
+from mstar.integrations.hf import forward_step, kv_spec, register
 
 Prompt = str | Sequence[int]
-# num_pages=None: the pool takes this share of the free device memory (on the
-# CPU, of the free host memory, at most HOST_POOL_BYTES: the host is shared)
-KV_MEMORY_FRACTION = 0.25
-HOST_POOL_BYTES = 1 << 30
+Message = dict[str, str]
 PLAN_SAMPLES = 100_000
 
 
-class RequestTooLarge(ValueError):
-    """A request whose KV alone would not fit the page pool at its peak."""
+class StepFailed(RuntimeError):
+    """The model's forward or the sampling failed inside ``step``: the
+    requests that step scheduled (``request_ids``) were aborted, their pages
+    freed; the cause is chained. The other requests go on at the next step."""
+
+    def __init__(self, request_ids: tuple[str, ...]) -> None:
+        super().__init__(f"step failed; aborted the requests it scheduled: {list(request_ids)}")
+        self.request_ids = request_ids
 
 
 @dataclass
@@ -63,11 +70,15 @@ class Engine:
 
     ``model`` is switched to the paged attention implementation (it serves
     only through the engine afterwards). ``num_pages=None`` sizes the pool to
-    ``KV_MEMORY_FRACTION`` of the free memory (see ``_pool_pages``). String prompts need
-    ``tokenizer`` (no chat template is applied); outputs get ``.text`` with one.
-    With ``prefix_cache`` a stream that starts (or restarts after preemption)
-    first takes the longest run of cached full pages equal to a prefix of its
-    tokens, computed by any earlier request, and computes only the rest.
+    ``KV_MEMORY_FRACTION`` of the free memory (see ``_pool_pages``). String
+    prompts and chats need ``tokenizer`` (a Hugging Face fast tokenizer);
+    outputs get ``.text`` with one. With ``prefix_cache`` a stream that starts
+    (or restarts after preemption) first takes the longest run of cached full
+    pages equal to a prefix of its tokens, computed by any earlier request, and
+    computes only the rest.
+
+    A call that raises leaves the engine as it found it: nothing of that call
+    stays queued, no page leaks.
     """
 
     def __init__(
@@ -81,15 +92,29 @@ class Engine:
         flashinfer: Any = None,
         prefix_cache: bool = True,
     ) -> None:
-        if token_budget < 1:
-            raise ValueError(f"expected token_budget >= 1, got {token_budget}")
+        options = {"page_size": page_size, "token_budget": token_budget, "num_pages": num_pages}
+        for name, value in options.items():
+            if value is None and name == "num_pages":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"expected {name} an int, got {value!r}")
+            if value < 1:
+                raise ValueError(f"expected {name} >= 1, got {value!r}")
+        if not isinstance(prefix_cache, bool):
+            raise TypeError(f"expected prefix_cache a bool, got {prefix_cache!r}")
+        if tokenizer is not None and not hasattr(tokenizer, "backend_tokenizer"):
+            raise TypeError(
+                "expected tokenizer a Hugging Face fast tokenizer (with .backend_tokenizer)"
+                f" or None, got {type(tokenizer).__name__}"
+            )
         spec = kv_spec(model)  # refuses a model the paged path cannot serve exactly
-        model.set_attn_implementation(register())
         param = next(model.parameters())
+        if num_pages is None:
+            num_pages = pool_pages(spec, page_size, param.dtype, param.device)
+        check_pool_fits(spec, num_pages, page_size, param.dtype, param.device)
+        model.set_attn_implementation(register())
         self.model, self.tokenizer, self.flashinfer = model, tokenizer, flashinfer
         self.device, self.budget = param.device, token_budget
-        if num_pages is None:
-            num_pages = _pool_pages(spec, page_size, param.dtype, param.device)
         self.cache = KVCache(
             num_pages=num_pages,
             page_size=page_size,
@@ -101,21 +126,34 @@ class Engine:
         self.prefix_cache = prefix_cache
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.max_len = getattr(model.config, "max_position_embeddings", None)
+        self.intake = Intake(
+            tokenizer, model.config.vocab_size, self.max_len, page_size, num_pages, self.device
+        )
         self.stats = EngineStats()
         self._running: dict[str, Request] = {}  # unfinished, oldest first
         self._ids = itertools.count()
 
     @classmethod
     def from_pretrained(
-        cls, name: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32, **kwargs: Any
+        cls,
+        name: str | os.PathLike[str],
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        **kwargs: Any,
     ) -> Engine:
         """``name``: ``"smollm2"``, a GGUF file or a Hugging Face model folder.
         ``device="cuda"`` uses FlashInfer when it is installed."""
         from mstar.engine.loader import load
 
-        model, tokenizer = load(name, dtype=dtype)
-        if device.startswith("cuda") and "flashinfer" not in kwargs:
-            kwargs["flashinfer"] = flashinfer_or_none(device)
+        if not isinstance(name, str | os.PathLike):
+            raise TypeError(f"expected name a str or a path, got {name!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"expected dtype a floating torch.dtype, got {dtype!r}")
+        device = checked_device(device)
+        model, tokenizer = load(os.fspath(name), dtype=dtype)
+        if device.type == "cuda" and "flashinfer" not in kwargs:
+            kwargs["flashinfer"] = flashinfer_or_none(str(device))
         return cls(model.to(device), tokenizer, **kwargs)
 
     # --- requests ------------------------------------------------------------------------
@@ -129,62 +167,76 @@ class Engine:
         uncond_prompt: Prompt | None = None,
         guidance_scale: float = 1.0,
     ) -> str:
-        """Queue a request and return its id. With ``uncond_prompt`` it is
-        guided: tokens come from ``uncond + guidance_scale * (cond - uncond)``
-        logits (``n`` must be 1). Raises ``RequestTooLarge`` when its KV could
-        never fit the pool, ``ValueError`` for anything else invalid."""
-        params = params or SamplingParams()
-        rid = f"req{next(self._ids)}" if request_id is None else request_id
-        if rid in self._running:
-            raise ValueError(f"expected a new request id, got {rid!r} (running)")
-        ids = self._token_ids(rid, prompt)
-        uncond = None if uncond_prompt is None else self._token_ids(rid, uncond_prompt)
-        if uncond is not None and params.n != 1:
-            raise ValueError(f"request {rid!r}: expected n == 1 when guided, got n={params.n}")
-        longest = max(len(ids), len(uncond or ())) + params.max_new_tokens
-        if self.max_len is not None and longest > self.max_len:
-            raise ValueError(
-                f"request {rid!r}: prompt + max_new_tokens = {longest} exceeds the model's"
-                f" max_position_embeddings {self.max_len}"
-            )
-        need = self.peak_pages(len(ids), params, None if uncond is None else len(uncond))
-        if need > self.mgr.num_pages:
-            raise RequestTooLarge(
-                f"request {rid!r} needs {need} KV pages at its peak (prompt {len(ids)} tokens,"
-                f" max_new_tokens {params.max_new_tokens}, n {params.n}), the pool has"
-                f" {self.mgr.num_pages}"
-            )
-        samples = [
-            Sample(
-                i,
-                GUIDED if uncond is not None else ("main",) if params.n == 1 else (f"s{i}",),
-                None if params.greedy else make_generator(params, i, self.device),
-            )
-            for i in range(params.n)
-        ]
-        req = Request(rid, ids, params, samples, uncond=uncond, guidance_scale=guidance_scale)
-        req.restart()
-        self._running[rid] = req
-        return rid
+        """Queue a request and return its id. ``prompt``: a str (tokenized as
+        is) or a sequence of token ids. With ``uncond_prompt`` it is guided:
+        tokens come from ``uncond + guidance_scale * (cond - uncond)`` logits
+        (``n`` must be 1). Raises ``RequestTooLarge`` when its KV could never
+        fit the pool, ``TypeError``/``ValueError`` for anything else invalid,
+        before anything is queued."""
+        req = self._request(prompt, params, request_id, uncond_prompt, guidance_scale)
+        self._running[req.id] = req
+        return req.id
 
-    def peak_pages(
-        self, prompt_len: int, params: SamplingParams, uncond_len: int | None = None
-    ) -> int:
-        """KV pages a request holds at its peak, alone in the pool (the last
-        generated token is never fed); ``add_request`` refuses one above
-        ``num_pages``."""
-        size = self.mgr.page_size
+    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
+        """The prompt ids of an OpenAI-style conversation (``[{"role":
+        "system"|"user"|"assistant", "content": str}, ...]``) through the
+        tokenizer's chat template, the generation prompt added."""
+        return chat_ids(self.tokenizer, messages)
 
-        def pages(tokens: int) -> int:
-            return -(-tokens // size)
+    def chat(
+        self,
+        conversations: Sequence[Message] | Sequence[Sequence[Message]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """``generate`` on one conversation or a list of them (see ``encode_chat``)."""
+        if isinstance(conversations, NOT_A_SEQUENCE) or not isinstance(conversations, Sequence):
+            raise TypeError(
+                "expected a conversation (a list of messages) or a list of them,"
+                f" got {type(conversations).__name__}"
+            )
+        one = bool(conversations) and isinstance(conversations[0], Mapping)
+        batch = [conversations] if one else conversations
+        return self.generate([self.encode_chat(c) for c in batch], params)
 
-        longest = prompt_len + params.max_new_tokens - 1
-        if uncond_len is not None:
-            return pages(longest) + pages(uncond_len + params.max_new_tokens - 1)
-        if params.n == 1:
-            return pages(longest)
-        # the prompt's stream while forking, then each sample's pages past the shared ones
-        return pages(prompt_len) + params.n * (pages(longest) - prompt_len // size)
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: Callable[[Engine], None] | None = None,
+    ) -> list[Completion]:
+        """Serve ``prompts`` (one prompt, or a list) to the end and return
+        their completions in order, always a list (``params``: one for all, or
+        one per prompt). The engine must have no other request running.
+        ``progress`` is called after each step."""
+        done: dict[str, Completion] = {}
+        requests = self._requests(prompts, params)
+        with contextlib.closing(self._serve(requests)) as steps:
+            for completions in steps:
+                done.update((c.request_id, c) for c in completions if c.finished)
+                if progress is not None:
+                    progress(self)
+        return [done[r.id] for r in requests]
+
+    def stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[Completion]:
+        """Serve ``prompts`` as ``generate`` does, yielding each step's
+        completions (those that got tokens) as they come: each output's
+        ``.delta`` is its text made final since it was last yielded, the last
+        one of a sample carries its ``finish_reason``. Arguments are checked
+        here; the requests are queued at the first ``next``, and closing the
+        iterator (or dropping it) aborts those still running."""
+        requests = self._requests(prompts, params)
+
+        def completions() -> Iterator[Completion]:
+            with contextlib.closing(self._serve(requests)) as steps:
+                for done in steps:
+                    yield from done
+
+        return completions()
 
     def abort(self, request_id: str) -> None:
         """Drop a running request; its pages return at once."""
@@ -197,38 +249,102 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._running)
 
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        progress: Callable[[Engine], None] | None = None,
-    ) -> list[Completion]:
-        """Serve ``prompts`` to the end and return their completions in order
-        (``params``: one for all, or one per prompt). The engine must have no
-        other request running. ``progress`` is called after each step."""
+    def _requests(self, prompts: object, params: object) -> list[Request]:
+        """The requests of a ``generate``/``stream`` call, checked, none queued."""
         if self._running:
-            raise ValueError(f"expected no running requests, got {len(self._running)}")
+            raise ValueError(
+                f"expected no running requests (add_request/step serve those alongside),"
+                f" got {len(self._running)}"
+            )
+        prompts = prompt_list(prompts)
         if isinstance(params, SamplingParams) or params is None:
             params = [params or SamplingParams()] * len(prompts)
+        elif isinstance(params, NOT_A_SEQUENCE) or not isinstance(params, Sequence):
+            raise TypeError(f"expected SamplingParams or a list of them, got {params!r:.60}")
         if len(params) != len(prompts):
             raise ValueError(f"expected {len(prompts)} SamplingParams, got {len(params)}")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        done: dict[str, Completion] = {}
-        while self._running:
-            done.update((c.request_id, c) for c in self.step() if c.finished)
-            if progress is not None:
-                progress(self)
-        return [done[rid] for rid in ids]
+        return [self._request(p, sp) for p, sp in zip(prompts, params)]
+
+    def _serve(self, requests: list[Request]) -> Iterator[list[Completion]]:
+        """Queue ``requests`` and step until they are done, yielding each
+        step's completions of theirs; closed early (or on an error), the
+        requests still running are aborted."""
+        if self._running:
+            raise ValueError(f"expected no running requests, got {len(self._running)}")
+        ours = {r.id for r in requests}
+        self._running.update((r.id, r) for r in requests)
+        try:
+            while ours & self._running.keys():
+                yield [c for c in self.step() if c.request_id in ours]
+        finally:
+            for rid in ours & self._running.keys():
+                self.abort(rid)
+
+    def _request(
+        self,
+        prompt: object,
+        params: object,
+        request_id: object = None,
+        uncond_prompt: object = None,
+        guidance_scale: object = 1.0,
+    ) -> Request:
+        """A checked request with a new id, not queued."""
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"expected request_id a str or None, got {request_id!r}")
+        if request_id in self._running:
+            raise ValueError(f"expected a new request id, got {request_id!r} (running)")
+        rid = request_id
+        while rid is None or rid in self._running:  # an id of its own, not a user's
+            rid = f"req{next(self._ids)}"
+        return self.intake.request(rid, prompt, params, uncond_prompt, guidance_scale)
+
+    def peak_pages(
+        self, prompt_len: int, params: SamplingParams, uncond_len: int | None = None
+    ) -> int:
+        """KV pages a request holds at its peak, alone in the pool (the last
+        generated token is never fed); ``add_request`` refuses one above
+        ``num_pages``."""
+        return self.intake.peak_pages(prompt_len, params, uncond_len)
 
     # --- one step ------------------------------------------------------------------------
 
     def step(self) -> list[Completion]:
-        """Run one step; return the completions of requests that got tokens."""
+        """Run one step; return the completions of requests that got tokens,
+        each output with its ``.delta``. When the forward or the sampling
+        fails, the requests the step scheduled are aborted (pages freed) and
+        ``StepFailed`` is raised (a ``KeyboardInterrupt`` passes as it is)."""
         t_step = time.perf_counter()
         step = self._admit()
         if step is None:
             return []
+        committed = False
+        try:
+            touched, forks = self._compute(step)
+            t0 = time.perf_counter()
+            self.mgr.commit(step)
+            committed = True
+            for req in touched:
+                self._release_unused(req)
+            for req, row in forks:
+                if req.fed.get("main") == len(req.prompt):  # not preempted meanwhile
+                    self._fork(req, row)
+            self.stats.plan_s += time.perf_counter() - t0
+        except BaseException as err:
+            if not committed:
+                self.mgr.abort(step)
+            failed = tuple(dict.fromkeys(seg.request_id for seg in step.segments))
+            for rid in failed:
+                if rid in self._running:
+                    self.abort(rid)
+            if isinstance(err, Exception):
+                raise StepFailed(failed) from err
+            raise
+        self._account(step, time.perf_counter() - t_step)
+        return [self._completion(req) for req in touched]
+
+    def _compute(self, step: KVStep) -> tuple[list[Request], list[tuple[Request, torch.Tensor]]]:
+        """Plan, forward and sample ``step``: the requests it touched, and the
+        ``(request, logits)`` of those to fork once it is committed."""
         t0 = time.perf_counter()
         plans = self.mgr.plan(step)
         self.stats.plan_us.append((time.perf_counter() - t0) * 1e6)
@@ -241,12 +357,10 @@ class Engine:
             chosen: list[tuple[Request, str]] = []
             starts = plan.cpu_indptrs.qo_indptr.tolist()
             for (rid, label), start, end in zip(plan.rows, starts, starts[1:]):
-                req = self._running[rid]
-                fed = req.fed[label]
-                ids += req.streams[label][fed : fed + end - start]
-                req.fed[label] = fed + end - start
-                touched[rid] = req
-                if req.fed[label] == len(req.streams[label]):
+                req = touched[rid] = self._running[rid]
+                tokens, choose = req.feed(label, end - start)
+                ids += tokens
+                if choose:
                     at.append(end - 1)
                     chosen.append((req, label))
             logits = self._logits(ids, plan, at)
@@ -255,16 +369,7 @@ class Engine:
                     forks.append((req, row))  # forked after the commit
                 else:
                     self._on_logits(req, label, row)
-        t0 = time.perf_counter()
-        self.mgr.commit(step)
-        for req in touched.values():
-            self._release_unused(req)
-        for req, row in forks:
-            if req.fed.get("main") == len(req.prompt):  # not preempted meanwhile
-                self._fork(req, row)
-        self.stats.plan_s += time.perf_counter() - t0
-        self._account(step, time.perf_counter() - t_step)
-        return [self._completion(req) for req in touched.values()]
+        return list(touched.values()), forks
 
     def _admit(self) -> KVStep | None:
         """The step to run: everything scheduled, or the requests before the
@@ -328,22 +433,25 @@ class Engine:
                 return
             cond, uncond = req.pending.pop("cond"), req.pending.pop("uncond")
             logits = uncond + req.guidance_scale * (cond - uncond)
-            sample = req.samples[0]
-        else:
-            sample = req.samples[0] if label == "main" else req.samples[int(label[1:])]
+        sample = req.by_label[label]
         self._emit(req, sample, sample_token(logits, req.params, sample.generator))
 
     def _emit(self, req: Request, sample: Sample, token: int) -> None:
-        """Append ``token`` to ``sample``; feed it next, unless it ends the sample
-        (its streams are then dropped, and their pages released after the step)."""
-        params = req.params
+        """Append ``token`` to ``sample`` and its text; feed it next, unless it
+        ends the sample (its streams are then dropped, and their pages released
+        after the step). An EOS/stop token is not part of the text."""
+        params, text = req.params, sample.text
         sample.token_ids.append(token)
         if token in params.stop_token_ids or (
             not params.ignore_eos and token in self.eos_token_ids
         ):
             sample.finish_reason = "stop"
-        elif len(sample.token_ids) == params.max_new_tokens:
-            sample.finish_reason = "length"
+            if text is not None:
+                text.close()
+        elif text is not None and text.add(token):
+            sample.finish_reason = "stop"  # a stop string
+        elif len(sample.token_ids) >= params.max_new_tokens:
+            sample.finish_reason = "stop" if text is not None and text.close() else "length"
         for label in sample.labels:
             if sample.finish_reason is None:
                 req.streams[label].append(token)
@@ -367,7 +475,11 @@ class Engine:
                 self.stats.refused += 1
                 if self._preempt_youngest() is req:
                     return  # recomputed later, and forked then
-        self.mgr.commit(step)
+        try:
+            self.mgr.commit(step)
+        except BaseException:
+            self.mgr.abort(step)
+            raise
         del req.streams["main"], req.fed["main"]
         for sample in live:
             label = sample.labels[0]
@@ -403,26 +515,7 @@ class Engine:
     # --- records -------------------------------------------------------------------------
 
     def _completion(self, req: Request) -> Completion:
-        outputs = []
-        for s in req.samples:
-            ids = s.token_ids[:-1] if s.finish_reason == "stop" else s.token_ids
-            text = None if self.tokenizer is None else self.tokenizer.decode(ids)
-            outputs.append(CompletionOutput(s.index, list(s.token_ids), text, s.finish_reason))
-        return Completion(req.id, list(req.prompt), outputs)
-
-    def _token_ids(self, rid: str, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"request {rid!r}: expected token ids (no tokenizer), got a str")
-            ids = list(self.tokenizer.encode(prompt))
-        else:
-            ids = [int(t) for t in prompt]
-        vocab = self.model.config.vocab_size
-        if not ids or not all(0 <= t < vocab for t in ids):
-            raise ValueError(
-                f"request {rid!r}: expected a non-empty prompt of ids in [0, {vocab}), got {ids[:8]}"
-            )
-        return ids
+        return Completion(req.id, list(req.prompt), [s.output() for s in req.samples])
 
     def _account(self, step: KVStep, seconds: float) -> None:
         s = self.stats
@@ -444,26 +537,3 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
         if eos is not None:
             return frozenset([eos] if isinstance(eos, int) else eos)
     return frozenset()
-
-
-def _pool_pages(spec: KVSpec, page_size: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Pages filling ``KV_MEMORY_FRACTION`` of the free memory of ``device``
-    (on the host, at most ``HOST_POOL_BYTES``)."""
-    per_token = spec.num_layers * spec.num_kv_heads * (spec.head_dim + spec.v_head_dim)
-    page_bytes = per_token * page_size * dtype.itemsize
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        free = min(free, int(HOST_POOL_BYTES / KV_MEMORY_FRACTION))
-    return max(1, int(free * KV_MEMORY_FRACTION) // page_bytes)
-
-
-def flashinfer_or_none(device: str) -> Any:
-    """FlashInfer's paged attention on ``device``, or None (PyTorch's) without it."""
-    from mstar.engine.resources.attn.flashinfer import FlashInferPagedAttention
-
-    try:
-        return FlashInferPagedAttention(device=device)
-    except RuntimeError:
-        return None

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from mstar.engine.prompts import chat_ids
+
 SMOLLM2 = "smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -46,6 +48,10 @@ def load(name: str, *, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     path = smollm2_path() if name == SMOLLM2 else Path(name)
     if not path.exists():
         raise FileNotFoundError(f"expected 'smollm2', a GGUF file or a model folder, got {name!r}")
+    if path.is_dir() and not (path / "config.json").exists():
+        raise FileNotFoundError(f"expected a model folder (with config.json), got {name!r}")
+    if path.is_file() and path.suffix != ".gguf":
+        raise FileNotFoundError(f"expected a .gguf file or a model folder, got the file {name!r}")
     if path.suffix == ".gguf":
         path = _converted(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -55,10 +61,7 @@ def load(name: str, *, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
 
 def chat_prompt(tokenizer: Any, text: str) -> list[int]:
     """``text`` as a user turn in the tokenizer's chat template, ready for the answer."""
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True
-    )
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return chat_ids(tokenizer, [{"role": "user", "content": text}])
 
 
 def _converted(gguf: Path) -> Path:

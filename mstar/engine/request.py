@@ -7,6 +7,7 @@ from typing import Literal
 
 import torch
 
+from mstar.engine.detokenizer import TextStream
 from mstar.engine.sampling import SamplingParams
 
 FinishReason = Literal["stop", "length"]
@@ -16,13 +17,17 @@ GUIDED = ("cond", "uncond")
 @dataclass
 class CompletionOutput:
     """One sample: ``token_ids`` generated (the EOS/stop token that ended it
-    included), ``text`` decoded without that token (``None`` without a
-    tokenizer), ``finish_reason`` (``None`` while running)."""
+    included, and every token up to one that completed a stop string),
+    ``text`` decoded so far without that token and ending before a stop string
+    (``None`` without a tokenizer), ``finish_reason`` (``None`` while running),
+    ``delta``: the text made final since this sample was last handed out by
+    ``step()`` (all deltas joined are the final ``text``)."""
 
     index: int
     token_ids: list[int]
     text: str | None
     finish_reason: FinishReason | None
+    delta: str = ""
 
 
 @dataclass
@@ -41,13 +46,23 @@ class Completion:
 @dataclass(eq=False)
 class Sample:
     """One of a request's outputs: the streams it feeds its tokens to (one,
-    or ``cond``/``uncond`` when guided) and its own generator."""
+    or ``cond``/``uncond`` when guided), its own generator, and its text
+    (``None`` without a tokenizer), of which ``shown`` characters were handed out."""
 
     index: int
     labels: tuple[str, ...]
     generator: torch.Generator | None
+    text: TextStream | None = None
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    shown: int = 0
+
+    def output(self) -> CompletionOutput:
+        """Its record now; what it carries as ``delta`` counts as handed out."""
+        text = None if self.text is None else self.text.text
+        delta = "" if text is None else text[self.shown :]
+        self.shown += len(delta)
+        return CompletionOutput(self.index, list(self.token_ids), text, self.finish_reason, delta)
 
 
 @dataclass(eq=False)
@@ -58,7 +73,8 @@ class Request:
     generated tokens still to be fed) and ``fed`` to how many are in the KV
     cache. A plain request has ``main``; with ``n > 1``, ``main`` until its
     prompt is in, then ``s0..s{n-1}``; a guided one ``cond``/``uncond``.
-    ``pending`` holds a guided stream's last logits until its twin's arrive.
+    ``pending`` holds a guided stream's last logits until its twin's arrive;
+    ``by_label`` maps a sample's stream labels to it.
     """
 
     id: str
@@ -70,6 +86,10 @@ class Request:
     streams: dict[str, list[int]] = field(default_factory=dict)
     fed: dict[str, int] = field(default_factory=dict)
     pending: dict[str, torch.Tensor] = field(default_factory=dict)
+    by_label: dict[str, Sample] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.by_label = {label: s for s in self.samples for label in s.labels}
 
     @property
     def forked(self) -> bool:
@@ -82,6 +102,15 @@ class Request:
 
     def holds_kv(self) -> bool:
         return any(self.fed.values())
+
+    def feed(self, label: str, count: int) -> tuple[list[int], bool]:
+        """The next ``count`` tokens of stream ``label`` go into the KV cache:
+        they, and whether the stream is then in to its end (its logits choose
+        the next token)."""
+        fed = self.fed[label]
+        self.fed[label] = fed + count
+        tokens = self.streams[label]
+        return tokens[fed : fed + count], fed + count == len(tokens)
 
     def restart(self) -> None:
         """Nothing in the KV cache any more: every stream is fed again from its

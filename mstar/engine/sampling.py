@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 import torch
+
+SEED_LIMIT = 2**63  # seed + sample index must fit a generator's 64-bit seed
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request generation settings.
+    """Per-request generation settings, checked at construction (``TypeError``
+    for a wrong type, bools not being ints; ``ValueError`` for a bad range;
+    the message names the field and the value).
 
     ``temperature == 0`` is greedy (``top_p``/``top_k`` then unused); otherwise
     logits are divided by ``temperature``, cut to the ``top_k`` most likely
     (0: all) and to the smallest set whose probability reaches ``top_p``, and
     sampled. ``seed`` makes sampling reproducible: sample ``i`` of a request
     draws from its own generator seeded ``seed + i``. A sample ends at an EOS
-    token (unless ``ignore_eos``), at one of ``stop_token_ids``, or after
-    ``max_new_tokens``.
+    token (unless ``ignore_eos``), at one of ``stop_token_ids``, after
+    ``max_new_tokens``, or when its text reaches one of ``stop`` (a str or a
+    sequence of non-empty str, kept as a tuple; it may span tokens): the text
+    then ends before it.
     """
 
     max_new_tokens: int = 16
@@ -28,15 +37,35 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        for name in ("max_new_tokens", "top_k", "n"):
+            object.__setattr__(self, name, _int(name, getattr(self, name)))
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, Real):
+                raise TypeError(f"expected {name} a real number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"expected {name} finite, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", _int("seed", self.seed))
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"expected ignore_eos a bool, got {self.ignore_eos!r}")
+        object.__setattr__(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
         checks = [
             ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
             ("temperature", self.temperature >= 0, ">= 0"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", self.top_k >= 0, ">= 0"),
             ("n", self.n >= 1, ">= 1"),
+            (
+                "seed",
+                self.seed is None or 0 <= self.seed < SEED_LIMIT - self.n,
+                "in [0, 2**63 - n)",
+            ),
         ]
         for name, ok, want in checks:
             if not ok:
@@ -45,6 +74,36 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _int(name: str, value: object) -> int:
+    if not _is_int(value):
+        raise TypeError(f"expected {name} an int, got {value!r}")
+    return int(value)
+
+
+def _stop_token_ids(ids: object) -> tuple[int, ...]:
+    if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
+        raise TypeError(f"expected stop_token_ids a sequence of ints, got {ids!r}")
+    if not all(_is_int(t) for t in ids):
+        raise TypeError(f"expected stop_token_ids ints, got {ids!r}")
+    if any(t < 0 for t in ids):
+        raise ValueError(f"expected stop_token_ids >= 0, got {ids!r}")
+    return tuple(int(t) for t in ids)
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
+        raise TypeError(f"expected stop a str or a sequence of str, got {stop!r}")
+    if not all(stop):
+        raise ValueError(f"expected stop strings non-empty, got {stop!r}")
+    return tuple(stop)
 
 
 def make_generator(params: SamplingParams, sample: int, device: torch.device) -> torch.Generator:

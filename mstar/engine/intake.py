@@ -1,0 +1,114 @@
+"""What requests an engine can take: every argument of a new request checked,
+then the request built (not queued)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Real
+from typing import Any
+
+import torch
+
+from mstar.engine.detokenizer import TextStream
+from mstar.engine.prompts import token_ids
+from mstar.engine.request import GUIDED, Request, Sample
+from mstar.engine.sampling import SamplingParams, make_generator
+
+
+class RequestTooLarge(ValueError):
+    """A request whose KV alone would not fit the page pool at its peak."""
+
+
+@dataclass(frozen=True)
+class Intake:
+    """The limits of one engine: its tokenizer (or None), vocabulary, longest
+    sequence (or None), page size and pool, and the device samplers draw on."""
+
+    tokenizer: Any
+    vocab_size: int
+    max_len: int | None
+    page_size: int
+    num_pages: int
+    device: torch.device
+
+    def request(
+        self,
+        rid: str,
+        prompt: object,
+        params: object,
+        uncond_prompt: object = None,
+        guidance_scale: object = 1.0,
+    ) -> Request:
+        """Request ``rid``, or a ``TypeError``/``ValueError`` naming it and the
+        bad value (``RequestTooLarge`` when its KV could never fit the pool)."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(
+                f"request {rid!r}: expected params a SamplingParams, got {params!r:.60}"
+            )
+        if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, Real):
+            raise TypeError(
+                f"request {rid!r}: expected guidance_scale a number, got {guidance_scale!r}"
+            )
+        if not math.isfinite(guidance_scale):
+            raise ValueError(
+                f"request {rid!r}: expected guidance_scale finite, got {guidance_scale!r}"
+            )
+        if uncond_prompt is None and guidance_scale != 1.0:
+            raise ValueError(
+                f"request {rid!r}: expected uncond_prompt with guidance_scale {guidance_scale!r}"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"request {rid!r}: expected no stop strings without a tokenizer, got {params.stop!r}"
+            )
+        ids = token_ids(rid, prompt, self.tokenizer, self.vocab_size)
+        uncond = None
+        if uncond_prompt is not None:
+            uncond = token_ids(rid, uncond_prompt, self.tokenizer, self.vocab_size)
+            if params.n != 1:
+                raise ValueError(f"request {rid!r}: expected n == 1 when guided, got n={params.n}")
+        longest = max(len(ids), len(uncond or ())) + params.max_new_tokens
+        if self.max_len is not None and longest > self.max_len:
+            raise ValueError(
+                f"request {rid!r}: prompt + max_new_tokens = {longest} exceeds the model's"
+                f" max_position_embeddings {self.max_len}"
+            )
+        need = self.peak_pages(len(ids), params, None if uncond is None else len(uncond))
+        if need > self.num_pages:
+            raise RequestTooLarge(
+                f"request {rid!r} needs {need} KV pages at its peak (prompt {len(ids)} tokens,"
+                f" max_new_tokens {params.max_new_tokens}, n {params.n}), the pool has"
+                f" {self.num_pages}"
+            )
+        samples = [
+            Sample(
+                i,
+                GUIDED if uncond is not None else ("main",) if params.n == 1 else (f"s{i}",),
+                None if params.greedy else make_generator(params, i, self.device),
+                None if self.tokenizer is None else TextStream(self.tokenizer, params.stop),
+            )
+            for i in range(params.n)
+        ]
+        req = Request(rid, ids, params, samples, uncond=uncond, guidance_scale=guidance_scale)
+        req.restart()
+        return req
+
+    def peak_pages(
+        self, prompt_len: int, params: SamplingParams, uncond_len: int | None = None
+    ) -> int:
+        """KV pages a request holds at its peak, alone in the pool (the last
+        generated token is never fed)."""
+        size = self.page_size
+
+        def pages(tokens: int) -> int:
+            return -(-tokens // size)
+
+        longest = prompt_len + params.max_new_tokens - 1
+        if uncond_len is not None:
+            return pages(longest) + pages(uncond_len + params.max_new_tokens - 1)
+        if params.n == 1:
+            return pages(longest)
+        # the prompt's stream while forking, then each sample's pages past the shared ones
+        return pages(prompt_len) + params.n * (pages(longest) - prompt_len // size)
