@@ -149,3 +149,44 @@ def test_random_steps_hold_the_window_and_keep_positions_absolute(seed):
         mgr.check_invariants()
     held = sum(mgr.held_pages(r, label) for r in dict(keys) for label in mgr.labels(r))
     assert mgr.num_free_pages >= 256 - held  # released pages are free (shared ones counted once)
+
+
+def test_the_engine_admits_a_long_generation_on_a_windowed_model():
+    """A generation whose full KV would need far more pages than the pool
+    has runs on a windowed model (its streams hold their window alone) and
+    equals HF generate; with the prefix cache on, pages are kept and the
+    same request is refused up front."""
+    from mstar.engine import Engine, RequestTooLarge, SamplingParams
+
+    reference, paged = _pair("MistralConfig", {"sliding_window": W})
+    prompts = [_prompt(10, seed=31), _prompt(7, seed=32)]
+    params = SamplingParams(max_new_tokens=40)
+    options = {"num_pages": 8, "page_size": 4, "token_budget": 8}
+    eng = Engine(paged, prefix_cache=False, **options)
+    assert eng.peak_pages(10, params) == 4  # ceil((W + 4 - 2 + 8) / 4), not 13
+    ids = [eng.add_request(p, params) for p in prompts]
+    finished = {}
+    for _ in range(100):  # bounded: 47 token steps serve both
+        finished.update((c.request_id, c) for c in eng.step() if c.finished)
+        if not eng.has_unfinished():
+            break
+    assert sorted(finished) == sorted(ids)
+    for prompt, completion in zip(prompts, (finished[i] for i in ids)):
+        ids = torch.tensor([prompt])
+        expected = reference.generate(ids, max_new_tokens=40, do_sample=False)[0, len(prompt) :]
+        assert completion.outputs[0].token_ids == expected.tolist()
+    assert eng.stats.peak_pages <= 8 and eng.stats.preemptions == 0
+    assert eng.mgr.num_free_pages == 8
+    keeping = Engine(paged, prefix_cache=True, **options)
+    with pytest.raises(RequestTooLarge, match="needs 13 KV pages"):
+        keeping.add_request(prompts[0], params)
+
+
+def test_hybrid_models_keep_every_page():
+    """Alternating sliding/full layers (Gemma 2) share no window: the spec
+    names none, so a manager for them keeps every page (exact, as before)."""
+    _, paged = _pair(
+        "Gemma2Config",
+        {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
+    )
+    assert kv_spec(paged).window is None
