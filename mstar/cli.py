@@ -61,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--device", default="cpu")
     bench = sub.add_parser("bench", help="plan and manager benchmarks, or --e2e on SmolLM2")
     bench.add_argument("--e2e", action="store_true", help="Engine vs HF generate on chat prompts")
+    bench.add_argument(
+        "--workload",
+        choices=("chat", "mixed"),
+        default="chat",
+        help="with --e2e: 16 equal chat prompts (default), or mixed serving traffic",
+    )
     bench.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     bench.add_argument("--plot", metavar="PATH.png", help="plot plan latency (needs matplotlib)")
     bench.add_argument("--quick", action="store_true", help="fewer configurations")
@@ -233,14 +239,17 @@ def run_bench(args: argparse.Namespace) -> int:
         from rich.console import Console
 
         from mstar.bench.e2e import format_e2e, run_e2e
+        from mstar.bench.serving import format_mixed, run_mixed
 
+        run, show = (run_mixed, format_mixed) if args.workload == "mixed" else (run_e2e, format_e2e)
         with Console(stderr=True).status("starting") as status:
-            result = run_e2e(quick=args.quick, stage=status.update)
-        print(format_e2e(result))
+            result = run(quick=args.quick, stage=status.update)
+        print(show(result))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
-        return 0 if all(r["exact"] == r["prompts"] for r in result["rows"]) else 1
+        tables = result["patterns"].values() if "patterns" in result else [result["rows"]]
+        return 0 if all(r["exact"] == r["prompts"] for rows in tables for r in rows) else 1
 
     from mstar.bench import attention as bench_attention
     from mstar.bench import format_table

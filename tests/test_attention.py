@@ -182,6 +182,55 @@ def test_one_schedule_serves_every_layer_of_a_step():
         paged_attention(q, layer, plan.cpu_indptrs, schedule=schedule)
 
 
+def test_every_layer_of_a_step_reads_its_own_pages():
+    """Layers sharing a schedule (and its gather buffers) in turn each see
+    their own keys: a buffer left from the layer before is never read."""
+    rows = [(20, 1), (3, 1), (10, 6), (0, 4)]
+    case = Scenario(rows, 4, 2, seed=7)
+    plan = case.step()
+    schedule = AttentionSchedule(plan.cpu_indptrs, 4)
+    layers = [case.cache.layer(0), torch.randn_like(case.cache.layer(0))]
+    q = torch.cat(case.queries([n for _, n in rows], 4))
+    for layer in [*layers, *layers]:
+        got = paged_attention(q, layer, plan.cpu_indptrs, schedule=schedule)
+        assert torch.equal(got, paged_attention(q, layer, plan.cpu_indptrs))
+
+
+def test_strided_layer_and_pair_layout_match_contiguous():
+    """The same pages as a contiguous layer, a strided view of a wider one,
+    and a (k, v) pair give the same result, with and without the sdpa path."""
+    rows = [(9, 1), (2, 1), (0, 5)]
+    case = Scenario(rows, 4, 2, seed=8)
+    plan = case.step()
+    layer = case.cache.layer(0)
+    wide = torch.zeros(*layer.shape[:-1], 2 * HEAD_DIM)
+    wide[..., :HEAD_DIM] = layer
+    strided = wide[..., :HEAD_DIM]
+    assert not strided.is_contiguous()
+    pair = (layer[:, 0].clone(), layer[:, 1].clone())
+    q = torch.cat(case.queries([n for _, n in rows], 4))
+    for opts in ({}, {"softcap": 2.0}):
+        want = paged_attention(q, layer, plan.cpu_indptrs, **opts)
+        for other in (strided, pair):
+            assert torch.equal(paged_attention(q, other, plan.cpu_indptrs, **opts), want)
+
+
+def test_batch_rows_stay_in_plan_order():
+    """Rows batched together keep their plan order, so a batch of rows
+    with one query each reads q as one run (no gather, no scatter); padded
+    batches do not."""
+    rows = [(0, 115), (300, 1), (290, 1), (310, 1)]
+    case = Scenario(rows, 16, 1, seed=0)
+    schedule = AttentionSchedule(case.step().cpu_indptrs, 16)
+    by_shape = {tuple(b.tokens.shape): b for b in schedule.batches}
+    assert set(by_shape) == {(3, 1), (1, 115)}
+    assert by_shape[3, 1].tokens.flatten().tolist() == [115, 116, 117]
+    assert by_shape[3, 1].span == slice(115, 118)
+    assert by_shape[1, 115].span == slice(0, 115)
+    padded = AttentionSchedule(Scenario([(9, 3), (9, 2)], 4, 1, seed=0).step().cpu_indptrs, 4)
+    assert [b.span for b in padded.batches] == [None]
+
+
 def test_decode_rows_are_not_padded_to_a_chunk():
     """15 decode rows of similar lengths beside a 115-token chunk: two
     batches, the decode rows' one query each; rows without queries or keys
@@ -233,6 +282,34 @@ def test_rows_without_keys_give_zeros(causal):
     _assert_close(out[2:], dense_attention(q[2:], k, v, causal=causal))
     if causal:  # positions -2 and -1 precede every key
         assert torch.equal(out[2:4], torch.zeros(2, 2, HEAD_DIM))
+
+
+def test_blind_queries_give_zeros_whatever_the_backend(monkeypatch):
+    """Queries that see no key are zeroed by paged_attention itself, not
+    left to the sdpa backend (CUDA's may give NaN there): the schedule names
+    them, and a backend writing NaN for them changes nothing."""
+    import torch.nn.functional as F
+
+    from mstar.engine.resources.attn import paged
+
+    real = F.scaled_dot_product_attention
+
+    def nan_when_blind(q, k, v, attn_mask=None, **kwargs):
+        out = real(q, k, v, attn_mask=attn_mask, **kwargs)
+        if attn_mask is None:
+            return out
+        return out.masked_fill(~attn_mask.any(dim=-1, keepdim=True), float("nan"))
+
+    layer = torch.randn(3, 2, 4, 1, HEAD_DIM)
+    indptrs = _indptrs([0, 2, 7], [0, 0, 1], [2], [4, 3])  # row 1: 3 keys, 5 queries
+    q = torch.randn(7, 2, HEAD_DIM)
+    want = paged_attention(q, layer, indptrs)
+    schedule = AttentionSchedule(indptrs, 4)
+    ((_, blind),) = schedule.masks(True, -1, None)
+    assert blind.tolist() == [[True, True, False, False, False]]
+    monkeypatch.setattr(paged.F, "scaled_dot_product_attention", nan_when_blind)
+    got = paged_attention(q, layer, indptrs, schedule=schedule)
+    assert torch.equal(got, want) and torch.equal(got[2:4], torch.zeros(2, 2, HEAD_DIM))
 
 
 def test_rows_without_queries_are_never_read():

@@ -196,3 +196,91 @@ def test_e2e_table_compares_every_path_with_ours():
     assert table[0].startswith("4 prompts (2 threads)")
     assert table[3].split()[-5:] == ["50.0", "1.00x", "4/4", "1.2%", "120"]
     assert table[4].split()[-3:] == ["25.0", "2.00x", "3/4"]
+
+
+def test_mixed_jobs_vary_in_length_and_share_a_preamble(smollm2):
+    """The mixed workload: seeded, limits in range, prompts of varied
+    length, every other one behind the shared preamble, arrivals in order."""
+    from mstar.bench.serving import mixed_jobs
+
+    _, tokenizer = smollm2
+    jobs = mixed_jobs(tokenizer, 64, (16, 256), 0, 0.3)
+    assert jobs == mixed_jobs(tokenizer, 64, (16, 256), 0, 0.3)
+    assert all(16 <= j.max_new_tokens <= 256 for j in jobs)
+    assert len({j.max_new_tokens for j in jobs}) > 30
+    assert len({len(j.prompt) for j in jobs}) > 20
+    arrivals = [j.arrival for j in jobs]
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0 < arrivals[-1]
+    at_once = mixed_jobs(tokenizer, 64, (16, 256), 0, 0.0)
+    assert {j.arrival for j in at_once} == {0.0}
+    assert [(j.prompt, j.max_new_tokens) for j in at_once] == [
+        (j.prompt, j.max_new_tokens) for j in jobs
+    ]
+    shared = [j.prompt for j in jobs[::2]]
+    common = next(i for i, col in enumerate(zip(*shared)) if len(set(col)) > 1)
+    assert common > 150
+    assert jobs[1].prompt[:common] != shared[0][:common]
+
+
+def test_every_serving_path_gives_hf_generate_tokens(smollm2):
+    """Each path of the mixed bench, on three jobs (one arriving later),
+    returns HF generate's tokens per job, cut to its own limit, and
+    first-token times after arrival."""
+    import copy
+
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    from mstar.bench.e2e import hf_one
+    from mstar.bench.serving import (
+        Job,
+        serve_engine,
+        serve_hf_batching,
+        serve_padded,
+    )
+    from mstar.engine import Engine
+    from mstar.engine.loader import chat_prompt
+
+    model, tokenizer = smollm2
+    eos = tokenizer.eos_token_id
+    config = GenerationConfig(do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    questions = ["What is 2 + 2?", "Name a color.", "Say hi."]
+    jobs = [
+        Job(chat_prompt(tokenizer, q), n, t) for q, n, t in zip(questions, (5, 2, 4), (0, 0, 0.05))
+    ]
+    want = []
+    for job in jobs:
+        limited = copy.copy(config)
+        limited.max_new_tokens = job.max_new_tokens
+        want.append(hf_one(model, job.prompt, limited))
+    paged = copy.deepcopy(model)
+    cb = ContinuousBatchingConfig(page_size=16, num_blocks=16, max_batch_tokens=64)
+    for served in (
+        serve_engine(lambda: Engine(paged, tokenizer, num_pages=32), jobs),
+        serve_padded(model, jobs, config, 2),
+        serve_hf_batching(model, jobs, config, cb),
+    ):
+        assert served.tokens == want
+        assert all(t > 0 for t in served.ttft) and served.seconds > 0
+
+
+def test_mixed_table_has_a_section_per_arrival_pattern():
+    from mstar.bench.serving import format_mixed
+
+    def row(path, seconds):
+        return {
+            "path": path,
+            "seconds": seconds,
+            "tokens": 100,
+            "tokens_per_s": 100 / seconds,
+            "prompts": 4,
+            "exact": 4,
+            "ttft_mean": 0.25,
+            "ttft_p90": 0.5,
+        }
+
+    rows = [row("Engine.generate", 2.0), row("HF generate", 3.0)]
+    result = {"workload": "4 prompts", "threads": 2, "patterns": {"at once": rows, "later": rows}}
+    table = format_mixed(result).splitlines()
+    assert table[0].startswith("4 prompts (2 threads)")
+    assert table[2] == "at once" and "later" in table
+    assert table[6].split()[-5:] == ["33.3", "1.50x", "4/4", "0.25", "0.50"]

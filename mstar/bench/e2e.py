@@ -42,7 +42,7 @@ def run_e2e(
     oracle = []
     for i, p in enumerate(prompts):
         stage(f"the oracle: HF generate on prompt {i + 1} of {len(prompts)} alone")
-        oracle.append(_hf_one(model, p, config))
+        oracle.append(hf_one(model, p, config))
     paged = copy.deepcopy(model)
     engine = Engine(paged, tokenizer)  # defaults: page_size 16, budget 256, prefix cache on
     engine_stats: list[EngineStats] = []
@@ -120,9 +120,23 @@ def run_e2e(
 
 def format_e2e(result: dict[str, Any]) -> str:
     """A plain-text table: seconds, tokens/s, ours against each path, exact matches."""
-    rows = result["rows"]
+    title = (
+        f"{result['workload']} ({result['threads']} threads); exact: == HF generate alone;"
+        " prompt: prompt tokens computed"
+    )
+    table = format_rows(
+        result["rows"],
+        ("plan share", lambda r: f"{100 * r['plan_share']:.1f}%" if "plan_share" in r else ""),
+        ("prompt", lambda r: str(r.get("prompt_tokens_computed", ""))),
+    )
+    return "\n".join([title, table])
+
+
+def format_rows(rows: list[dict[str, Any]], *extra: tuple[str, Callable[[dict], str]]) -> str:
+    """Paths as a table: seconds, tokens, tokens/s, the first row's tokens/s
+    over each, exact matches, then each ``(heading, cell)`` of ``extra``."""
     ours = rows[0]["tokens_per_s"]
-    head = ("path", "seconds", "tokens", "tokens/s", "ours / this", "exact", "plan share", "prompt")
+    head = ("path", "seconds", "tokens", "tokens/s", "ours / this", "exact", *(h for h, _ in extra))
     body = [
         (
             r["path"],
@@ -131,8 +145,7 @@ def format_e2e(result: dict[str, Any]) -> str:
             f"{r['tokens_per_s']:.1f}",
             f"{ours / r['tokens_per_s']:.2f}x",
             f"{r['exact']}/{r['prompts']}",
-            f"{100 * r['plan_share']:.1f}%" if "plan_share" in r else "",
-            str(r.get("prompt_tokens_computed", "")),
+            *(cell(r) for _, cell in extra),
         )
         for r in rows
     ]
@@ -144,15 +157,12 @@ def format_e2e(result: dict[str, Any]) -> str:
         for line in [head, *body]
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    title = (
-        f"{result['workload']} ({result['threads']} threads); exact: == HF generate alone;"
-        " prompt: prompt tokens computed"
-    )
-    return "\n".join([title, *lines])
+    return "\n".join(lines)
 
 
 @torch.no_grad()
-def _hf_one(model: Any, prompt: list[int], config: Any) -> list[int]:
+def hf_one(model: Any, prompt: list[int], config: Any) -> list[int]:
+    """HF ``generate`` on ``prompt`` alone: its new tokens."""
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     return out[0, len(prompt) :].tolist()

@@ -6,7 +6,9 @@ checked against each other on the same plan.
 
 A step's rows are computed in batches of similar shape, each padded only to
 its own longest row, so a decode row is never padded to a prefill chunk's
-length.
+length. A batch is one gather of its pages (a row copy per page) and one
+fused ``scaled_dot_product_attention`` call; softcap and sinks, which sdpa
+cannot express, take an explicit float32 softmax.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from mstar.engine.resources.kv.lengths import row_lengths
 from mstar.engine.resources.kv.plan import PagedIndptrs
@@ -72,15 +75,30 @@ def paged_attention(
         raise ValueError(f"expected a schedule for {q.device}, got one for {schedule.device}")
     scale = q.shape[2] ** -0.5 if sm_scale is None else sm_scale
     sink = None if sinks is None else sinks.to(q.device, torch.float32)
-    out = q.new_zeros(q.shape[0], q.shape[1], v_pages.shape[-1])
+    shape = (q.shape[0], q.shape[1], v_pages.shape[-1])
+    out = q.new_empty(shape) if schedule.writes_all else q.new_zeros(shape)
     masks = schedule.masks(causal, window_left, chunk_size)
-    for batch, visible in zip(schedule.batches, masks):
-        rows_out = _attend(
-            q[batch.tokens], batch.page_ids, k_pages, v_pages, visible, scale, softcap, sink
-        )
-        # A padding query repeats its row's last, so it writes the same value again.
-        out[batch.tokens] = rows_out.to(q.dtype)
+    for i, (batch, (visible, blind)) in enumerate(zip(schedule.batches, masks)):
+        k, v = _gather(kv_layer, k_pages, v_pages, batch.page_ids, schedule.scratch(i, kv_layer))
+        if batch.span is None:
+            rows_q = q[batch.tokens]
+        else:
+            rows_q = q[batch.span].view(*batch.tokens.shape, *q.shape[1:])
+        if softcap is None and sink is None:
+            rows_out = _sdpa(rows_q, k, v, visible, scale, blind)
+        else:
+            rows_out = _attend(rows_q, k, v, visible, scale, softcap, sink)
+        if batch.span is None:
+            # A padding query repeats its row's last, so it writes the same value again.
+            out[batch.tokens] = rows_out.to(q.dtype)
+        else:
+            out[batch.span] = rows_out.flatten(0, 1)
     return out
+
+
+# A batch's visibility mask [R, max_q, L] (None: all visible) and its queries
+# that see no key [R, max_q] (None: none).
+_Masks = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 class _Batch(NamedTuple):
@@ -88,6 +106,7 @@ class _Batch(NamedTuple):
     with each row's last ones (the padding is masked, or written twice)."""
 
     tokens: torch.Tensor  # int64 [R, max_q]: each query's token in q
+    span: slice | None  # the same tokens when they are a run of q in order, unpadded
     page_ids: torch.Tensor  # int64 [R, max_pages]
     kv_lens: np.ndarray  # int64 [R]
     query_pos: np.ndarray  # int64 [R, max_q]: each query's key slot
@@ -99,7 +118,9 @@ class AttentionSchedule:
     tokens and pages as index tensors on ``device``, and its masks, built
     once per set of mask options. Build it once per step and pass it to
     every layer's call (a call without one builds its own). A row without
-    queries or keys is in no batch: its queries give zeros."""
+    queries or keys is in no batch: its queries give zeros. The schedule
+    also lends each batch a gather buffer that every layer reuses (a fresh
+    one each layer costs page faults as large as the copy)."""
 
     def __init__(
         self, indptrs: PagedIndptrs, page_size: int, device: torch.device | str = "cpu"
@@ -116,26 +137,45 @@ class AttentionSchedule:
             qi = np.minimum(np.arange(qo_lens[rows].max()), qo_lens[rows, None] - 1)
             col = np.minimum(np.arange(num_pages[rows].max()), num_pages[rows, None] - 1)
             page_ids = host_indices[kv_indptr[rows, None] + col].astype(np.int64)
+            tokens = qo_indptr[rows, None] + qi
+            first = int(tokens[0, 0])
+            in_order = np.array_equal(tokens.ravel(), np.arange(first, first + tokens.size))
             self.batches.append(
                 _Batch(
-                    torch.from_numpy(qo_indptr[rows, None] + qi).to(self.device),
+                    torch.from_numpy(tokens).to(self.device),
+                    slice(first, first + tokens.size) if in_order else None,
                     torch.from_numpy(page_ids).to(self.device),
                     kv_lens[rows],
                     (kv_lens - qo_lens)[rows, None] + qi,
                 )
             )
-        self._masks: dict[tuple, list[torch.Tensor | None]] = {}
+        self.writes_all = not qo_lens[num_pages == 0].any()  # every query is in a batch
+        self._masks: dict[tuple, list[_Masks]] = {}
+        self._scratch: list[torch.Tensor | None] = [None] * len(self.batches)
 
-    def masks(
-        self, causal: bool, window_left: int, chunk_size: int | None
-    ) -> list[torch.Tensor | None]:
-        """Each batch's visibility mask under these options (memoized)."""
+    def scratch(self, i: int, kv_layer: KVLayer) -> torch.Tensor | None:
+        """Batch ``i``'s gather buffer for a contiguous ``[num_pages, 2, ...]``
+        layer (None for a ``(k, v)`` pair or a strided layer)."""
+        if not isinstance(kv_layer, torch.Tensor) or not kv_layer.is_contiguous():
+            return None
+        shape = (2 * self.batches[i].page_ids.numel(), kv_layer[0, 0].numel())
+        buf = self._scratch[i]
+        if buf is None or buf.shape != shape or buf.dtype != kv_layer.dtype:
+            buf = self._scratch[i] = kv_layer.new_empty(shape)
+        return buf
+
+    def masks(self, causal: bool, window_left: int, chunk_size: int | None) -> list[_Masks]:
+        """Each batch's visibility mask under these options, and its queries
+        that see no key (memoized)."""
         key = (causal, window_left, chunk_size)
         if key not in self._masks:
-            self._masks[key] = [
-                _visible(b, self.page_size, causal, window_left, chunk_size, self.device)
-                for b in self.batches
-            ]
+            self._masks[key] = []
+            for b in self.batches:
+                seen = _visible(b, self.page_size, causal, window_left, chunk_size, self.device)
+                blind = None if seen is None else ~seen.any(dim=-1)
+                self._masks[key].append(
+                    (seen, blind if blind is not None and blind.any() else None)
+                )
         return self._masks[key]
 
 
@@ -156,7 +196,7 @@ def _batch_rows(rows: np.ndarray, qo_lens: np.ndarray, kv_lens: np.ndarray) -> l
                 continue
         groups.append([row])
         actual, widest = q_len * kv_len, kv_len
-    return [np.array(g) for g in groups]
+    return [np.array(sorted(g)) for g in groups]  # in plan order: q's tokens in a run
 
 
 def _visible(
@@ -190,28 +230,76 @@ def _visible(
     return seen.expand(-1, max_q, -1)
 
 
-def _attend(
-    q: torch.Tensor,
-    page_ids: torch.Tensor,
+def _gather(
+    kv_layer: KVLayer,
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
+    page_ids: torch.Tensor,
+    scratch: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's keys and values, ``[R, L, H_kv, dim]`` each, from pages
+    ``page_ids`` ``[R, max_pages]``. A page is one row of a ``[pages,
+    page_size * H_kv * dim]`` view, so gathering copies rows; a contiguous
+    ``[num_pages, 2, ...]`` layer is one such view of ``2 * num_pages`` rows
+    (page ``p``'s keys row ``2p``, its values ``2p + 1``), read in one call
+    into ``scratch`` (given exactly for such a layer)."""
+    num_rows = page_ids.shape[0]
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    width = page_ids.shape[1] * page_size
+    ids = page_ids.flatten()
+    if scratch is not None:
+        rows = kv_layer.view(2 * kv_layer.shape[0], -1)
+        torch.index_select(rows, 0, torch.cat([2 * ids, 2 * ids + 1]), out=scratch)
+        k, v = scratch.view(2, num_rows, width, num_kv_heads, -1)
+        return k, v
+    k = k_pages.flatten(1).index_select(0, ids).view(num_rows, width, num_kv_heads, -1)
+    v = v_pages.flatten(1).index_select(0, ids).view(num_rows, width, num_kv_heads, -1)
+    return k, v
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor | None,
+    scale: float,
+    blind: torch.Tensor | None,
+) -> torch.Tensor:
+    """``_attend`` without softcap or sinks, as one
+    ``scaled_dot_product_attention`` call on strided views (its fused
+    kernel reads each KV head for its group of query heads and softmaxes in
+    float32); queries in ``blind`` (``[R, max_q]``, seeing no key) give
+    zeros, whatever the backend makes of them. Returns ``[R, max_q, H,
+    v_dim]`` in q's dtype."""
+    rows_out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=None if visible is None else visible[:, None],
+        scale=scale,
+        enable_gqa=True,
+    ).transpose(1, 2)
+    if blind is not None:
+        rows_out = rows_out.masked_fill(blind[..., None, None], 0.0)
+    return rows_out
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     visible: torch.Tensor | None,
     scale: float,
     softcap: float | None,
     sink: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``R`` rows padded to a common shape: ``q`` ``[R, max_q, H, D]`` over
-    pages ``page_ids`` ``[R, max_pages]``, ``visible`` ``[R, max_q, L]`` (None:
-    all); returns float32 ``[R, max_q, H, v_dim]``."""
+    """``R`` rows padded to a common shape, with softcap or sinks (which
+    sdpa cannot express): ``q`` ``[R, max_q, H, D]`` over keys and values
+    ``[R, L, H_kv, dim]``, ``visible`` ``[R, max_q, L]`` (None: all); returns
+    float32 ``[R, max_q, H, v_dim]``."""
     num_rows, max_q, num_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_pages.shape
+    num_kv_heads, width = k.shape[2], k.shape[1]
     group = num_heads // num_kv_heads
-    width = page_ids.shape[1] * page_size
-    # [R, L, H_kv, D]: each page is one row of the [num_pages, page_size *
-    # H_kv * D] view (strided by the K/V interleave), so gathering is a row copy.
-    ids = page_ids.flatten()
-    k = k_pages.flatten(1).index_select(0, ids).view(num_rows, width, num_kv_heads, head_dim)
-    v = v_pages.flatten(1).index_select(0, ids).view(num_rows, width, num_kv_heads, -1)
     # [R, H_kv, G * max_q, D]: the query heads that share a KV head, stacked.
     qg = q.reshape(num_rows, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     qg = qg.reshape(num_rows, num_kv_heads, group * max_q, head_dim).float()

@@ -155,16 +155,17 @@ class Admission:
         """The step's rows, validated and resolved; changes nothing."""
         segs = step.segments
         rows = self.last
+        forks = _has_forks(step)
         reuse = (
             rows is not None
             and not self.admitted  # another step in flight: the checked path
-            and not _has_forks(step)
+            and not forks
             and step.combined_labels == rows.combined
         )
         if reuse and _equal_rows(segs, rows.segments) and self._same_streams(rows):
             # The last committed step's rows (a decode step): checked, resolved
             # and grouped then. Its slots are shared, never written in place.
-            return self._sized(step, rows, rows.columns, [], rows.slots, rows.spans)
+            return self._sized(step, forks, rows, rows.columns, [], rows.slots, rows.spans)
         if segs and set(map(type, segs)) != {Segment}:
             bad = next(s for s in segs if type(s) is not Segment)
             raise TypeError(f"expected Segment rows, got {type(bad).__name__} {bad!r}")
@@ -178,7 +179,7 @@ class Admission:
             and self._same_streams(rows)
         ):  # the same streams with other spans or tokens
             spans = rows.spans if span_values == rows.columns[2] else _spans(span_values, rows.keys)
-            return self._sized(step, rows, columns, [], rows.slots, spans)
+            return self._sized(step, forks, rows, columns, [], rows.slots, spans)
         d, k = self._shared_rows(rows, request_ids, labels) if reuse else (0, 0)
         keys = (rows.keys[d : d + k] if k else []) + list(zip(request_ids[k:], labels[k:]))
         if k:  # the last step's rows again (rows left before them, joined or left after)
@@ -220,7 +221,7 @@ class Admission:
         groups = self._groups(step, keys, labels)
         combined = step.combined_labels
         rows = ResolvedRows(step.segments, columns, keys, spans, combined, slots, requests, groups)
-        return self._sized(step, rows, columns, new, slots, spans)
+        return self._sized(step, forks, rows, columns, new, slots, spans)
 
     def _shared_rows(
         self, rows: ResolvedRows, request_ids: tuple, labels: tuple
@@ -250,7 +251,7 @@ class Admission:
             return True
         return bool((self.streams.epoch[rows.slots] == rows.epochs).all())
 
-    def _sized(self, step, rows: ResolvedRows, columns, new, slots, spans) -> Admitted:
+    def _sized(self, step, forks: bool, rows: ResolvedRows, columns, new, slots, spans) -> Admitted:
         """The admission record once the rows are resolved (``rows``: the last
         step's, or this one's): lengths checked, page needs, tokens."""
         keys = rows.keys
@@ -270,7 +271,7 @@ class Admission:
             except TokenError as err:
                 raise InvalidStep(str(err)) from err
         return Admitted(
-            keys, columns, new, slots, spans, _has_forks(step), few, ends, num_pages, grow,
+            keys, columns, new, slots, spans, forks, few, ends, num_pages, grow,
             rows.requests, rows.groups, rows, tokens,
         )  # fmt: skip
 

@@ -50,7 +50,7 @@ def index_arrays(
     last_page_len)``, one array op."""
     if isinstance(ends, list):
         last = [(end - 1) % page_size + 1 for end in ends]
-        kv_lens = [max(n - 1, 0) * page_size + x for n, x in zip(num_pages, last)]
+        kv_lens = [(n - 1) * page_size + x if n else x for n, x in zip(num_pages, last)]
         return IndexArrays(
             np.array([0, *accumulate(queries)], np.int32),
             np.array([0, *accumulate(num_pages)], np.int32),
