@@ -10,6 +10,8 @@ import sys
 import time
 from typing import Any
 
+from mstar.serve import cli as serve_cli
+
 USAGE_ERROR = 2
 # (page size, pages, token budget, requests) when not given: the real model's
 # pool is small enough to force preemption; the random model's as well
@@ -70,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     bench.add_argument("--plot", metavar="PATH.png", help="plot plan latency (needs matplotlib)")
     bench.add_argument("--quick", action="store_true", help="fewer configurations")
+    serve_cli.add_bench_options(bench)
+    serve_cli.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         from transformers.utils import logging
@@ -78,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass  # the plan benchmarks run without transformers
     commands = {"demo": run_demo, "generate": run_generate, "bench": run_bench}
+    commands["serve"] = serve_cli.run
     try:
         return commands[args.command](args)
     except UsageError as err:
@@ -235,6 +240,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.serve:
+        return serve_cli.run_bench(args)
     if args.e2e:
         from rich.console import Console
 

@@ -12,6 +12,7 @@ from typing import Any
 
 _EXPORTS = MappingProxyType(
     {
+        "AsyncEngine": "mstar.engine.async_engine",
         "Completion": "mstar.engine.request",
         "CompletionOutput": "mstar.engine.request",
         "Engine": "mstar.engine.engine",

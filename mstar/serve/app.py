@@ -1,0 +1,265 @@
+"""The OpenAI-compatible app over one ``Engine``: ``/v1/completions``,
+``/v1/chat/completions``, ``/v1/models``, ``/health`` and ``/metrics``.
+
+The engine runs in an ``AsyncEngine`` started and stopped with the app's
+lifespan. A client that disconnects has its request aborted before the next
+step, streamed or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import anyio
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import Receive, Scope, Send
+
+from mstar.engine import Completion, Engine, RequestTooLarge, SamplingParams
+from mstar.engine.async_engine import AsyncEngine, Overloaded, RequestFailed, RequestStream
+from mstar.serve import errors
+from mstar.serve.errors import APIError
+from mstar.serve.metrics import ServerMetrics
+from mstar.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    param_named,
+    sampling_params,
+)
+from mstar.serve.responses import DONE, Call, event, events
+
+T = TypeVar("T")
+COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
+METRICS_WAIT_S = 1.0
+
+
+def create_app(
+    engine: Engine, *, model_name: str, max_waiting: int | None = None, retry_after: int = 1
+) -> FastAPI:
+    """The app serving ``engine`` as ``model_name``. Past ``max_waiting``
+    requests without a first token, a request gets 503 with ``Retry-After:
+    retry_after``."""
+    aengine = AsyncEngine(engine, max_waiting=max_waiting)
+    metrics = ServerMetrics(aengine)
+    aengine.on_step = metrics.on_step
+    front = Front(aengine, metrics, model_name, retry_after)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        aengine.start()
+        try:
+            yield
+        finally:
+            await aengine.stop()
+
+    app = FastAPI(title="mstar-kv", lifespan=lifespan)
+    app.state.engine, app.state.metrics = aengine, metrics
+    errors.install(app)
+    created = int(time.time())
+
+    @app.get("/health")
+    async def health() -> dict:
+        if not aengine.serving:
+            raise APIError(503, "the engine is not running")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "mstar-kv"}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def scrape() -> Response:
+        """Engine figures as of now; the last ones read if a step runs long."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(aengine.run(metrics.read_engine), METRICS_WAIT_S)
+        return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        front.check(body)
+        max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        params = sampling_params(body, max_tokens)
+        call = front.call("text_completion", "cmpl", body)
+        return await front.respond(
+            request, call, body.prompt, params, param="prompt", streamed=body.stream
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        front.check(body)
+        messages = [m.as_dict() for m in body.messages]
+        try:
+            ids = await aengine.run(lambda e: e.encode_chat(messages))
+        except (TypeError, ValueError) as err:
+            raise APIError(400, str(err), param="messages") from err
+        max_tokens = next(
+            (m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
+            front.room(len(ids)),
+        )
+        params = sampling_params(body, max_tokens)
+        call = front.call("chat.completion", "chatcmpl", body)
+        return await front.respond(
+            request, call, ids, params, param="messages", streamed=body.stream
+        )
+
+    return app
+
+
+class Front:
+    """What the endpoints share: checks, submitting, collecting, streaming."""
+
+    def __init__(
+        self, aengine: AsyncEngine, metrics: ServerMetrics, model_name: str, retry_after: int
+    ) -> None:
+        self.aengine, self.metrics, self.model_name = aengine, metrics, model_name
+        self.retry_after = retry_after
+        mgr = aengine.engine.mgr
+        self.capacity = min(mgr.num_pages * mgr.page_size, aengine.engine.max_len or 1 << 62)
+
+    def check(self, body: Any) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(
+                404,
+                f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        body.check_supported()
+
+    def room(self, prompt_len: int) -> int:
+        """Chat's default ``max_tokens``: what the context and the pool leave."""
+        return max(1, self.capacity - prompt_len)
+
+    def call(self, kind: Any, prefix: str, body: Any) -> Call:
+        return Call(
+            kind,
+            f"{prefix}-{uuid.uuid4().hex}",
+            self.model_name,
+            include_usage=body.include_usage,
+            return_token_ids=body.return_token_ids,
+        )
+
+    async def respond(
+        self,
+        request: Request,
+        call: Call,
+        prompt: Any,
+        params: SamplingParams,
+        *,
+        param: str,
+        streamed: bool,
+    ) -> Response:
+        """Serve one call: ``param`` names the prompt's field in errors."""
+        stream = await self.submit(call.id, prompt, params, param)
+        if streamed:
+            return EventStream(self.sse(call, stream), media_type="text/event-stream")
+        done = await until_disconnect(request.receive, lambda: self.collect(stream))
+        if done is None:
+            return Response(status_code=499)  # nobody reads it
+        return JSONResponse(call.whole(done))
+
+    async def submit(
+        self, rid: str, prompt: Any, params: SamplingParams, param: str
+    ) -> RequestStream:
+        try:
+            return await self.aengine.add_request(prompt, params, request_id=rid)
+        except Overloaded as err:
+            raise APIError(
+                503, f"the server is overloaded: {err}; retry later",
+                code="overloaded", headers={"Retry-After": str(self.retry_after)},
+            ) from err  # fmt: skip
+        except RequestTooLarge as err:
+            raise APIError(400, str(err), param="max_tokens", code="request_too_large") from err
+        except (TypeError, ValueError) as err:
+            raise APIError(400, str(err), param=param_named(str(err), param)) from err
+
+    async def tracked(self, stream: RequestStream) -> AsyncIterator[Completion]:
+        """``stream``'s completions, counted in the metrics."""
+        generated = 0
+        async for c in stream:
+            if generated == 0 and stream.first_output is not None:
+                self.metrics.ttft.observe(stream.first_output - stream.created)
+                self.metrics.prompt_tokens.inc(len(c.prompt_token_ids))
+            now = sum(len(o.token_ids) for o in c.outputs)
+            self.metrics.generation_tokens.inc(now - generated)
+            generated = now
+            yield c
+
+    async def collect(self, stream: RequestStream) -> Completion:
+        last = None
+        try:
+            async for c in self.tracked(stream):
+                last = c
+        except RequestFailed as err:
+            raise APIError(500, str(err), code="engine_error") from err
+        finally:
+            self.aengine.abort(stream.request_id)  # a no-op once finished
+        assert last is not None and last.finished
+        return last
+
+    async def sse(self, call: Call, stream: RequestStream) -> AsyncIterator[str]:
+        try:
+            async for text in events(call, self.tracked(stream)):
+                yield text
+        except RequestFailed as err:
+            yield event(APIError(500, str(err), code="engine_error").body())
+        finally:
+            self.aengine.abort(stream.request_id)  # a no-op once finished
+        yield DONE
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn that, on shutdown, stops accepting, gives the requests in
+    flight ``timeout_graceful_shutdown`` seconds, then ends the rest (their
+    streams with an error event) before closing connections."""
+
+    def __init__(self, config: uvicorn.Config, aengine: AsyncEngine) -> None:
+        super().__init__(config)
+        self.aengine = aengine
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        for server in self.servers:
+            server.close()
+        await self.aengine.drain(self.config.timeout_graceful_shutdown or 0.0)
+        await super().shutdown(sockets)
+
+
+class EventStream(StreamingResponse):
+    """A streamed response that stops (closing its iterator) as soon as the
+    client disconnects, not only at the next chunk it cannot send."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def body() -> None:
+            try:
+                await self.stream_response(send)
+            except OSError:
+                pass  # the client is gone
+            finally:
+                await self.body_iterator.aclose()
+
+        await until_disconnect(receive, body)
+
+
+async def until_disconnect(receive: Receive, work: Callable[[], Awaitable[T]]) -> T | None:
+    """``await work()``, cancelled when the client disconnects (then None)."""
+    result: list[T] = []
+    async with anyio.create_task_group() as group:
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            group.cancel_scope.cancel()
+
+        group.start_soon(watch)
+        result.append(await work())
+        group.cancel_scope.cancel()
+    return result[0] if result else None

@@ -1,0 +1,137 @@
+"""``mstar-kv serve`` and ``mstar-kv bench --serve``: their options and runs.
+Imports nothing heavy until a command runs."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MAX_WAITING = 256
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``serve`` on ``mstar-kv``'s subparsers."""
+    p = subparsers.add_parser("serve", help="an OpenAI-compatible server over the engine")
+    p.add_argument(
+        "--model", default="smollm2",
+        help="smollm2 (default), random (a seeded tiny Llama, token ids only), a GGUF file or a folder",
+    )  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--pages", type=int, help="KV pages in the pool (default: a memory share)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    p.add_argument("--budget", type=int, default=256, help="tokens per step (default 256)")
+    p.add_argument(
+        "--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
+        help=f"requests without a first token before 503 (default {DEFAULT_MAX_WAITING})",
+    )  # fmt: skip
+    p.add_argument("--no-prefix-cache", action="store_true", help="no KV reuse across requests")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (FlashInfer when installed)")
+    p.add_argument("--seed", type=int, default=0, help="the random model's seed")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds to finish at shutdown")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: --model's)")
+
+
+def add_bench_options(bench: argparse.ArgumentParser) -> None:
+    """``bench --serve`` and its options, on ``mstar-kv bench``'s parser."""
+    bench.add_argument("--serve", action="store_true", help="load-test OpenAI-compatible servers")
+    bench.add_argument(
+        "--url", action="append", default=[],
+        help="--serve: also measure this server (its /v1 base URL; repeatable)",
+    )  # fmt: skip
+    bench.add_argument("--no-self", action="store_true", help="--serve: only the --url servers")
+    bench.add_argument("--requests", type=int, default=32, help="--serve: requests per rate")
+    bench.add_argument("--max-tokens", type=int, default=64, help="--serve: per request")
+    bench.add_argument(
+        "--rates", default="burst,0.5", help="--serve: requests/s, comma-separated; burst: all at once"
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    """``mstar-kv serve``: serve until SIGINT/SIGTERM, then exit 0."""
+    import uvicorn
+
+    from mstar.cli import UsageError
+    from mstar.serve.app import GracefulServer, create_app
+
+    for name in ("port", "pages", "page_size", "budget", "max_waiting"):
+        least, value = int(name != "port"), getattr(args, name)
+        if value is not None and value < least:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+    engine = _engine(args)
+    name = args.served_model_name or ("random" if args.model == "random" else Path(args.model).stem)
+    app = create_app(engine, model_name=name, max_waiting=args.max_waiting)
+    mgr = engine.mgr
+    print(
+        f"mstar-kv serve: {name} on http://{args.host}:{args.port}/v1 ({args.device}, "
+        f"{mgr.num_pages} KV pages of {mgr.page_size} tokens, {engine.budget} tokens/step, "
+        f"prefix cache {'on' if engine.prefix_cache else 'off'}, max waiting {args.max_waiting})",
+        flush=True,
+    )
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
+        log_level="info", access_log=False,
+    )  # fmt: skip
+    # uvicorn re-raises the signal it stopped on once it has shut down: let that be a no-op
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    GracefulServer(config, app.state.engine).run()
+    return 0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _engine(args: argparse.Namespace) -> Any:
+    from mstar.cli import checked_device, load_model, make_engine
+
+    if args.model == "random":
+        from mstar.demo import build_model
+
+        model, tokenizer = build_model(args.seed, str(checked_device(args.device)))[1], None
+    else:
+        model, tokenizer = load_model(args.model, args.device)
+    return make_engine(
+        model, tokenizer, args.device, num_pages=args.pages, page_size=args.page_size,
+        token_budget=args.budget, prefix_cache=not args.no_prefix_cache,
+    )  # fmt: skip
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """``mstar-kv bench --serve``."""
+    import json
+
+    from mstar.bench.serve import format_serve, parse_rates, plot_serve, run_serve_bench
+    from mstar.cli import UsageError
+
+    try:
+        rates = parse_rates(args.rates)
+    except ValueError as err:
+        raise UsageError(f"--rates: {err}") from err
+    if args.no_self and not args.url:
+        raise UsageError("--no-self needs at least one --url")
+    if args.requests < 1 or args.max_tokens < 1:
+        raise UsageError("--requests and --max-tokens must be >= 1")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as err:
+            raise UsageError("--plot needs matplotlib: pip install 'mstar-kv[plot]'") from err
+    result = run_serve_bench(
+        args.url, rates, requests=8 if args.quick else args.requests,
+        max_tokens=16 if args.quick else args.max_tokens, self_server=not args.no_self,
+    )  # fmt: skip
+    print(format_serve(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.plot:
+        plot_serve(result, args.plot)
+    return 0 if all(r["completed"] == r["requests"] for r in result["rows"]) else 1

@@ -1,0 +1,64 @@
+"""Prometheus metrics of one server, in its own registry (``/metrics``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from mstar.engine import Engine
+from mstar.engine.async_engine import AsyncEngine
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ServerMetrics:
+    """Requests, KV pages, the prefix cache, token counters and latencies.
+
+    Engine figures are read on the engine thread: ``on_step`` after each
+    step, ``read_engine`` when scraped; request figures on the event loop.
+    """
+
+    def __init__(self, aengine: AsyncEngine) -> None:
+        self.registry = r = CollectorRegistry()
+        Gauge("mstar_requests_running", "Requests producing tokens", registry=r).set_function(
+            lambda: aengine.num_running
+        )
+        Gauge("mstar_requests_waiting", "Requests with no token yet", registry=r).set_function(
+            lambda: aengine.num_waiting
+        )
+        self.pages = Gauge("mstar_kv_pages", "KV pages by state", ["state"], registry=r)
+        self.hit_rate = Gauge(
+            "mstar_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache", registry=r
+        )
+        self.prompt_tokens = Counter("mstar_prompt_tokens", "Prompt tokens accepted", registry=r)
+        self.generation_tokens = Counter(
+            "mstar_generation_tokens", "Tokens generated and sent", registry=r
+        )
+        self.step = Histogram(
+            "mstar_step_seconds", "Engine step latency", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.plan = Histogram(
+            "mstar_plan_seconds", "KVManager.plan latency per step", buckets=LATENCY_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "mstar_time_to_first_token_seconds", "From request to its first output",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+
+    def on_step(self, engine: Engine, seconds: float) -> None:
+        self.step.observe(seconds)
+        if engine.stats.plan_us:
+            self.plan.observe(engine.stats.plan_us[-1] / 1e6)
+
+    def read_engine(self, engine: Engine) -> None:
+        mgr = engine.mgr
+        free, cached = mgr.num_free_pages, mgr.num_cached_pages
+        self.pages.labels("total").set(mgr.num_pages)
+        self.pages.labels("used").set(mgr.num_pages - free)
+        self.pages.labels("free").set(free)
+        self.pages.labels("cached").set(cached)
+        stats = mgr.prefix_stats()
+        self.hit_rate.set(stats["tokens_hit"] / max(1, stats["tokens_queried"]))
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

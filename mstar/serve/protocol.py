@@ -1,0 +1,138 @@
+"""The OpenAI API's request bodies (pydantic), and their sampling parameters.
+
+Types are checked here; ranges and the rest of the sampling contract are
+``SamplingParams``'s (see ``sampling_params``). Fields a client may send that
+the engine does not implement are refused when set to anything but their
+neutral value, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from mstar.engine import SamplingParams
+
+# fields with no effect at these values; any other value is refused
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+# SamplingParams field -> the request field it comes from
+PARAM_FIELDS = {
+    "max_new_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "n": "n",
+    "seed": "seed",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "stop": "stop",
+}
+_FIELD_NAMES = re.compile(r"\b(" + "|".join(sorted(PARAM_FIELDS, key=len, reverse=True)) + r")\b")
+Number = StrictFloat | StrictInt
+
+
+class ParamError(ValueError):
+    """A request field with a bad value: ``param`` names it."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share (vLLM's ``top_k``, ``stop_token_ids``,
+    ``ignore_eos``, ``return_token_ids`` included)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    temperature: Number = 1.0
+    top_p: Number = 1.0
+    top_k: StrictInt = 0
+    n: StrictInt = 1
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: StrictBool = False
+
+    def check_supported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in NEUTRAL and value not in NEUTRAL[name]:
+                raise ParamError(f"{name}={value!r} is not supported by this server", name)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Sampling):
+    prompt: StrictStr | list[StrictInt]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    role: StrictStr
+    content: StrictStr | list[TextPart]
+
+    def as_dict(self) -> dict[str, str]:
+        text = self.content
+        if not isinstance(text, str):
+            text = "".join(part.text for part in text)
+        return {"role": self.role, "content": text}
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: StrictInt | None = None
+
+
+def sampling_params(body: _Sampling, max_tokens: int) -> SamplingParams:
+    """``SamplingParams`` from ``body`` (``max_tokens`` when it sets none);
+    ``ParamError`` naming the request field when they refuse a value."""
+    try:
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=0 if body.top_k == -1 else body.top_k,  # vLLM's "all" is -1
+            n=body.n,
+            seed=body.seed,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            stop=body.stop or (),
+        )
+    except (TypeError, ValueError) as err:
+        raise ParamError(str(err), param_named(str(err), None)) from err
+
+
+def param_named(message: str, default: str | None) -> str | None:
+    """The request field behind the first ``SamplingParams`` field ``message`` names."""
+    named = _FIELD_NAMES.search(message)
+    return PARAM_FIELDS[named.group(1)] if named else default

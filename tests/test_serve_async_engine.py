@@ -1,0 +1,81 @@
+"""``AsyncEngine`` without HTTP: coroutines share one engine thread; streams
+equal ``Engine.generate``; stopping fails what is in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+
+import pytest
+
+from mstar.demo import build_model
+from mstar.engine import AsyncEngine, Engine, SamplingParams
+from mstar.engine.async_engine import Overloaded, RequestFailed
+
+POOL = {"num_pages": 48, "page_size": 8, "token_budget": 32}
+PROMPTS = [[(5 * i + j) % 250 + 1 for j in range(4 + i)] for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(1)[0]
+
+
+def test_coroutines_share_the_engine_and_get_their_offline_outputs(model):
+    params = SamplingParams(max_new_tokens=5)
+    want = Engine(copy.deepcopy(model), **POOL).generate(PROMPTS, params)
+    aengine = AsyncEngine(Engine(copy.deepcopy(model), **POOL))
+
+    async def one(i: int) -> list[int]:
+        stream = await aengine.add_request(PROMPTS[i], params, request_id=f"r{i}")
+        outs = [c async for c in stream]
+        assert outs[-1].finished and not any(c.finished for c in outs[:-1])
+        return outs[-1].outputs[0].token_ids
+
+    async def main() -> list[list[int]]:
+        aengine.start()
+        try:
+            got = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+            assert not await aengine.run(lambda e: e.has_unfinished())
+            return got
+        finally:
+            await aengine.stop()
+
+    assert asyncio.run(main()) == [c.outputs[0].token_ids for c in want]
+
+
+def test_bad_requests_raise_at_add_and_stop_fails_what_is_in_flight(model):
+    engine = Engine(copy.deepcopy(model), **POOL)
+    aengine = AsyncEngine(engine, max_waiting=1)
+    gate, step = threading.Event(), engine.step
+
+    def held():  # no step runs until the test opens the gate
+        assert gate.wait(60)
+        return step()
+
+    engine.step = held
+
+    async def main() -> None:
+        assert not aengine.serving
+        aengine.start()
+        assert aengine.serving
+        with pytest.raises(ValueError, match="prompt"):
+            await aengine.add_request([], SamplingParams(), request_id="empty")
+        long = SamplingParams(max_new_tokens=300)
+        stream = await aengine.add_request(PROMPTS[0], long, request_id="long")
+        with pytest.raises(Overloaded):  # "long" waits for its first token
+            await aengine.add_request(PROMPTS[1], long, request_id="next")
+        gate.set()
+        await anext(stream)
+        await aengine.stop()
+        assert not aengine.serving
+        with pytest.raises(RequestFailed, match="shutting down"):
+            async for _ in stream:
+                pass
+        with pytest.raises(RuntimeError, match="stopped"):
+            await aengine.run(lambda e: None)
+
+    asyncio.run(main())
+    assert not engine.has_unfinished()
+    assert engine.mgr.num_free_pages == engine.mgr.num_pages

@@ -1,0 +1,87 @@
+"""``mstar-kv serve`` as a process: it says where it listens, serves, and on
+SIGINT/SIGTERM stops accepting, ends its in-flight stream and exits 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+
+from servers import wait_until
+
+from mstar.serve.cli import free_port
+
+START_S = 120
+
+
+def up(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_serve_exits_0_on_a_signal_and_ends_in_flight_streams(sig):
+    port = free_port()
+    cmd = [sys.executable, "-m", "mstar.cli", "serve", "--model", "random", "--port", str(port),
+           "--pages", "64", "--page-size", "8", "--grace", "1"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until(lambda: up(base) or proc.poll() is not None, timeout=START_S)
+        assert proc.poll() is None, proc.communicate()[0]
+        body = {"prompt": [1, 2, 3], "max_tokens": 400, "temperature": 0, "stream": True,
+                "return_token_ids": True}  # fmt: skip
+        lines: list[str] = []
+        first = threading.Event()
+
+        def read() -> None:
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        first.set()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert first.wait(60)
+        proc.send_signal(sig)
+        reader.join(timeout=60)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.communicate()[0]
+    assert f"mstar-kv serve: random on http://127.0.0.1:{port}/v1" in out
+    assert not reader.is_alive() and lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2][6:])
+    assert "error" in last or last["choices"][0]["finish_reason"] == "length"
+    assert not up(base)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["serve", "--budget", "0"], "--budget must be >= 1"),
+        (["serve", "--max-waiting", "0"], "--max-waiting must be >= 1"),
+        (["serve", "--pages", "0"], "--pages must be >= 1"),
+        (["serve", "--model", "random", "--device", "tpu"], "--device tpu"),
+        (["serve", "--model", "/no/such/model"], "--model /no/such/model"),
+        (["bench", "--serve", "--rates", "burst,0"], "--rates"),
+        (["bench", "--serve", "--no-self"], "--no-self needs at least one --url"),
+    ],
+)
+def test_serve_and_bench_serve_reject_impossible_options_in_one_line(capsys, args, message):
+    from mstar.cli import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
