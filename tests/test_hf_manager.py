@@ -32,12 +32,14 @@ class ManagedRunner:
     ``test_hf._check_stream`` reads). A fork target inherits its source's, as
     it inherits its pages."""
 
-    def __init__(self, model: torch.nn.Module, page_size: int, num_pages: int = 64) -> None:
+    def __init__(
+        self, model: torch.nn.Module, page_size: int, num_pages: int = 64, window: int | None = None
+    ) -> None:
         self.model = model
         self.cache = KVCache(
             num_pages=num_pages, page_size=page_size, **kv_spec(model).cache_kwargs()
         )
-        self.mgr = KVManager(num_pages, page_size, cache=self.cache)
+        self.mgr = KVManager(num_pages, page_size, cache=self.cache, window=window)
         self.tokens: dict[Stream, list[int]] = {}
         self.logits: dict[Stream, list[torch.Tensor]] = {}
 

@@ -125,14 +125,29 @@ class Engine:
         )
         # on CUDA the plan's index arrays leave from pinned memory, so their copies are asynchronous
         ring = PinnedIndexRing() if self.device.type == "cuda" else None
+        # A windowed model's streams release the pages behind the window, unless
+        # the prefix cache keeps them (the two do not combine yet).
+        window = None if prefix_cache else spec.window
         self.mgr = KVManager(
-            num_pages, page_size, cache=self.cache, prefix_cache=prefix_cache, ring=ring
+            num_pages,
+            page_size,
+            cache=self.cache,
+            prefix_cache=prefix_cache,
+            ring=ring,
+            window=window,
         )
         self.prefix_cache = prefix_cache
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.max_len = getattr(model.config, "max_position_embeddings", None)
         self.intake = Intake(
-            tokenizer, model.config.vocab_size, self.max_len, page_size, num_pages, self.device
+            tokenizer,
+            model.config.vocab_size,
+            self.max_len,
+            page_size,
+            num_pages,
+            self.device,
+            window,
+            token_budget,
         )
         self.stats = EngineStats()
         self._running: dict[str, Request] = {}  # unfinished, oldest first

@@ -23,7 +23,9 @@ class RequestTooLarge(ValueError):
 @dataclass(frozen=True)
 class Intake:
     """The limits of one engine: its tokenizer (or None), vocabulary, longest
-    sequence (or None), page size and pool, and the device samplers draw on."""
+    sequence (or None), page size and pool, the device samplers draw on, and,
+    for a manager that releases pages behind a sliding ``window``, the
+    longest chunk a step feeds a stream (``budget``)."""
 
     tokenizer: Any
     vocab_size: int
@@ -31,6 +33,8 @@ class Intake:
     page_size: int
     num_pages: int
     device: torch.device
+    window: int | None = None
+    budget: int | None = None
 
     def request(
         self,
@@ -99,11 +103,19 @@ class Intake:
         self, prompt_len: int, params: SamplingParams, uncond_len: int | None = None
     ) -> int:
         """KV pages a request holds at its peak, alone in the pool (the last
-        generated token is never fed)."""
+        generated token is never fed). With a ``window``, a stream holds at
+        most ``W + page_size - 2`` tokens' pages between steps (the manager
+        releases those behind the window) plus a step's chunk."""
         size = self.page_size
 
-        def pages(tokens: int) -> int:
+        def full(tokens: int) -> int:
             return -(-tokens // size)
+
+        def pages(tokens: int) -> int:
+            if self.window is None:
+                return full(tokens)
+            chunk = tokens if self.budget is None else min(tokens, self.budget)
+            return min(full(tokens), full(self.window + size - 2 + chunk))
 
         longest = prompt_len + params.max_new_tokens - 1
         if uncond_len is not None:
@@ -111,4 +123,5 @@ class Intake:
         if params.n == 1:
             return pages(longest)
         # the prompt's stream while forking, then each sample's pages past the shared ones
-        return pages(prompt_len) + params.n * (pages(longest) - prompt_len // size)
+        shared = full(prompt_len) + params.n * (full(longest) - prompt_len // size)
+        return min(shared, pages(prompt_len) + params.n * pages(longest))

@@ -75,6 +75,10 @@ class KVSpec:
     sinks: bool
     # Whether the model's forward takes ``logits_to_keep`` as a tensor of indices.
     keeps_logits: bool
+    # The sliding window every layer shares (HF's ``sliding_window``), None when
+    # some layer has none or they differ: a KVManager(..., window=...) for it
+    # releases the pages behind it.
+    window: int | None = None
 
     def cache_kwargs(self) -> dict[str, int]:
         return {
@@ -188,6 +192,8 @@ def forward_step(
     position_ids = positions(plan)
     if any(spec.chunk_sizes):
         _check_chunk_positions(plan, position_ids.numpy(), cache.page_size)
+    if plan.kv_offsets is not None:
+        _check_window(plan, position_ids.numpy(), spec.window)
     options: dict[str, Any] = {}
     if keep is not None and spec.keeps_logits:
         options["logits_to_keep"] = keep.to(input_ids.device)
@@ -334,7 +340,7 @@ def _judge(config: Any, calls: list[dict[str, Any]], keeps_logits: bool) -> KVSp
         for c in calls
         if c["layer"] < len(layer_types)
         and layer_types[c["layer"]] == "sliding_attention"
-        and not c["window"]
+        and c["window"] is None
     ]
     if unwindowed:
         return (
@@ -346,8 +352,17 @@ def _judge(config: Any, calls: list[dict[str, Any]], keeps_logits: bool) -> KVSp
         if c["layer"] < len(layer_types) and layer_types[c["layer"]] == "chunked_attention":
             chunk_sizes[c["layer"]] = chunk
     sinks = any(c["sinks"] for c in calls)
+    windows = {c["window"] for c in calls}
+    window = windows.pop() if len(windows) == 1 and not any(chunk_sizes) else None
     return KVSpec(
-        num_layers, num_kv_heads, head_dim, v_head_dim, tuple(chunk_sizes), sinks, keeps_logits
+        num_layers,
+        num_kv_heads,
+        head_dim,
+        v_head_dim,
+        tuple(chunk_sizes),
+        sinks,
+        keeps_logits,
+        None if window is None else int(window),
     )
 
 
@@ -386,6 +401,24 @@ def _check_chunk_positions(plan: KVPlanOutput, position_ids: np.ndarray, page_si
             f"expected each token's position to be its key slot under chunked attention,"
             f" got position {int(position_ids[token])} at slot {int(slots[token])}"
             f" (token {token})"
+        )
+
+
+def _check_window(plan: KVPlanOutput, position_ids: np.ndarray, window: int | None) -> None:
+    """Refuse a plan whose rows released keys the model still reads: each
+    row's first query sees keys from ``position - window + 1``, which must
+    not lie before the row's first page (``kv_offsets``)."""
+    qo_indptr = plan.cpu_indptrs.qo_indptr.numpy().astype(np.int64)
+    rows = np.flatnonzero(np.diff(qo_indptr) > 0)
+    first = position_ids[qo_indptr[rows]]
+    reach = np.zeros_like(first) if window is None else np.maximum(first - (window - 1), 0)
+    bad = np.flatnonzero(reach < plan.kv_offsets[rows])
+    if len(bad):
+        row = int(rows[bad[0]])
+        raise ValueError(
+            f"expected the plan to hold every key the model reads, got row {row} ({plan.rows[row]})"
+            f" whose keys before position {int(plan.kv_offsets[row])} were released, while the"
+            f" model's window ({window}) reaches position {int(reach[bad[0]])}"
         )
 
 
@@ -471,7 +504,7 @@ def _record(
             "keywords": set(kwargs),
             "mask": attention_mask is not None,
             "sinks": kwargs.get("s_aux") is not None,
-            "window": kwargs.get("sliding_window") is not None,
+            "window": kwargs.get("sliding_window"),
             "causal": getattr(module, "is_causal", True) and kwargs.get("is_causal", True),
             "shape": (key.shape[1], key.shape[3], value.shape[3]),
         }

@@ -55,7 +55,7 @@ class Forks:
         self.pool.share(table[:full])
         if dst in streams.labels(request_id):
             journal.add(Replaced((request_id, dst), streams.unmap(request_id, dst)))
-        slot = streams.make(request_id, dst, table, stored)
+        slot = streams.make(request_id, dst, table, stored, int(streams.base[src_slot]))
         journal.add(Made((request_id, dst), slot))
         if streams.prefix is not None:
             streams.prefix.copy(src_slot, slot)

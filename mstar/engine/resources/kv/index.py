@@ -61,10 +61,13 @@ class IndexBuilder:
     """Index arrays of plan labels over ``streams``; the labels' last
     indices, and the memory they are built in."""
 
-    def __init__(self, streams: StreamTable, page_size: int, paths: Paths) -> None:
+    def __init__(
+        self, streams: StreamTable, page_size: int, paths: Paths, window: int | None = None
+    ) -> None:
         self.streams = streams
         self.page_size = page_size
         self.paths = paths
+        self.window = window
         self._last: dict[str, _Index] = {}
         self._recycler = Recycler()
 
@@ -130,13 +133,20 @@ class IndexBuilder:
         buffers, with a ring) and a lazy view builder."""
         qo_indptr, kv_indptr, indices, last, kv_lens, ends, slots, spans, keys, write = arrays
         decode_pages, decode_offsets = write or (None, None)
-        return KVPlanOutput(
+        starts = offsets = None
+        if self.window is not None:  # the first key each row's window reaches
+            starts = np.maximum(ends - spans - (self.window - 1), 0)
+            offsets = self.streams.base[slots]
+        gens = self.streams.gen[slots]
+        out = KVPlanOutput(
             host_indptrs((qo_indptr, kv_indptr, indices, last), kv_lens, ring),
             decode_pages=decode_pages,
             decode_offsets=decode_offsets,
             rows=keys,
-            view_builder=_Views(keys, indices, kv_indptr, ends, spans, self.streams.gen[slots]),
+            view_builder=_Views(keys, indices, kv_indptr, ends, spans, gens, starts),
         )
+        out.kv_offsets = offsets
+        return out
 
     def _splice(
         self, plan_label: str, slots: np.ndarray, num_pages: np.ndarray, kv_indptr: np.ndarray
@@ -230,18 +240,27 @@ class IndexBuilder:
 
 class _Views:
     """Builds a plan's views on first use, from that plan's own arrays (a
-    plain class, not a closure, so nothing else of the manager is held)."""
+    plain class, not a closure, so nothing else of the manager is held).
+    ``ends`` are the rows' page-space ends; ``starts`` (None: all 0) the
+    slot of each row's first key its window reaches."""
 
-    def __init__(self, keys, indices, kv_indptr, lengths, spans, generations):
-        self.args = (keys, indices, kv_indptr, lengths, spans, generations)
+    def __init__(self, keys, indices, kv_indptr, ends, spans, generations, starts=None):
+        self.args = (keys, indices, kv_indptr, ends, spans, generations, starts)
 
     def __call__(self) -> list[SequenceView]:
-        keys, indices, kv_indptr, lengths, spans, generations = self.args
+        keys, indices, kv_indptr, ends, spans, generations, starts = self.args
         bounds = kv_indptr.tolist()
+        starts = [0] * len(keys) if starts is None else starts.tolist()
         return [
-            SequenceView(request_id, label, indices[a:b].tolist(), length, span, 0, gen)
-            for (request_id, label), a, b, length, span, gen in zip(
-                keys, bounds, bounds[1:], lengths.tolist(), spans.tolist(), generations.tolist()
+            SequenceView(request_id, label, indices[a:b].tolist(), end - start, span, start, gen)
+            for (request_id, label), a, b, end, span, gen, start in zip(
+                keys,
+                bounds,
+                bounds[1:],
+                ends.tolist(),
+                spans.tolist(),
+                generations.tolist(),
+                starts,
             )
         ]
 

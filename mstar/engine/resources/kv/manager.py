@@ -11,6 +11,16 @@ Pages: a stream's pages hold its tokens in order, ``page_size`` each. A page
 whose tokens are all stored is full and never written again, so forks share
 full pages by reference count and copy only a partially filled last page.
 
+Windows: with ``window=W`` (a model whose every attention layer sees the last
+``W`` keys, HF's ``sliding_window``), a query at position ``p`` reads keys
+``>= p - W + 1`` only. After each commit, a stream's full pages wholly
+behind its next query's window go back to the pool, so it holds at most
+``ceil(W / page_size) + 1`` pages between steps. Its plan rows then describe
+the kept pages alone (``SequenceView.start``, ``KVPlanOutput.kv_offsets``:
+see ``plan``) and positions stay absolute. The release is the last thing a
+commit does, once nothing can fail, so no undo ever meets one; ``abort``
+and a refused step change nothing.
+
 The work is done by collaborators, one job each: ``StreamTable`` (streams'
 slots, pages, lengths), ``Admission`` (checking a step, resolving its rows,
 counting its pages), ``Journal`` (a step's reserved pages and its undo),
@@ -80,10 +90,20 @@ class KVManager:
         ring: PinnedIndexRing | None = None,
         *,
         prefix_cache: bool = False,
+        window: int | None = None,
     ) -> None:
         for name, value in (("num_pages", num_pages), ("page_size", page_size)):
             if not is_int(value) or not 1 <= value <= INT32_MAX:
                 raise ValueError(f"expected {name} an int in [1, 2**31), got {value!r}")
+        if window is not None:
+            if not is_int(window) or not 1 <= window <= INT32_MAX:
+                raise ValueError(f"expected window None or an int in [1, 2**31), got {window!r}")
+            if prefix_cache:
+                raise ValueError(
+                    "expected window=None with prefix_cache=True (a windowed stream's released"
+                    " pages cannot serve as a prefix), got window"
+                    f" {window}"
+                )
         if num_pages * page_size > INT32_MAX:
             raise ValueError(
                 f"expected num_pages * page_size < 2**31 (int32 slots), got {num_pages * page_size}"
@@ -92,6 +112,7 @@ class KVManager:
         self.page_size = int(page_size)
         self.cache = cache
         self.ring = ring
+        self.window = None if window is None else int(window)
         self._lock = threading.Lock()
         self._pages = PagePool(self.num_pages, self.page_size)
         self._streams = StreamTable(self._pages, self.page_size, prefix_cache)
@@ -102,7 +123,7 @@ class KVManager:
             self._streams, self._pages, self.page_size, self._paths, self._admitted
         )
         self._forks = Forks(self._streams, self._pages, self.page_size, cache)
-        self._index = IndexBuilder(self._streams, self.page_size, self._paths)
+        self._index = IndexBuilder(self._streams, self.page_size, self._paths, self.window)
 
     # --- queries -----------------------------------------------------------------------
 
@@ -111,9 +132,15 @@ class KVManager:
         return self._pages.num_free
 
     def stored_len(self, request_id: str, label: str) -> int:
-        """Tokens committed to the stream."""
+        """Tokens committed to the stream (those behind its window included)."""
         with self._lock:
-            return int(self._streams.stored[self._slot(request_id, label)])
+            slot = self._slot(request_id, label)
+            return int(self._streams.stored[slot] + self._streams.base[slot])
+
+    def held_pages(self, request_id: str, label: str) -> int:
+        """Pages the stream holds now (shared ones included)."""
+        with self._lock:
+            return int(self._streams.npages[self._slot(request_id, label)])
 
     def labels(self, request_id: str) -> list[str]:
         """The labels of the request's streams (empty for an unknown request)."""
@@ -243,6 +270,8 @@ class KVManager:
             if rec.forks:
                 for slot in journal.replaced():  # fork targets it replaced go now
                     self._streams.free(slot)
+            if self.window is not None and step.commit:
+                self._release_behind(rec)
             self._admission.remember(step, rec)
             del self._admitted[step]
 
@@ -331,6 +360,21 @@ class KVManager:
             slots, grow = rec.slots[growing], grow[growing]
             pages = journal.take(int(np.add.reduce(grow)))
             journal.add(Grew(slots, streams.extend(slots, grow, pages)))
+
+    def _release_behind(self, rec: Admitted) -> None:
+        """Release the full pages of the step's streams (its fork targets
+        too) that no later query's window reaches."""
+        streams, ps = self._streams, self.page_size
+        slots = rec.slots
+        if rec.forks:
+            slots = np.array([s for r in rec.requests for s in streams.labels(r).values()])
+        behind = streams.stored[slots] - (self.window - 1)
+        behind //= ps
+        dropping = (behind > 0).nonzero()[0]
+        for slot, n in zip(slots[dropping].tolist(), behind[dropping].tolist()):
+            streams.drop(slot, n, ps)
+        if len(dropping):
+            self._index.forget()  # its arrays name released pages
 
     def _undo(self, rec: Admitted, mark: tuple[int, int]) -> None:
         """Roll the step back to ``mark`` through its journal."""

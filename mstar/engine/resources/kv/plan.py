@@ -9,6 +9,16 @@ Conventions (FlashInfer's): every index tensor is int32 and built on the CPU; a
 row's pages, in order, hold tokens ``[start, start + length)`` of the page
 space, so its last page holds ``(start + length) % page_size`` tokens (0: full).
 
+``start > 0`` (a windowed stream whose first pages went back to the pool):
+FlashInfer has no per-row start, so a row's keys are its page-space slots
+``[0, start + length)``: ``kv_len = start + length`` and query ``i`` sits at
+slot ``kv_len - to_compute + i``. The ``start`` slots before the first kept
+token still hold older keys of the stream; the attention's window
+(``window_left``) hides them, and causal masks and windows are relative, so
+the shift changes no score. Positions are absolute: slot ``s`` of a row is
+at position ``kv_offsets[row] + s`` (the tokens of the pages released
+before the row's first page; 0 without ``kv_offsets``).
+
 The contract's types and ``group_by_plan_label`` live here; the index
 builder from views (``build_paged_indptrs``'s checks, ``context_only_views``)
 and the pinned ring live beside it (``indptrs``, ``ring``) and are re-exported:
@@ -197,13 +207,16 @@ class KVPlanOutput:
 
     ``views`` are built at most once, on first access, when only a
     ``view_builder`` (a zero-argument callable) was given: the hot path never
-    pays for them. A builder's views start at 0 (``start == 0``), so until
-    they are built positions are read from the index arrays. ``rows`` is each row's ``(request_id, label)`` in plan
+    pays for them; positions are read from the index arrays until they are. ``rows`` is each row's ``(request_id, label)`` in plan
     order. ``decode_pages``/``decode_offsets`` (numpy int64 ``[B]``), when
-    given, are each row's write page and offset within it.
+    given, are each row's write page and offset within it. ``kv_offsets``
+    (numpy int64 ``[B]``, or None for all 0; an attribute, set by a windowed
+    ``KVManager``, so the spec's signature stands) is each row's position of
+    its first key slot: tokens released behind a window before its first page.
     """
 
     __slots__ = (
+        "kv_offsets",
         "cpu_indptrs",
         "cuda_indptrs",
         "decode_pages",
@@ -225,6 +238,7 @@ class KVPlanOutput:
     ) -> None:
         if views is None and view_builder is None:
             raise ValueError("expected views or a view_builder, got neither")
+        self.kv_offsets: np.ndarray | None = None  # set by a windowed manager's plan
         self.cpu_indptrs = cpu_indptrs
         self.cuda_indptrs = cuda_indptrs
         self.decode_pages = decode_pages

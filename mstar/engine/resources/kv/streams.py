@@ -8,6 +8,12 @@ names the streams.
 Invariants: a stream's page table holds at least the pages of its length,
 in order; a free slot has no table, no pages, length 0 and epoch -1.
 
+Windows: ``drop`` releases a stream's first pages once nothing reads them
+again. Its table, ``npages`` and ``stored`` then count from the first kept
+page (page space), and ``base[slot]`` holds the tokens released before it (a
+multiple of the page size), so the stream's absolute length is ``base +
+stored`` and a token's position is ``base`` plus its page-space slot.
+
 Versions: ``gen[slot]`` changes whenever the stream's pages or length
 change (a view's ``generation``); ``epoch[slot]`` changes when the slot
 starts a new stream, so slots resolved earlier still name the same streams
@@ -38,6 +44,7 @@ class StreamTable:
         self.tables: list[np.ndarray | None] = [np.zeros(0, np.int32)]  # appended, never rebound
         self.stored = np.zeros(1, dtype=np.int64)  # tokens committed
         self.npages = np.zeros(1, dtype=np.int64)  # pages held (>= those of ``stored``)
+        self.base = np.zeros(1, dtype=np.int64)  # tokens released before the first page
         self.gen = np.zeros(1, dtype=np.int64)
         self.epoch = np.zeros(1, dtype=np.int64)
         self.made = 0
@@ -68,8 +75,11 @@ class StreamTable:
 
     # --- streams made and freed ------------------------------------------------------------
 
-    def make(self, request_id: str, label: str, table: np.ndarray, stored: int) -> int:
-        """A new stream on ``table`` (pages it owns) holding ``stored`` tokens."""
+    def make(
+        self, request_id: str, label: str, table: np.ndarray, stored: int, base: int = 0
+    ) -> int:
+        """A new stream on ``table`` (pages it owns) holding ``stored`` tokens
+        after ``base`` released ones."""
         if not self._free:
             self._grow()
         slot = self._free.pop()
@@ -77,6 +87,7 @@ class StreamTable:
         self.tables[slot] = table
         self.npages[slot] = len(table)
         self.stored[slot] = stored
+        self.base[slot] = base
         self._tick += 1
         self.epoch[slot] = self._tick
         self.touch(slot)
@@ -104,7 +115,7 @@ class StreamTable:
         pages = self.tables[slot][: self.npages[slot]]
         self.pool.release(pages if keep is None else pages[~np.isin(pages, keep)])
         self.tables[slot] = None
-        self.npages[slot] = self.stored[slot] = 0
+        self.npages[slot] = self.stored[slot] = self.base[slot] = 0
         self.epoch[slot] = -1
         self.made += 1
         self._free.append(slot)
@@ -133,6 +144,18 @@ class StreamTable:
         self.stored[slots] = ends
         self.touch(slots)
 
+    def drop(self, slot: int, n: int, page_size: int) -> None:
+        """Release the stream's first ``n`` pages (full, behind its window):
+        its table, pages and length then count from the next one."""
+        table, held = self.tables[slot], int(self.npages[slot])
+        assert 0 < n * page_size <= self.stored[slot], "drop only full, stored pages"
+        self.pool.release(table[:n].copy())
+        table[: held - n] = table[n:held]
+        self.npages[slot] = held - n
+        self.stored[slot] -= n * page_size
+        self.base[slot] += n * page_size
+        self.touch(slot)
+
     def touch(self, slots: int | np.ndarray) -> None:
         """A new generation for streams whose pages or length changed."""
         n = 1 if isinstance(slots, int) else len(slots)
@@ -147,7 +170,7 @@ class StreamTable:
                 raise AssertionError("broken rule: a stream holds the pages of its length")
             if (refcount[self.tables[slot][full : self.npages[slot]]] != 1).any():
                 raise AssertionError("broken rule: no stream's still-writable page is shared")
-        if self.stored[0] or self.npages[0] or 0 in self._free:
+        if self.stored[0] or self.npages[0] or self.base[0] or 0 in self._free:
             raise AssertionError("broken rule: slot 0 is the empty stream")
 
     def _with_room(self, slot: int, size: int) -> np.ndarray:
@@ -162,7 +185,7 @@ class StreamTable:
         old = len(self.tables)
         new = max(2 * old, 64)
         self.tables.extend([None] * (new - old))
-        for name in ("stored", "npages", "gen", "epoch"):
+        for name in ("stored", "npages", "base", "gen", "epoch"):
             arr = np.zeros(new, dtype=np.int64)
             arr[:old] = getattr(self, name)
             setattr(self, name, arr)
