@@ -163,7 +163,8 @@ class Engine:
         **kwargs: Any,
     ) -> Engine:
         """``name``: ``"smollm2"``, a GGUF file or a Hugging Face model folder.
-        ``device="cuda"`` uses FlashInfer when it is installed."""
+        ``device="cuda"`` uses FlashInfer when it is installed and serves the
+        model (fp16/bf16 weights, head width 64/128/256); else ``paged_attention``."""
         from mstar.engine.loader import load
 
         if not isinstance(name, str | os.PathLike):
