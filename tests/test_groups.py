@@ -1,0 +1,218 @@
+"""KV groups: hybrid models (sliding-window and full layers) through one
+``KVManager`` and one ``KVCache`` per group. The windowed groups hold only
+their window, the full groups every page, and the models stay exact against
+their own forward and generate."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mstar.engine.resources.groups import GroupPlans, KVGroups
+from mstar.engine.resources.kv.errors import AllocationFailed
+from mstar.engine.resources.step import KVStep, Segment
+
+transformers = pytest.importorskip("transformers")
+
+from test_architectures import _pair  # noqa: E402
+from test_hf import _check_stream, _prompt  # noqa: E402
+from test_hf_manager import ManagedRunner  # noqa: E402
+
+from mstar.integrations.hf import forward_step, kv_spec  # noqa: E402
+
+W = 5
+# sliding, full, sliding: a group's layers need not be contiguous
+LAYERS = {
+    "num_hidden_layers": 3,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "sliding_window": W,
+}
+HYBRID = {
+    "gemma2": ("Gemma2Config", {**LAYERS, "attn_logit_softcapping": 2.0}),
+    "gemma3_text": ("Gemma3TextConfig", LAYERS),
+    "gpt_oss": ("GptOssConfig", {**LAYERS, "intermediate_size": 32}),  # sinks
+}
+
+
+def _bound(window: int, page_size: int) -> int:
+    return -(-window // page_size) + 1
+
+
+class GroupRunner(ManagedRunner):
+    """``ManagedRunner`` through ``KVGroups``: each plan label's forward
+    gets a ``GroupPlans`` and the groups' caches."""
+
+    def __init__(self, model: torch.nn.Module, page_size: int, num_pages: int = 64) -> None:
+        self.model = model
+        self.mgr = KVGroups(kv_spec(model), num_pages, page_size)
+        self.cache = self.mgr.caches
+        self.tokens, self.logits = {}, {}
+
+
+@pytest.mark.parametrize("name", sorted(HYBRID))
+def test_hybrid_models_stay_exact_with_windowed_groups_holding_their_window(name):
+    """Chunked prefill crossing the window and pages beside another
+    stream's decode rows, a fork, then decode far past the window: every
+    step's logits against one full forward, greedy tokens against generate;
+    the windowed group's streams hold at most ceil(W / page_size) + 1 pages
+    between steps, the full group's every page."""
+    reference, paged = _pair(*HYBRID[name])
+    spec = kv_spec(paged)
+    assert spec.window is None and spec.groups == ((W, (0, 2)), (None, (1,)))
+    a, b = ("a", "main"), ("b", "main")
+    prompt_a, prompt_b = _prompt(13, seed=21), _prompt(4, seed=22)
+    page_size = 3
+    run = GroupRunner(paged, page_size=page_size)
+    run.step({a: prompt_a[:7], b: prompt_b})
+    run.step({b: [run.next_token(b)], a: prompt_a[7:11]})
+    run.step({a: prompt_a[11:], b: [run.next_token(b)]})
+    run.fork(b, ["side"])
+    c = ("b", "side")
+    released = False
+    for _ in range(14):
+        plans = run.decode([a, b, c])
+        windowed, full = plans["main"].plans
+        released |= bool(windowed.kv_offsets.any())
+        assert full.kv_offsets is None
+        for stream in (a, b, c):
+            held_w, held_f = run.mgr.held_pages(*stream)
+            assert held_w <= _bound(W, page_size)
+            assert held_f == -(-run.mgr.stored_len(*stream) // page_size)
+        run.mgr.check_invariants()
+    assert released, "no page went back: the test would not see a release"
+    _check_stream(reference, run, a, len(prompt_a))
+    _check_stream(reference, run, b, len(prompt_b))
+    _check_stream(reference, run, c, len(prompt_b))
+
+
+def test_a_step_must_bring_a_plan_and_a_cache_per_group():
+    """A hybrid's forward refuses a mismatched layout before it computes
+    anything; one plan and one cache over every layer (all pages kept) is
+    served as before."""
+    reference, paged = _pair(*HYBRID["gemma2"])
+    run = GroupRunner(paged, page_size=2)
+    step = KVStep((Segment("a", "main", 4),))
+    run.mgr.admit(step)
+    plans = run.mgr.plan(step)["main"]
+    ids = torch.tensor(_prompt(4, seed=1))
+    before = [c.layer(0).clone() for c in run.cache]
+    for plan, cache in (
+        (plans.plans[0], run.cache),
+        (plans, run.cache[:1]),
+        (GroupPlans(plans.plans[:1]), run.cache),
+        (plans, run.cache[::-1]),  # each cache sized to its group's layers
+    ):
+        with pytest.raises(ValueError, match="KV group|expected a cache"):
+            forward_step(paged, ids, plan, cache)
+    assert all(torch.equal(c.layer(0), b) for c, b in zip(run.cache, before))
+    run.mgr.abort(step)
+    keep_all = ManagedRunner(paged, page_size=2)
+    keep_all.step({("a", "main"): ids.tolist()})
+    _check_stream(reference, keep_all, ("a", "main"), 4)
+
+
+def _snapshot(groups: KVGroups, keys) -> tuple:
+    return tuple(
+        (
+            mgr.num_free_pages,
+            [(mgr.stored_len(*k), mgr.held_pages(*k)) for k in keys if mgr.labels(k[0])],
+        )
+        for mgr in groups.managers
+    )
+
+
+class _Spec:
+    """A model's KVSpec, as far as KVGroups reads it."""
+
+    def __init__(self, groups) -> None:
+        self.groups = groups
+
+    def cache_kwargs(self) -> dict[str, int]:
+        return {"num_layers": 3, "num_kv_heads": 1, "head_dim": 2, "v_head_dim": 2}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_steps_keep_the_groups_in_step(seed):
+    """Random chunked steps, decode rows, forks, releases and aborts through
+    KVGroups on a pool small enough to refuse steps: every group holds the
+    same streams at the same lengths, a refused or aborted step changes no
+    group, each group's invariants hold, windowed streams hold their window
+    and full ones every page."""
+    rng = np.random.default_rng(seed)
+    page_size, window = int(rng.integers(1, 5)), int(rng.integers(1, 10))
+    groups = KVGroups(_Spec(((window, (0, 2)), (None, (1,)))), 40, page_size)
+    windowed, full = groups.managers
+    keys = [(f"r{i}", "main") for i in range(3)]
+    total = dict.fromkeys(keys, 0)
+    refused = 0
+    for _ in range(60):
+        rows = [k for k in keys if rng.random() < 0.7] or keys[:1]
+        spans = [int(rng.integers(1, 3 * page_size + 2)) if rng.random() < 0.3 else 1 for _ in rows]
+        forks = (("main", "side"),) if rng.random() < 0.15 and total[rows[0]] else ()
+        step = KVStep(
+            tuple(Segment(r, label, n) for (r, label), n in zip(rows, spans)), post_forks=forks
+        )
+        before = _snapshot(groups, keys)
+        try:
+            groups.admit(step)
+        except AllocationFailed:  # the full group ran out: release the longest stream
+            refused += 1
+            assert _snapshot(groups, keys) == before
+            longest = max(total, key=total.get)
+            groups.release(longest[0])
+            total[longest] = 0
+            continue
+        plans = groups.plan(step)["main"]
+        assert plans.rows == [p.rows for p in plans.plans][1]
+        if rng.random() < 0.2:
+            groups.abort(step)
+            assert _snapshot(groups, keys) == before
+            groups.check_invariants()
+            continue
+        groups.commit(step)
+        for k, n in zip(rows, spans):
+            total[k] += n
+            for key in (k, (k[0], "side")) if forks else (k,):
+                assert windowed.stored_len(*key) == full.stored_len(*key) == total[k]
+                assert windowed.held_pages(*key) <= _bound(window, page_size)
+                assert full.held_pages(*key) == -(-total[k] // page_size)
+        for r, _ in keys:
+            assert windowed.labels(r) == full.labels(r)
+        groups.check_invariants()
+    assert refused, "no step was refused: the test would not see a rollback"
+
+
+def test_the_engine_serves_a_hybrid_through_groups():
+    """The engine (prefix cache off) serves Gemma 2 through KV groups: two
+    samples forked off each prompt and a generation far past the window equal
+    HF generate, and the windowed group ends holding its window alone while
+    the full group holds every page. With the prefix cache on it keeps one
+    manager over every layer."""
+    from mstar.engine import Engine, SamplingParams
+
+    reference, paged = _pair(*HYBRID["gemma2"])
+    prompts = [_prompt(10, seed=31), _prompt(7, seed=32)]
+    eng = Engine(paged, prefix_cache=False, num_pages=64, page_size=4, token_budget=8)
+    assert isinstance(eng.mgr, KVGroups) and eng.mgr.window is None
+    params = SamplingParams(max_new_tokens=30, n=2, ignore_eos=True)
+    ids = [eng.add_request(p, params) for p in prompts]
+    held = []
+    finished = {}
+    for _ in range(100):  # bounded: 37 token steps serve both
+        finished.update((c.request_id, c) for c in eng.step() if c.finished)
+        held.append([m.num_pages - m.num_free_pages for m in eng.mgr.managers])
+        eng.mgr.check_invariants()
+        if not eng.has_unfinished():
+            break
+    assert sorted(finished) == sorted(ids)
+    for prompt, completion in zip(prompts, (finished[i] for i in ids)):
+        tokens = torch.tensor([prompt])
+        expected = reference.generate(tokens, max_new_tokens=30, do_sample=False)[0, len(prompt) :]
+        for output in completion.outputs:
+            assert output.token_ids == expected.tolist()
+    windowed, full = max(w for w, _ in held), max(f for _, f in held)
+    assert windowed <= 4 * _bound(W, 4) < full  # 2 requests x 2 samples
+    assert eng.mgr.num_free_pages == 64
+    keeping = Engine(paged, prefix_cache=True, num_pages=64, page_size=4)
+    assert keeping.mgr.window is None and not isinstance(keeping.mgr, KVGroups)
