@@ -45,7 +45,8 @@ class GroupRunner(ManagedRunner):
 
     def __init__(self, model: torch.nn.Module, page_size: int, num_pages: int = 64) -> None:
         self.model = model
-        self.mgr = KVGroups(kv_spec(model), num_pages, page_size)
+        spec = kv_spec(model)
+        self.mgr = KVGroups(spec.groups, num_pages, page_size, cache=spec.cache_kwargs())
         self.cache = self.mgr.caches
         self.tokens, self.logits = {}, {}
 
@@ -103,7 +104,7 @@ def test_a_step_must_bring_a_plan_and_a_cache_per_group():
         (GroupPlans(plans.plans[:1]), run.cache),
         (plans, run.cache[::-1]),  # each cache sized to its group's layers
     ):
-        with pytest.raises(ValueError, match="KV group|expected a cache"):
+        with pytest.raises(ValueError, match=r"KV group|expected a cache"):
             forward_step(paged, ids, plan, cache)
     assert all(torch.equal(c.layer(0), b) for c, b in zip(run.cache, before))
     run.mgr.abort(step)
@@ -122,16 +123,6 @@ def _snapshot(groups: KVGroups, keys) -> tuple:
     )
 
 
-class _Spec:
-    """A model's KVSpec, as far as KVGroups reads it."""
-
-    def __init__(self, groups) -> None:
-        self.groups = groups
-
-    def cache_kwargs(self) -> dict[str, int]:
-        return {"num_layers": 3, "num_kv_heads": 1, "head_dim": 2, "v_head_dim": 2}
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_random_steps_keep_the_groups_in_step(seed):
     """Random chunked steps, decode rows, forks, releases and aborts through
@@ -141,7 +132,7 @@ def test_random_steps_keep_the_groups_in_step(seed):
     and full ones every page."""
     rng = np.random.default_rng(seed)
     page_size, window = int(rng.integers(1, 5)), int(rng.integers(1, 10))
-    groups = KVGroups(_Spec(((window, (0, 2)), (None, (1,)))), 40, page_size)
+    groups = KVGroups(((window, (0, 2)), (None, (1,))), 40, page_size)
     windowed, full = groups.managers
     keys = [(f"r{i}", "main") for i in range(3)]
     total = dict.fromkeys(keys, 0)

@@ -545,7 +545,13 @@ def _kv_managers(
     cuda = param.device.type == "cuda"
     if not prefix_cache and len(spec.groups) > 1:
         groups = KVGroups(
-            spec, num_pages, page_size, dtype=param.dtype, device=param.device, rings=cuda
+            spec.groups,
+            num_pages,
+            page_size,
+            cache=spec.cache_kwargs(),
+            dtype=param.dtype,
+            device=param.device,
+            rings=cuda,
         )
         return groups, groups.caches
     cache = KVCache(

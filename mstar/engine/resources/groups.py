@@ -16,8 +16,8 @@ prefix cache on keep one manager over every layer instead).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -51,44 +51,50 @@ class GroupPlans:
 
 
 class KVGroups:
-    """One ``KVManager`` and one ``KVCache`` per group of ``spec.groups``
-    (``spec``: a model's ``KVSpec``), each of ``num_pages`` pages; the step
-    protocol (``admit``/``plan``/``commit``/``abort``) and ``release`` go to
-    every manager, all or nothing. ``num_free_pages`` is the fewest any group
-    has free, so ``num_pages - num_free_pages`` is the most any group uses."""
+    """One ``KVManager`` per group of ``groups`` (``(window, layers)`` each,
+    as ``KVSpec.groups``), each of ``num_pages`` pages, and with ``cache``
+    (a model's ``KVSpec.cache_kwargs()``) one ``KVCache`` over each group's
+    layers (``caches``; empty without). The step protocol
+    (``admit``/``plan``/``commit``/``abort``) and ``release`` go to every
+    manager, all or nothing. ``num_free_pages`` is the fewest any group has
+    free, so ``num_pages - num_free_pages`` is the most any group uses.
+    ``rings``: each manager hands its index arrays out of a
+    ``PinnedIndexRing``."""
 
     def __init__(
         self,
-        spec: Any,
+        groups: Sequence[tuple[int | None, Sequence[int]]],
         num_pages: int,
         page_size: int,
         *,
+        cache: dict[str, int] | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         rings: bool = False,
     ) -> None:
-        self.windows = tuple(window for window, _ in spec.groups)
-        self.layers = tuple(layers for _, layers in spec.groups)
-        sizes = spec.cache_kwargs()
+        if len(groups) < 1:
+            raise ValueError(f"expected at least one KV group, got {groups!r}")
+        self.windows = tuple(window for window, _ in groups)
+        self.layers = tuple(tuple(layers) for _, layers in groups)
         self.caches = tuple(
             KVCache(
                 num_pages=num_pages,
                 page_size=page_size,
                 dtype=dtype,
                 device=device,
-                **{**sizes, "num_layers": len(layers)},
+                **{**cache, "num_layers": len(layers)},
             )
-            for layers in self.layers
+            for layers in (self.layers if cache is not None else ())
         )
         self.managers = tuple(
             KVManager(
                 num_pages,
                 page_size,
-                cache=cache,
+                cache=self.caches[i] if self.caches else None,
                 ring=PinnedIndexRing() if rings else None,
                 window=window,
             )
-            for cache, window in zip(self.caches, self.windows)
+            for i, window in enumerate(self.windows)
         )
         self.num_pages, self.page_size = num_pages, page_size
         self.num_cached_pages = 0
