@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         default="chat",
         help="with --e2e: 16 equal chat prompts (default), or mixed serving traffic",
     )
+    bench.add_argument(
+        "--window", action="store_true", help="pages a long generation holds on windowed and"
+        " hybrid models, with and without release",
+    )  # fmt: skip
     bench.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     bench.add_argument("--plot", metavar="PATH.png", help="plot plan latency (needs matplotlib)")
     bench.add_argument("--quick", action="store_true", help="fewer configurations")
@@ -242,6 +246,15 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     if args.serve:
         return serve_cli.run_bench(args)
+    if args.window:
+        from mstar.bench.window import format_window, run_window
+
+        rows = run_window(new=1024 if args.quick else 4096)
+        print(format_window(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return 0
     if args.e2e:
         from rich.console import Console
 

@@ -207,3 +207,19 @@ def test_the_engine_serves_a_hybrid_through_groups():
     assert eng.mgr.num_free_pages == 64
     keeping = Engine(paged, prefix_cache=True, num_pages=64, page_size=4)
     assert keeping.mgr.window is None and not isinstance(keeping.mgr, KVGroups)
+
+
+def test_bench_window_prints_pages_held_with_and_without_release(capsys, tmp_path):
+    """``mstar-kv bench --window``: a windowed group holds its window, a full
+    one (and the keep-all baseline) every page."""
+    import json
+
+    from mstar.cli import main
+
+    path = tmp_path / "window.json"
+    assert main(["bench", "--window", "--quick", "--json", str(path)]) == 0
+    assert "| Gemma 2-like (1:1) | 96 / 96 | 33 / 32 | 96 |" in capsys.readouterr().out
+    rows = {r["model"]: r for r in json.loads(path.read_text())}
+    assert rows["Mistral-like"]["windowed_peak"] == _bound(512, 16)
+    assert rows["Mistral-like"]["admission"] < rows["Mistral-like"]["admission_keep_all"]
+    assert rows["Gemma 3-like (5:1)"]["memory_released"] == 5 * 33 + 96
