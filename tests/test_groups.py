@@ -223,3 +223,21 @@ def test_bench_window_prints_pages_held_with_and_without_release(capsys, tmp_pat
     assert rows["Mistral-like"]["windowed_peak"] == _bound(512, 16)
     assert rows["Mistral-like"]["admission"] < rows["Mistral-like"]["admission_keep_all"]
     assert rows["Gemma 3-like (5:1)"]["memory_released"] == 5 * 33 + 96
+
+
+def test_demo_window_serves_a_hybrid_keeping_and_releasing(capsys):
+    """``mstar-kv demo --window gemma2 --check``: both engines agree with HF
+    generate; the windowed group's peak is below the full group's."""
+    import re
+
+    from mstar.cli import main
+
+    argv = ["demo", "--window", "gemma2", "--requests", "2", "--max-new-tokens", "30"]
+    assert main([*argv, "--pages", "40", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "outputs equal between the two engines: yes" in out
+    assert "against HF generate: 2 passed, 0 failed" in out
+    windowed = int(re.search(r"\| 16: 0, 2 \| (\d+) of 40", out)[1])
+    full = int(re.search(r"\| full: 1, 3 \| (\d+) of 40", out)[1])
+    assert windowed <= 2 * (_bound(16, 4) + 8) < full  # + a 32-token chunk in flight
+    assert main([*argv, "--model", "random"]) == 2
