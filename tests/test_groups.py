@@ -175,37 +175,42 @@ def test_random_steps_keep_the_groups_in_step(seed):
 
 
 def test_the_engine_serves_a_hybrid_through_groups():
-    """The engine (prefix cache off) serves Gemma 2 through KV groups: two
-    samples forked off each prompt and a generation far past the window equal
-    HF generate, and the windowed group ends holding its window alone while
-    the full group holds every page. With the prefix cache on it keeps one
-    manager over every layer."""
-    from mstar.engine import Engine, SamplingParams
+    """The engine (prefix cache off) serves Gemma 2 through KV groups on a
+    pool that forces preemption: two samples forked off each prompt and a
+    generation far past the window equal HF generate, an aborted request
+    gives its pages back in every group, the windowed group holds its window
+    alone while the full group holds every page, and admission counts the
+    full group. With the prefix cache on it keeps one manager for all."""
+    from mstar.engine import Engine, RequestTooLarge, SamplingParams
 
     reference, paged = _pair(*HYBRID["gemma2"])
     prompts = [_prompt(10, seed=31), _prompt(7, seed=32)]
-    eng = Engine(paged, prefix_cache=False, num_pages=64, page_size=4, token_budget=8)
+    eng = Engine(paged, prefix_cache=False, num_pages=24, page_size=4, token_budget=8)
     assert isinstance(eng.mgr, KVGroups) and eng.mgr.window is None
     params = SamplingParams(max_new_tokens=30, n=2, ignore_eos=True)
+    with pytest.raises(RequestTooLarge, match="needs 25 KV pages"):  # the full group's
+        eng.add_request(prompts[0], SamplingParams(max_new_tokens=90))
     ids = [eng.add_request(p, params) for p in prompts]
-    held = []
-    finished = {}
-    for _ in range(100):  # bounded: 37 token steps serve both
+    dropped = eng.add_request(_prompt(5, seed=33), params)
+    held, finished = [], {}
+    for i in range(200):  # bounded: about 80 steps serve both
         finished.update((c.request_id, c) for c in eng.step() if c.finished)
+        if i == 3:
+            eng.abort(dropped)
         held.append([m.num_pages - m.num_free_pages for m in eng.mgr.managers])
         eng.mgr.check_invariants()
         if not eng.has_unfinished():
             break
-    assert sorted(finished) == sorted(ids)
+    assert sorted(finished) == sorted(ids) and eng.stats.preemptions > 0
     for prompt, completion in zip(prompts, (finished[i] for i in ids)):
         tokens = torch.tensor([prompt])
         expected = reference.generate(tokens, max_new_tokens=30, do_sample=False)[0, len(prompt) :]
         for output in completion.outputs:
             assert output.token_ids == expected.tolist()
     windowed, full = max(w for w, _ in held), max(f for _, f in held)
-    assert windowed <= 4 * _bound(W, 4) < full  # 2 requests x 2 samples
-    assert eng.mgr.num_free_pages == 64
-    keeping = Engine(paged, prefix_cache=True, num_pages=64, page_size=4)
+    assert windowed <= 4 * (_bound(W, 4) + 2) < full  # 2 requests x 2 samples, + a chunk
+    assert [m.num_free_pages for m in eng.mgr.managers] == [24, 24]
+    keeping = Engine(paged, prefix_cache=True, num_pages=24, page_size=4)
     assert keeping.mgr.window is None and not isinstance(keeping.mgr, KVGroups)
 
 
