@@ -246,3 +246,31 @@ def test_demo_window_serves_a_hybrid_keeping_and_releasing(capsys):
     full = int(re.search(r"\| full: 1, 3 \| (\d+) of 40", out)[1])
     assert windowed <= 2 * (_bound(16, 4) + 8) < full  # + a 32-token chunk in flight
     assert main([*argv, "--model", "random"]) == 2
+
+
+def test_a_commit_failing_part_way_is_aborted_and_released():
+    """A fork's page copy fails in the second group after the first group
+    committed: ``abort`` rolls back the rest, releasing the request leaves
+    every group empty and sound."""
+    sizes = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 2, "v_head_dim": 2}
+    groups = KVGroups(((3, (0,)), (None, (1,))), 8, 4, cache=sizes)
+    prefill = KVStep((Segment("r", "main", 6),))
+    groups.admit(prefill)
+    groups.plan(prefill)
+    groups.commit(prefill)
+
+    def broken(src, dst):
+        raise RuntimeError("copy failed")
+
+    groups.caches[1].copy_pages = broken
+    step = KVStep((Segment("r", "main", 1),), post_forks=(("main", "side"),))
+    groups.admit(step)
+    groups.plan(step)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        groups.commit(step)
+    assert groups.managers[0].labels("r") == ["main", "side"]
+    assert groups.managers[1].labels("r") == ["main"]
+    groups.abort(step)
+    groups.release("r")
+    groups.check_invariants()
+    assert [m.num_free_pages for m in groups.managers] == [8, 8]
