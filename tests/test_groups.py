@@ -182,6 +182,7 @@ def test_the_engine_serves_a_hybrid_through_groups():
     alone while the full group holds every page, and admission counts the
     full group. With the prefix cache on it keeps one manager for all."""
     from mstar.engine import Engine, RequestTooLarge, SamplingParams
+    from mstar.report import windows_note
 
     reference, paged = _pair(*HYBRID["gemma2"])
     prompts = [_prompt(10, seed=31), _prompt(7, seed=32)]
@@ -212,6 +213,8 @@ def test_the_engine_serves_a_hybrid_through_groups():
     assert [m.num_free_pages for m in eng.mgr.managers] == [24, 24]
     keeping = Engine(paged, prefix_cache=True, num_pages=24, page_size=4)
     assert keeping.mgr.window is None and not isinstance(keeping.mgr, KVGroups)
+    assert windows_note(eng).startswith("KV groups: window 5 on layers 0, 2; full on layers 1")
+    assert windows_note(keeping) == "every page kept (the prefix cache is on: no release)"
 
 
 def test_bench_window_prints_pages_held_with_and_without_release(capsys, tmp_path):
