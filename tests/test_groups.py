@@ -29,9 +29,11 @@ LAYERS = {
     "sliding_window": W,
 }
 HYBRID = {
+    "cohere2": ("Cohere2Config", LAYERS),
     "gemma2": ("Gemma2Config", {**LAYERS, "attn_logit_softcapping": 2.0}),
     "gemma3_text": ("Gemma3TextConfig", LAYERS),
     "gpt_oss": ("GptOssConfig", {**LAYERS, "intermediate_size": 32}),  # sinks
+    "olmo3": ("Olmo3Config", LAYERS),
 }
 
 
