@@ -12,12 +12,11 @@ keeps every page, still bounds what the pool admits.
 
 from __future__ import annotations
 
-import copy
 import random
 
 import torch
 
-from mstar.demo import DemoRequest, check, serve
+from mstar.demo import DemoRequest, build_model, check, serve
 from mstar.engine import Engine, SamplingParams
 from mstar.engine.resources.groups import KVGroups
 
@@ -37,27 +36,13 @@ CONFIGS = {
 
 
 def build_windowed(kind: str, seed: int, device: str | torch.device = "cpu"):
-    """A seeded tiny ``kind`` model with a window of ``WINDOW`` tokens, and a
-    twin for the engine: the first is the oracle ``check`` compares against."""
-    import transformers
-
+    """A seeded tiny 4-layer ``kind`` model with a window of ``WINDOW``
+    tokens, and a twin for the engine (``demo.build_model``)."""
     class_name, settings = CONFIGS[kind]
-    config = getattr(transformers, class_name)(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-        **settings,
-    )
-    torch.manual_seed(seed)
-    reference = transformers.AutoModelForCausalLM.from_config(config).eval().to(device)
-    return reference, copy.deepcopy(reference)
+    return build_model(
+        seed, device, config_class=class_name, num_hidden_layers=4,
+        max_position_embeddings=1024, **settings,
+    )  # fmt: skip
 
 
 def long_workload(vocab: int, num_requests: int, max_new_tokens: int, seed: int):
