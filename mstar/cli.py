@@ -15,7 +15,7 @@ from mstar.serve import cli as serve_cli
 USAGE_ERROR = 2
 # (page size, pages, token budget, requests) when not given: the real model's
 # pool is small enough to force preemption; the random model's as well
-DEMO_DEFAULTS = {"random": (8, 20, 32, 16), "real": (16, 24, 128, 8)}
+DEMO_DEFAULTS = {"random": (8, 20, 32, 16), "real": (16, 24, 128, 8), "window": (4, 48, 32, 4)}
 
 
 class Parser(argparse.ArgumentParser):
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         "a GGUF file or a model folder",
     )  # fmt: skip
     demo.add_argument("--requests", type=int, help="number of requests (8; random: 16)")
-    demo.add_argument("--max-new-tokens", type=int, default=32, help="per request (default 32)")
+    demo.add_argument("--max-new-tokens", type=int, help="per request (32; --window: 128)")
     demo.add_argument("--page-size", type=int, help="tokens per KV page (16; random: 8)")
     demo.add_argument("--pages", type=int, help="KV pages in the pool (24; random: 20)")
     demo.add_argument("--budget", type=int, help="tokens per step (128; random: 32)")
@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--check", action="store_true", help="recompute every output with the model")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.add_argument("--no-prefix-cache", action="store_true", help="no KV reuse across requests")
+    demo.add_argument(
+        "--window", choices=("mistral", "gemma2"), help="a tiny seeded sliding-window model,"
+        " served keeping every page and releasing those behind the window",
+    )  # fmt: skip
     gen = sub.add_parser("generate", help="answer one prompt, streaming the text")
     gen.add_argument("prompt")
     gen.add_argument("--model", default="smollm2", help="smollm2 (default), a GGUF file or folder")
@@ -69,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         default="chat",
         help="with --e2e: 16 equal chat prompts (default), or mixed serving traffic",
     )
+    bench.add_argument(
+        "--window", action="store_true", help="pages a long generation holds on windowed and"
+        " hybrid models, with and without release",
+    )  # fmt: skip
     bench.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     bench.add_argument("--plot", metavar="PATH.png", help="plot plan latency (needs matplotlib)")
     bench.add_argument("--quick", action="store_true", help="fewer configurations")
@@ -135,13 +143,26 @@ def run_demo(args: argparse.Namespace) -> int:
     from mstar.demo import build_model, chat_workload, check, random_workload, serve
     from mstar.report import demo_report, print_answers, progress_bar
 
-    defaults = DEMO_DEFAULTS["random" if args.model == "random" else "real"]
-    for name, default in zip(("page_size", "pages", "budget", "requests"), defaults):
+    kind = "window" if args.window else "random" if args.model == "random" else "real"
+    defaults = (*DEMO_DEFAULTS[kind], 128 if args.window else 32)
+    names = ("page_size", "pages", "budget", "requests", "max_new_tokens")
+    for name, default in zip(names, defaults):
         if getattr(args, name) is None:
             setattr(args, name, default)
-    for name in ("requests", "page_size", "pages", "budget", "max_new_tokens"):
+    for name in names:
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.window:
+        from mstar.demo_window import run_window_demo
+
+        if args.model != "smollm2":
+            raise UsageError(f"--window builds its own model: not with --model {args.model}")
+
+        return run_window_demo(
+            args.window, requests=args.requests, max_new_tokens=args.max_new_tokens,
+            pages=args.pages, page_size=args.page_size, budget=args.budget, seed=args.seed,
+            device=checked_device(args.device), verify=args.check,
+        )  # fmt: skip
     if args.model == "random":
         reference, model = build_model(args.seed, checked_device(args.device))
         tokenizer = None
@@ -242,6 +263,15 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     if args.serve:
         return serve_cli.run_bench(args)
+    if args.window:
+        from mstar.bench.window import format_window, run_window
+
+        rows = run_window(new=1024 if args.quick else 4096)
+        print(format_window(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return 0
     if args.e2e:
         from rich.console import Console
 

@@ -76,12 +76,36 @@ def demo_report(engine: Engine, workload: list[DemoRequest], done: dict[str, Com
         ("peak pages used", f"{stats.peak_pages} of {engine.mgr.num_pages}"),
         ("pages saved by sharing", f"{stats.peak_shared} (peak)"),
         ("prefix cache", _prefix_hits(engine)),
+        ("sliding windows", windows_note(engine)),
         ("refused admissions", str(stats.refused)),
         ("preemptions", str(stats.preemptions)),
     ]
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)
+
+
+def windows_note(engine: Engine) -> str:
+    """Whether the engine releases the pages behind the model's windows."""
+    from mstar.engine.resources.groups import KVGroups
+    from mstar.integrations.hf import kv_spec
+
+    mgr = engine.mgr
+    if isinstance(mgr, KVGroups):
+        groups = zip(mgr.windows, mgr.layers)
+        return (
+            "KV groups: "
+            + "; ".join(
+                f"{f'window {w}' if w else 'full'} on layers {', '.join(map(str, layers))}"
+                for w, layers in groups
+            )
+            + ", the windowed ones release the pages behind their window"
+        )
+    if mgr.window is not None:
+        return f"window {mgr.window}: pages behind it released"
+    if any(w for w, _ in kv_spec(engine.model).groups):
+        return "every page kept (the prefix cache is on: no release)"
+    return "none"
 
 
 def _prefix_hits(engine: Engine) -> str:

@@ -222,7 +222,7 @@ def _call_attention(paged, run, plan, batch: int = 1, layer: int = 0, **extra) -
     attention = transformers.AttentionInterface()[register()]
     q, kv = torch.zeros(batch, 4, 3, 16), torch.zeros(batch, 2, 3, 16)
     module = paged.model.layers[layer].self_attn
-    step = hf._Step(plan, run.cache, None, (None, None))
+    step = hf._Step((plan,), (run.cache,), None, (None, None))
     token = hf._CONTEXT.set(step)
     try:
         attention(module, q, kv, kv, None, scaling=0.25, **extra)

@@ -182,11 +182,13 @@ def test_the_engine_admits_a_long_generation_on_a_windowed_model():
         keeping.add_request(prompts[0], params)
 
 
-def test_hybrid_models_keep_every_page():
+def test_hybrid_models_share_no_window():
     """Alternating sliding/full layers (Gemma 2) share no window: the spec
-    names none, so a manager for them keeps every page (exact, as before)."""
+    names none (one manager for every layer keeps every page) and two KV
+    groups (tests/test_groups.py: a manager per group)."""
     _, paged = _pair(
         "Gemma2Config",
         {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
     )
     assert kv_spec(paged).window is None
+    assert kv_spec(paged).groups == ((4, (0,)), (None, (1,)))

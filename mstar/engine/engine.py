@@ -26,6 +26,7 @@ from mstar.engine.device import check_pool_fits, checked_device, flashinfer_or_n
 from mstar.engine.intake import Intake
 from mstar.engine.prompts import NOT_A_SEQUENCE, chat_ids, prompt_list
 from mstar.engine.request import GUIDED, Completion, Request, Sample
+from mstar.engine.resources.groups import KVGroups
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.manager import AllocationFailed, KVManager
 from mstar.engine.resources.kv.ring import PinnedIndexRing
@@ -116,26 +117,8 @@ class Engine:
         model.set_attn_implementation(register())
         self.model, self.tokenizer, self.flashinfer = model, tokenizer, flashinfer
         self.device, self.budget = param.device, token_budget
-        self.cache = KVCache(
-            num_pages=num_pages,
-            page_size=page_size,
-            dtype=param.dtype,
-            device=param.device,
-            **spec.cache_kwargs(),
-        )
-        # on CUDA the plan's index arrays leave from pinned memory, so their copies are asynchronous
-        ring = PinnedIndexRing() if self.device.type == "cuda" else None
-        # A windowed model's streams release the pages behind the window, unless
-        # the prefix cache keeps them (the two do not combine yet).
-        window = None if prefix_cache else spec.window
-        self.mgr = KVManager(
-            num_pages,
-            page_size,
-            cache=self.cache,
-            prefix_cache=prefix_cache,
-            ring=ring,
-            window=window,
-        )
+        self.mgr, self.cache = _kv_managers(spec, num_pages, page_size, param, prefix_cache)
+        window = self.mgr.window  # what admission counts
         self.prefix_cache = prefix_cache
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.max_len = getattr(model.config, "max_position_embeddings", None)
@@ -549,6 +532,44 @@ class Engine:
         s.decode_tokens += sum(x for x in spans if x == 1)
         s.peak_pages = max(s.peak_pages, self.mgr.num_pages - self.mgr.num_free_pages)
         s.peak_shared = max(s.peak_shared, self.mgr.shared_pages())
+
+
+def _kv_managers(
+    spec: Any, num_pages: int, page_size: int, param: torch.Tensor, prefix_cache: bool
+) -> tuple[KVManager | KVGroups, KVCache | tuple[KVCache, ...]]:
+    """The engine's pages and cache. A windowed model's streams release the
+    pages behind its windows, unless the prefix cache keeps them (the two do
+    not combine yet); a hybrid one's (windowed and full layers) then has one
+    manager and cache per KV group. On CUDA the plan's index arrays leave from
+    pinned memory, so their copies are asynchronous."""
+    cuda = param.device.type == "cuda"
+    if not prefix_cache and len(spec.groups) > 1:
+        groups = KVGroups(
+            spec.groups,
+            num_pages,
+            page_size,
+            cache=spec.cache_kwargs(),
+            dtype=param.dtype,
+            device=param.device,
+            rings=cuda,
+        )
+        return groups, groups.caches
+    cache = KVCache(
+        num_pages=num_pages,
+        page_size=page_size,
+        dtype=param.dtype,
+        device=param.device,
+        **spec.cache_kwargs(),
+    )
+    mgr = KVManager(
+        num_pages,
+        page_size,
+        cache=cache,
+        prefix_cache=prefix_cache,
+        ring=PinnedIndexRing() if cuda else None,
+        window=None if prefix_cache else spec.window,
+    )
+    return mgr, cache
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from mstar.engine.resources.attn.flashinfer import FlashInferPagedAttention, unsupported
 from mstar.engine.resources.attn.paged import AttentionSchedule, paged_attention
+from mstar.engine.resources.groups import GroupPlans
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.plan import KVPlanOutput
 from mstar.engine.resources.position import positions
@@ -79,6 +81,21 @@ class KVSpec:
     # some layer has none or they differ: a KVManager(..., window=...) for it
     # releases the pages behind it.
     window: int | None = None
+    # Each layer's sliding window (None: it reads every key); all None for a
+    # model with chunked attention, whose chunks count from a stream's first key.
+    layer_windows: tuple[int | None, ...] = ()
+
+    @property
+    def groups(self) -> tuple[tuple[int | None, tuple[int, ...]], ...]:
+        """The KV groups: ``(window, layers)`` per distinct window (None: full
+        attention), in order of their first layer. Each group's pages can be
+        managed apart (``KVManager(..., window=window)``, a ``KVCache`` over
+        its layers): a hybrid model has two or more."""
+        windows = self.layer_windows or (self.window,) * self.num_layers
+        layers: dict[int | None, list[int]] = {}
+        for layer, window in enumerate(windows):
+            layers.setdefault(window, []).append(layer)
+        return tuple((window, tuple(group)) for window, group in layers.items())
 
     def cache_kwargs(self) -> dict[str, int]:
         return {
@@ -91,15 +108,18 @@ class KVSpec:
 
 @dataclass
 class _Step:
-    """What one ``forward_step`` hands its attention calls."""
+    """What one ``forward_step`` hands its attention calls: a plan and a
+    cache per KV group, and each layer's (group, layer in the group's cache)
+    (None: one group of every layer)."""
 
-    plan: KVPlanOutput
-    cache: KVCache
+    plans: tuple[KVPlanOutput, ...]
+    caches: tuple[KVCache, ...]
     flashinfer: FlashInferPagedAttention | None
     chunk_sizes: tuple[int | None, ...]
+    where: tuple[tuple[int, int], ...] | None = None
     layers_seen: set[int] = field(default_factory=set)
-    # The step's attention schedule, built by its first layer.
-    schedule: AttentionSchedule | None = None
+    # Each group's attention schedule, built by its first layer.
+    schedules: dict[int, AttentionSchedule] = field(default_factory=dict)
 
 
 @dataclass
@@ -151,8 +171,8 @@ def kv_spec(model: PreTrainedModel) -> KVSpec:
 def forward_step(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
-    plan: KVPlanOutput,
-    cache: KVCache,
+    plan: KVPlanOutput | GroupPlans,
+    cache: KVCache | Sequence[KVCache],
     *,
     flashinfer: FlashInferPagedAttention | None = None,
     logits_at: torch.Tensor | None = None,
@@ -165,7 +185,12 @@ def forward_step(
     given, planned once per step). Refuses, before computing anything, a model
     ``supports`` refuses and a cache that does not fit it. Inference only:
     runs without autograd. The model must use ``register()``'s attention
-    implementation. Never builds the plan's views itself."""
+    implementation. Never builds the plan's views itself.
+
+    KV groups (a hybrid model's windowed and full layers managed apart, see
+    ``KVGroups``): ``plan`` a ``GroupPlans`` and ``cache`` a cache per group
+    of ``kv_spec(model).groups``, each layer reading its group's; one plan
+    and one cache over every layer serve any model (every page kept)."""
     spec = kv_spec(model)
     implementation = model.config._attn_implementation
     if implementation != ATTENTION_NAME:
@@ -176,7 +201,7 @@ def forward_step(
     total = plan.get_total_len()
     if input_ids.dim() != 1 or input_ids.shape[0] != total:
         raise ValueError(f"expected input_ids of shape ({total},), got {tuple(input_ids.shape)}")
-    _check_cache(cache, spec)
+    plans, caches, windows, where = _layout(spec, plan, cache)
     if flashinfer is not None:
         reason = flashinfer_unsupported(spec)
         if reason is not None:
@@ -189,15 +214,19 @@ def forward_step(
     keep = logits_at
     if logits_at is not None and not len(logits_at):  # the step's KV is still written
         keep = torch.tensor([total - 1])  # (the head at one token, dropped)
-    position_ids = positions(plan)
+    position_ids = positions(plans[0])
+    for group, other in enumerate(plans[1:], 1):
+        if not torch.equal(positions(other), position_ids):
+            raise ValueError(f"expected every KV group at the same positions, group {group} is not")
     if any(spec.chunk_sizes):
-        _check_chunk_positions(plan, position_ids.numpy(), cache.page_size)
-    if plan.kv_offsets is not None:
-        _check_window(plan, position_ids.numpy(), spec.window)
+        _check_chunk_positions(plans[0], position_ids.numpy(), caches[0].page_size)
+    for each, window in zip(plans, windows):
+        if each.kv_offsets is not None:
+            _check_window(each, position_ids.numpy(), window)
     options: dict[str, Any] = {}
     if keep is not None and spec.keeps_logits:
         options["logits_to_keep"] = keep.to(input_ids.device)
-    token = _CONTEXT.set(_Step(plan, cache, flashinfer, spec.chunk_sizes))
+    token = _CONTEXT.set(_Step(plans, caches, flashinfer, spec.chunk_sizes, where))
     try:
         with torch.no_grad():
             output = model(
@@ -352,8 +381,12 @@ def _judge(config: Any, calls: list[dict[str, Any]], keeps_logits: bool) -> KVSp
         if c["layer"] < len(layer_types) and layer_types[c["layer"]] == "chunked_attention":
             chunk_sizes[c["layer"]] = chunk
     sinks = any(c["sinks"] for c in calls)
-    windows = {c["window"] for c in calls}
-    window = windows.pop() if len(windows) == 1 and not any(chunk_sizes) else None
+    layer_windows = [None] * num_layers
+    if not any(chunk_sizes):
+        for c in calls:
+            layer_windows[c["layer"]] = None if c["window"] is None else int(c["window"])
+    windows = set(layer_windows)
+    window = windows.pop() if len(windows) == 1 else None
     return KVSpec(
         num_layers,
         num_kv_heads,
@@ -362,14 +395,51 @@ def _judge(config: Any, calls: list[dict[str, Any]], keeps_logits: bool) -> KVSp
         tuple(chunk_sizes),
         sinks,
         keeps_logits,
-        None if window is None else int(window),
+        window,
+        tuple(layer_windows),
     )
 
 
-def _check_cache(cache: KVCache, spec: KVSpec) -> None:
-    have = {name: getattr(cache, name) for name in spec.cache_kwargs()}
-    if have != spec.cache_kwargs():
-        raise ValueError(f"expected a cache of {spec.cache_kwargs()} for this model, got {have}")
+def _layout(
+    spec: KVSpec, plan: KVPlanOutput | GroupPlans, cache: KVCache | Sequence[KVCache]
+) -> tuple[
+    tuple[KVPlanOutput, ...],
+    tuple[KVCache, ...],
+    tuple[int | None, ...],
+    tuple[tuple[int, int], ...] | None,
+]:
+    """A step's plans, caches and windows per KV group, and each layer's
+    (group, layer in its cache); checked against the model."""
+    if isinstance(plan, KVPlanOutput) and isinstance(cache, KVCache):
+        _check_cache(cache, spec, spec.num_layers)
+        return (plan,), (cache,), (spec.window,), None
+    groups = spec.groups
+    caches = (cache,) if isinstance(cache, KVCache) else tuple(cache)
+    plans = plan.plans if isinstance(plan, GroupPlans) else (plan,)
+    if len(plans) != len(groups) or len(caches) != len(groups):
+        raise ValueError(
+            f"expected a plan and a cache per KV group ({len(groups)}, windows"
+            f" {[w for w, _ in groups]}), got {len(plans)} plan(s) and {len(caches)} cache(s)"
+        )
+    where: list[tuple[int, int]] = [(0, 0)] * spec.num_layers
+    for g, ((_, layers), each) in enumerate(zip(groups, caches)):
+        _check_cache(each, spec, len(layers))
+        for i, layer in enumerate(layers):
+            where[layer] = (g, i)
+    qo_indptr = plans[0].cpu_indptrs.qo_indptr
+    for g, each in enumerate(plans[1:], 1):
+        if each.rows != plans[0].rows or not torch.equal(each.cpu_indptrs.qo_indptr, qo_indptr):
+            raise ValueError(
+                f"expected every KV group's plan over the same rows, group {g}'s differ"
+            )
+    return plans, caches, tuple(w for w, _ in groups), tuple(where)
+
+
+def _check_cache(cache: KVCache, spec: KVSpec, num_layers: int) -> None:
+    want = {**spec.cache_kwargs(), "num_layers": num_layers}
+    have = {name: getattr(cache, name) for name in want}
+    if have != want:
+        raise ValueError(f"expected a cache of {want} for this model, got {have}")
 
 
 def _check_logits_at(logits_at: torch.Tensor, total: int) -> None:
@@ -457,9 +527,10 @@ def _paged_attention_forward(
             f"expected one attention call per layer and step, got a second in layer {layer}"
         )
     context.layers_seen.add(layer)
-    plan, cache = context.plan, context.cache
+    group, local = (0, layer) if context.where is None else context.where[layer]
+    plan, cache = context.plans[group], context.caches[group]
     q = query[0].transpose(0, 1)
-    cache.write(layer, plan, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    cache.write(local, plan, key[0].transpose(0, 1), value[0].transpose(0, 1))
     sliding_window = kwargs.get("sliding_window")
     options = {
         "causal": True,
@@ -470,10 +541,12 @@ def _paged_attention_forward(
         "chunk_size": context.chunk_sizes[layer],
     }
     if context.flashinfer is None:
-        if context.schedule is None:
-            context.schedule = AttentionSchedule(plan.cpu_indptrs, cache.page_size, q.device)
-        kv_layer = cache.layer(layer)
-        out = paged_attention(q, kv_layer, plan.cpu_indptrs, schedule=context.schedule, **options)
+        schedule = context.schedules.get(group)
+        if schedule is None:
+            schedule = AttentionSchedule(plan.cpu_indptrs, cache.page_size, q.device)
+            context.schedules[group] = schedule
+        kv_layer = cache.layer(local)
+        out = paged_attention(q, kv_layer, plan.cpu_indptrs, schedule=schedule, **options)
     else:
         context.flashinfer.plan(
             plan,
@@ -485,7 +558,7 @@ def _paged_attention_forward(
             kv_dtype=cache.dtype,
             **options,
         )
-        out = context.flashinfer.run(q, cache.layer(layer))
+        out = context.flashinfer.run(q, cache.layer(local))
     return out[None], None
 
 
