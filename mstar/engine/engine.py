@@ -12,6 +12,7 @@ a guided request decodes ``cond``/``uncond`` in lockstep.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import time
@@ -32,6 +33,7 @@ from mstar.engine.resources.kv.ring import PinnedIndexRing
 from mstar.engine.resources.step import KVStep, Segment
 from mstar.engine.sampling import SamplingParams, sample_token
 from mstar.engine.scheduler import kv_step, schedule
+from mstar.engine.tp import check_size, load_sharded, shard
 from mstar.integrations.hf import forward_step, kv_spec, register
 
 Prompt = str | Sequence[int]
@@ -66,6 +68,22 @@ class EngineStats:
     plan_us: deque[float] = field(default_factory=lambda: deque(maxlen=PLAN_SAMPLES))
 
 
+def _stops_workers_on_error(init: Callable[..., None]) -> Callable[..., None]:
+    """A constructor that, when it raises, first stops the tensor-parallel
+    workers it started."""
+
+    @functools.wraps(init)
+    def checked(self: Engine, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            if getattr(self, "tp", None) is not None:
+                self.tp.close()
+            raise
+
+    return checked
+
+
 class Engine:
     """Continuous batching of a Hugging Face decoder over a paged KV cache.
 
@@ -78,10 +96,16 @@ class Engine:
     pages equal to a prefix of its tokens, computed by any earlier request, and
     computes only the rest.
 
+    With ``tensor_parallel_size=N > 1`` the model is sharded over N ranks
+    (``mstar.engine.tp``): this process plans, samples and runs rank 0;
+    N - 1 worker processes run the other shards, each with a ``KVCache`` of
+    its own KV heads. ``close()`` (or ``with Engine(...)``) stops them.
+
     A call that raises leaves the engine as it found it: nothing of that call
     stays queued, no page leaks.
     """
 
+    @_stops_workers_on_error
     def __init__(
         self,
         model: Any,
@@ -92,6 +116,7 @@ class Engine:
         token_budget: int = 256,
         flashinfer: Any = None,
         prefix_cache: bool = True,
+        tensor_parallel_size: int = 1,
     ) -> None:
         options = {"page_size": page_size, "token_budget": token_budget, "num_pages": num_pages}
         for name, value in options.items():
@@ -108,6 +133,9 @@ class Engine:
                 "expected tokenizer a Hugging Face fast tokenizer (with .backend_tokenizer)"
                 f" or None, got {type(tokenizer).__name__}"
             )
+        self.tp = shard(model, tensor_parallel_size)  # refuses before starting workers
+        model = model if self.tp is None else self.tp.model
+        self._forward_step = forward_step if self.tp is None else self.tp.forward_step
         spec = kv_spec(model)  # refuses a model the paged path cannot serve exactly
         param = next(model.parameters())
         if num_pages is None:
@@ -131,7 +159,7 @@ class Engine:
         self.mgr = KVManager(
             num_pages,
             page_size,
-            cache=self.cache,
+            cache=self.cache if self.tp is None else self.tp.attach(self.cache, flashinfer),
             prefix_cache=prefix_cache,
             ring=ring,
             window=window,
@@ -164,7 +192,8 @@ class Engine:
     ) -> Engine:
         """``name``: ``"smollm2"``, a GGUF file or a Hugging Face model folder.
         ``device="cuda"`` uses FlashInfer when it is installed and serves the
-        model (fp16/bf16 weights, head width 64/128/256); else ``paged_attention``."""
+        model (fp16/bf16 weights, head width 64/128/256); else ``paged_attention``.
+        With ``tensor_parallel_size=N > 1`` each rank loads only its shard."""
         from mstar.engine.loader import load
 
         if not isinstance(name, str | os.PathLike):
@@ -172,10 +201,15 @@ class Engine:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"expected dtype a floating torch.dtype, got {dtype!r}")
         device = checked_device(device)
-        model, tokenizer = load(os.fspath(name), dtype=dtype)
+        size = check_size(kwargs.get("tensor_parallel_size", 1))
+        if size > 1:
+            model, tokenizer = load_sharded(os.fspath(name), size, device, dtype)
+        else:
+            model, tokenizer = load(os.fspath(name), dtype=dtype)
+            model = model.to(device)
         if device.type == "cuda" and "flashinfer" not in kwargs:
             kwargs["flashinfer"] = flashinfer_or_none(str(device), model)
-        return cls(model.to(device), tokenizer, **kwargs)
+        return cls(model, tokenizer, **kwargs)
 
     # --- requests ------------------------------------------------------------------------
 
@@ -269,6 +303,18 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self._running)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent); the engine
+        cannot step afterwards. Also at exit, and by ``with Engine(...)``."""
+        if self.tp is not None:
+            self.tp.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _requests(self, prompts: object, params: object) -> list[Request]:
         """The requests of a ``generate``/``stream`` call, checked, none queued."""
@@ -442,7 +488,7 @@ class Engine:
         """Logits ``[len(at), vocab]`` at packed positions ``at`` of the step."""
         input_ids = torch.tensor(ids, device=self.device)
         index = torch.tensor(at, dtype=torch.int64)
-        return forward_step(
+        return self._forward_step(
             self.model, input_ids, plan, self.cache, flashinfer=self.flashinfer, logits_at=index
         )
 

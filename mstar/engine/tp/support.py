@@ -1,0 +1,59 @@
+"""What tensor parallelism can serve, judged from a model's config before
+any worker starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["TensorParallelUnsupported", "check_size", "check_support"]
+
+
+class TensorParallelUnsupported(ValueError):
+    """A model or device that tensor parallelism cannot serve, refused
+    before any worker process is started."""
+
+
+def check_size(size: object) -> int:
+    """``tensor_parallel_size`` as an int >= 1."""
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise TypeError(f"expected tensor_parallel_size an int, got {size!r}")
+    if size < 1:
+        raise ValueError(f"expected tensor_parallel_size >= 1, got {size}")
+    return size
+
+
+def check_support(config: Any, size: int, device: torch.device) -> None:
+    """Refuse (``TensorParallelUnsupported``) a model whose config ships no
+    tensor-parallel plan (transformers' ``base_model_tp_plan``) or whose
+    attention or KV heads do not divide by ``size``, and a device that
+    cannot hold ``size`` ranks: CUDA needs ``size`` GPUs (rank ``r`` on
+    ``cuda:r``); the CPU (gloo) needs a machine without CUDA, since
+    transformers shards onto the accelerator it finds."""
+    text = config.get_text_config()
+    name = type(text).__name__
+    if not getattr(text, "base_model_tp_plan", None):
+        raise TensorParallelUnsupported(
+            f"expected a model whose config ships a tensor-parallel plan (base_model_tp_plan),"
+            f" got {name} without one"
+        )
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    for field, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if value % size:
+            raise TensorParallelUnsupported(
+                f"expected {field} divisible by tensor_parallel_size={size}, got {value}"
+                f" ({name}): each rank holds {field} / {size} heads"
+            )
+    if device.type == "cuda":
+        if (device.index or 0) != 0 or torch.cuda.device_count() < size:
+            raise TensorParallelUnsupported(
+                f"expected device 'cuda' with {size} GPUs (rank r on cuda:r), got"
+                f" {str(device)!r} with {torch.cuda.device_count()}"
+            )
+    elif torch.cuda.is_available():
+        raise TensorParallelUnsupported(
+            "expected device 'cuda' for tensor parallelism on a machine with CUDA, got 'cpu'"
+            " (transformers shards onto the accelerator it finds)"
+        )
