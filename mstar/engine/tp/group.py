@@ -74,6 +74,11 @@ class TensorParallel:
         shard) and return rank 0. Under ``torchrun`` (``WORLD_SIZE`` set)
         joins its ranks instead of spawning; on a rank other than 0 this
         serves the driver and then exits the process."""
+        if dist.is_initialized():
+            raise RuntimeError(
+                "expected no process group in this process, got one: one tensor-parallel"
+                " engine per process at a time (close the other first)"
+            )
         if "WORLD_SIZE" in os.environ:
             return cls._join_torchrun(folder, size, device, dtype)
         store = dist.TCPStore(
@@ -108,7 +113,9 @@ class TensorParallel:
     ) -> TensorParallel:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if world != size:
-            raise ValueError(f"expected tensor_parallel_size={world} (torchrun's WORLD_SIZE), got {size}")
+            raise ValueError(
+                f"expected tensor_parallel_size={world} (torchrun's WORLD_SIZE), got {size}"
+            )
         local = int(os.environ.get("LOCAL_RANK", 0))
         here = torch.device("cuda", local) if device.type == "cuda" else device
         if device.type == "cuda":
@@ -155,6 +162,11 @@ class TensorParallel:
         self._cache.copy_pages(src, dst)
 
     @property
+    def pids(self) -> tuple[int, ...]:
+        """The spawned workers' process ids (none under torchrun)."""
+        return tuple(p.pid for p in self._procs)
+
+    @property
     def closed(self) -> bool:
         return not self._finalizer.alive
 
@@ -169,7 +181,7 @@ class TensorParallel:
                 deadline = time.monotonic() + JOIN_SECONDS
                 for proc in self._procs:
                     proc.join(max(0.0, deadline - time.monotonic()))
-            except Exception:  # noqa: S110 - the workers are terminated below
+            except Exception:  # the workers are terminated below
                 pass
         self._finalizer()
         if dist.is_initialized():
@@ -239,7 +251,9 @@ def _wait_up(store: Any, procs: list[Any]) -> None:
                 " while starting"
             )
         if time.monotonic() > deadline:
-            raise WorkerFailed(f"tensor-parallel workers did not start within {worker.STARTUP_TIMEOUT}")
+            raise WorkerFailed(
+                f"tensor-parallel workers did not start within {worker.STARTUP_TIMEOUT}"
+            )
         time.sleep(0.05)
 
 

@@ -80,10 +80,10 @@ def serve(control: Any, folder: str, dtype: torch.dtype, device: torch.device | 
     while True:
         dist.broadcast(header, 0, group=control)
         command = Command(int(header[0]))
-        if command is Command.STOP:
-            break
         payload = torch.empty(int(header[-1]), dtype=torch.int32)
         dist.broadcast(payload, 0, group=control)
+        if command is Command.STOP:
+            break
         if command is Command.SETUP:
             num_pages, page_size, use_flashinfer = payload.tolist()
             cache = KVCache(
