@@ -126,9 +126,9 @@ def test_abort_under_tensor_parallelism_spares_the_others(engines):
     ("model", "size", "error", "message"),
     [
         (lambda: tiny_llama(kv_heads=3, heads=6), 2, TensorParallelUnsupported,
-         "num_key_value_heads divisible by tensor_parallel_size=2, got 3"),
+         "divisible by tensor_parallel_size=2, got num_attention_heads=6 and num_key_value_heads=3"),
         (lambda: tiny_llama(kv_heads=4, heads=12), 8, TensorParallelUnsupported,
-         "num_attention_heads divisible by tensor_parallel_size=8, got 12"),
+         "divisible by tensor_parallel_size=8, got num_attention_heads=12 and num_key_value_heads=4"),
         (lambda: tiny_llama(), True, TypeError, "expected tensor_parallel_size an int, got True"),
         (lambda: tiny_llama(), 0, ValueError, "expected tensor_parallel_size >= 1, got 0"),
     ],

@@ -40,12 +40,13 @@ def check_support(config: Any, size: int, device: torch.device) -> None:
         )
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    for field, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
-        if value % size:
-            raise TensorParallelUnsupported(
-                f"expected {field} divisible by tensor_parallel_size={size}, got {value}"
-                f" ({name}): each rank holds {field} / {size} heads"
-            )
+    counts = {"num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    bad = [f"{field}={value}" for field, value in counts.items() if value % size]
+    if bad:
+        raise TensorParallelUnsupported(
+            f"expected the heads of {name} divisible by tensor_parallel_size={size}, got"
+            f" {' and '.join(bad)}: each rank holds 1/{size} of the heads"
+        )
     if device.type == "cuda":
         if (device.index or 0) != 0 or torch.cuda.device_count() < size:
             raise TensorParallelUnsupported(
