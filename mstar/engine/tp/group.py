@@ -52,6 +52,17 @@ class BroadcastStats:
     seconds: float = 0.0
 
 
+@dataclass
+class _Ranks:
+    """What stopping the workers needs (kept apart from the group, so its
+    finalizer holds no reference to it): the control group, the spawned
+    processes, and why the group broke (None: it did not)."""
+
+    control: Any
+    procs: list[Any]
+    error: str | None = None
+
+
 class TensorParallel:
     """Rank 0 of ``size`` ranks: ``model`` is the driver's shard. Made by
     ``launch``; ``attach(cache, flashinfer)`` once, then ``forward_step``
@@ -61,10 +72,11 @@ class TensorParallel:
     def __init__(self, size: int, model: Any, control: Any, procs: list[Any], store: Any) -> None:
         self.size, self.model = size, model
         self.stats = BroadcastStats()
-        self._control, self._procs, self._store = control, procs, store
+        self._ranks = _Ranks(control, procs)
+        self._store = store  # the spawned ranks' rendezvous lives as long as the group
         self._cache: KVCache | None = None
-        self._error: str | None = None
-        self._finalizer = weakref.finalize(self, _reap, procs)
+        # close(), the garbage collector or the interpreter's exit, whichever comes first
+        self._finalizer = weakref.finalize(self, _shutdown, self._ranks)
 
     @classmethod
     def launch(
@@ -98,7 +110,7 @@ class TensorParallel:
             control = worker.join(0, size, device, store)
             group = cls(size, None, control, procs, store)
         except BaseException:
-            _reap(procs)
+            _shutdown(_Ranks(None, procs, error="failed to start"))
             raise
         try:
             group.model = group._run(lambda: _load_driver_shard(folder, dtype, control))
@@ -164,7 +176,7 @@ class TensorParallel:
     @property
     def pids(self) -> tuple[int, ...]:
         """The spawned workers' process ids (none under torchrun)."""
-        return tuple(p.pid for p in self._procs)
+        return tuple(p.pid for p in self._ranks.procs)
 
     @property
     def closed(self) -> bool:
@@ -173,19 +185,7 @@ class TensorParallel:
     def close(self) -> None:
         """Stop the workers (politely, then by signal) and leave the process
         group. Idempotent."""
-        if self.closed:
-            return
-        if self._error is None and all(p.is_alive() for p in self._procs):
-            try:
-                self._broadcast(message(Command.STOP, [], []))
-                deadline = time.monotonic() + JOIN_SECONDS
-                for proc in self._procs:
-                    proc.join(max(0.0, deadline - time.monotonic()))
-            except Exception:  # the workers are terminated below
-                pass
         self._finalizer()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
     # --- failures ------------------------------------------------------------------------
 
@@ -196,7 +196,7 @@ class TensorParallel:
     def _broadcast(self, msg: Message) -> None:
         t0 = time.perf_counter()
         for tensor in msg:
-            dist.broadcast(tensor, 0, group=self._control)
+            dist.broadcast(tensor, 0, group=self._ranks.control)
         self.stats.messages += 1
         self.stats.bytes += msg[1].numel() * 4
         self.stats.seconds += time.perf_counter() - t0
@@ -207,26 +207,26 @@ class TensorParallel:
         try:
             return fn()
         except BaseException as err:
-            self._error = self._diagnose(err)
+            self._ranks.error = self._diagnose(err)
             if isinstance(err, Exception):
-                raise WorkerFailed(self._error) from err
+                raise WorkerFailed(self._ranks.error) from err
             raise
 
     def _check(self) -> None:
         if self.closed:
             raise WorkerFailed("expected a running tensor-parallel group, got a closed one")
-        if self._error is None and any(not p.is_alive() for p in self._procs):
-            self._error = self._diagnose(None)
-        if self._error is not None:
-            raise WorkerFailed(self._error)
+        if self._ranks.error is None and any(not p.is_alive() for p in self._ranks.procs):
+            self._ranks.error = self._diagnose(None)
+        if self._ranks.error is not None:
+            raise WorkerFailed(self._ranks.error)
 
     def _diagnose(self, err: BaseException | None) -> str:
         deadline = time.monotonic() + REAP_SECONDS
         while err is not None and time.monotonic() < deadline:
-            if any(not p.is_alive() for p in self._procs):
+            if any(not p.is_alive() for p in self._ranks.procs):
                 break
             time.sleep(0.05)
-        dead = [p for p in self._procs if not p.is_alive()]
+        dead = [p for p in self._ranks.procs if not p.is_alive()]
         if dead:
             what = ", ".join(f"{p.name} (pid {p.pid}) exited with code {p.exitcode}" for p in dead)
             return f"tensor-parallel worker {what}; the engine cannot step any more"
@@ -255,6 +255,23 @@ def _wait_up(store: Any, procs: list[Any]) -> None:
                 f"tensor-parallel workers did not start within {worker.STARTUP_TIMEOUT}"
             )
         time.sleep(0.05)
+
+
+def _shutdown(ranks: _Ranks) -> None:
+    """Tell healthy workers to stop and wait for them; terminate the rest;
+    leave the process group."""
+    if ranks.error is None and all(p.is_alive() for p in ranks.procs):
+        try:
+            for tensor in message(Command.STOP, [], []):
+                dist.broadcast(tensor, 0, group=ranks.control)
+            deadline = time.monotonic() + JOIN_SECONDS
+            for proc in ranks.procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+        except Exception:  # they are terminated below
+            pass
+    _reap(ranks.procs)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _reap(procs: list[Any]) -> None:
