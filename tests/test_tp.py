@@ -7,17 +7,22 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from mstar.cli import main
 from mstar.engine import Engine, SamplingParams, StepFailed
 from mstar.engine.resources.step import KVStep, Segment
 from mstar.engine.tp import TensorParallelUnsupported, WorkerFailed
 
 OPTIONS = {"num_pages": 24, "page_size": 4, "token_budget": 16}
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def tiny_llama(kv_heads: int = 4, heads: int = 8):
@@ -126,7 +131,7 @@ def test_abort_under_tensor_parallelism_spares_the_others(engines):
     ("model", "size", "error", "message"),
     [
         (lambda: tiny_llama(kv_heads=3, heads=6), 2, TensorParallelUnsupported,
-         "divisible by tensor_parallel_size=2, got num_attention_heads=6 and num_key_value_heads=3"),
+         "divisible by tensor_parallel_size=2, got num_key_value_heads=3:"),
         (lambda: tiny_llama(kv_heads=4, heads=12), 8, TensorParallelUnsupported,
          "divisible by tensor_parallel_size=8, got num_attention_heads=12 and num_key_value_heads=4"),
         (lambda: tiny_llama(), True, TypeError, "expected tensor_parallel_size an int, got True"),
@@ -186,3 +191,37 @@ def test_a_killed_worker_fails_the_engine_within_seconds(engines):
     assert time.monotonic() - t0 < 1
     eng.close()
     assert eng.tp.closed and not _alive(pid)
+
+
+DEMO = ["demo", "--model", "random", "--check", "--quiet", "--requests", "6",
+        "--max-new-tokens", "8", "--tensor-parallel-size", "2"]  # fmt: skip
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE"}
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+
+def _checked(done: subprocess.CompletedProcess) -> None:
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "7 passed, 0 failed"  # every output as the model's
+
+
+def test_demo_with_tensor_parallelism_passes_its_check():
+    """Spawned workers under the CLI: the demo's forks, guided and sampled
+    requests and preemptions, each output recomputed by the unsharded model."""
+    _checked(_run([sys.executable, "-m", "mstar.cli", *DEMO]))
+
+
+def test_the_same_command_runs_under_torchrun():
+    """torchrun starts the ranks (its rendezvous, as over several nodes):
+    rank 0 drives, rank 1 serves it and exits 0 when it stops."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1"]
+    _checked(_run([*torchrun, "--nproc-per-node", "2", "-m", "mstar.cli", *DEMO]))
+
+
+def test_generate_refuses_smollm2_at_two_ranks_in_one_line(smollm2, capsys):
+    assert main(["generate", "--tensor-parallel-size", "2", "hi"]) == 2
+    err = capsys.readouterr().err
+    heads = "got num_attention_heads=9 and num_key_value_heads=3"
+    assert err.count("\n") == 1 and f"divisible by tensor_parallel_size=2, {heads}" in err
