@@ -3,6 +3,7 @@ any worker starts."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -28,9 +29,10 @@ def check_support(config: Any, size: int, device: torch.device) -> None:
     """Refuse (``TensorParallelUnsupported``) a model whose config ships no
     tensor-parallel plan (transformers' ``base_model_tp_plan``) or whose
     attention or KV heads do not divide by ``size``, and a device that
-    cannot hold ``size`` ranks: CUDA needs ``size`` GPUs (rank ``r`` on
-    ``cuda:r``); the CPU (gloo) needs a machine without CUDA, since
-    transformers shards onto the accelerator it finds."""
+    cannot hold this machine's ranks: CUDA needs a GPU per rank (local rank
+    ``r`` on ``cuda:r``; under torchrun ``LOCAL_WORLD_SIZE`` ranks); the CPU
+    (gloo) needs a machine without CUDA, since transformers shards onto the
+    accelerator it finds."""
     text = config.get_text_config()
     name = type(text).__name__
     if not getattr(text, "base_model_tp_plan", None):
@@ -48,9 +50,11 @@ def check_support(config: Any, size: int, device: torch.device) -> None:
             f" {' and '.join(bad)}: each rank holds 1/{size} of the heads"
         )
     if device.type == "cuda":
-        if (device.index or 0) != 0 or torch.cuda.device_count() < size:
+        # the ranks on this machine: all of them, or torchrun's share of them
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+        if (device.index or 0) != 0 or torch.cuda.device_count() < here:
             raise TensorParallelUnsupported(
-                f"expected device 'cuda' with {size} GPUs (rank r on cuda:r), got"
+                f"expected device 'cuda' with {here} GPUs (local rank r on cuda:r), got"
                 f" {str(device)!r} with {torch.cuda.device_count()}"
             )
     elif torch.cuda.is_available():
