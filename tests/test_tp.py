@@ -163,8 +163,8 @@ def test_one_tensor_parallel_engine_per_process(engines, folder):
     assert set(multiprocessing.active_children()) == before
 
 
-def test_a_killed_worker_fails_the_engine_within_seconds(engines):
-    """Last: it breaks the shared group (the fixture then reaps it)."""
+def test_a_killed_worker_fails_the_engine_within_seconds(engines, folder):
+    """Last: it breaks the shared group, then closes it."""
     _, eng = engines
     (pid,) = eng.tp.pids
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -191,6 +191,11 @@ def test_a_killed_worker_fails_the_engine_within_seconds(engines):
     assert time.monotonic() - t0 < 1
     eng.close()
     assert eng.tp.closed and not _alive(pid)
+    # an option the constructor refuses after from_pretrained started the workers stops them
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="expected token_budget >= 1, got 0"):
+        Engine.from_pretrained(folder, tensor_parallel_size=2, num_pages=8, token_budget=0)
+    assert set(multiprocessing.active_children()) == before
 
 
 DEMO = ["demo", "--model", "random", "--check", "--quiet", "--requests", "6",

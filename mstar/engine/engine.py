@@ -207,9 +207,14 @@ class Engine:
         else:
             model, tokenizer = load(os.fspath(name), dtype=dtype)
             model = model.to(device)
-        if device.type == "cuda" and "flashinfer" not in kwargs:
-            kwargs["flashinfer"] = flashinfer_or_none(str(device), model)
-        return cls(model, tokenizer, **kwargs)
+        try:
+            if device.type == "cuda" and "flashinfer" not in kwargs:
+                kwargs["flashinfer"] = flashinfer_or_none(str(device), model)
+            return cls(model, tokenizer, **kwargs)
+        except BaseException:
+            if size > 1:
+                shard(model, size).close()  # the group load_sharded started
+            raise
 
     # --- requests ------------------------------------------------------------------------
 
