@@ -230,3 +230,17 @@ def test_generate_refuses_smollm2_at_two_ranks_in_one_line(smollm2, capsys):
     err = capsys.readouterr().err
     heads = "got num_attention_heads=9 and num_key_value_heads=3"
     assert err.count("\n") == 1 and f"divisible by tensor_parallel_size=2, {heads}" in err
+
+
+def test_generate_at_two_ranks_prints_the_tokens_of_one(smollm2, tmp_path):
+    """``mstar-kv generate --tensor-parallel-size 2`` on a model that divides
+    (the tiny Llama with SmolLM2's tokenizer, whose vocabulary it takes)."""
+    model = tiny_llama()
+    model.resize_token_embeddings(len(smollm2[1]))
+    model.save_pretrained(tmp_path)
+    smollm2[1].save_pretrained(tmp_path)
+    gen = [sys.executable, "-m", "mstar.cli", "generate", "--model", str(tmp_path), "--raw"]
+    gen += ["--max-new-tokens", "12", "The capital of France is"]
+    one, two = (_run([*gen, "--tensor-parallel-size", n]) for n in ("1", "2"))
+    assert one.returncode == two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    assert "(length: 12 tokens" in two.stderr and two.stdout == one.stdout
