@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         "--window", choices=("mistral", "gemma2"), help="a tiny seeded sliding-window model,"
         " served keeping every page and releasing those behind the window",
     )  # fmt: skip
+    add_tensor_parallel_option(demo)
     gen = sub.add_parser("generate", help="answer one prompt, streaming the text")
     gen.add_argument("prompt")
     gen.add_argument("--model", default="smollm2", help="smollm2 (default), a GGUF file or folder")
@@ -65,8 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--max-new-tokens", type=int, default=64, help="default 64")
     gen.add_argument("--device", default="cpu")
+    add_tensor_parallel_option(gen)
     bench = sub.add_parser("bench", help="plan and manager benchmarks, or --e2e on SmolLM2")
     bench.add_argument("--e2e", action="store_true", help="Engine vs HF generate on chat prompts")
+    bench.add_argument(
+        "--tp", action="store_true", help="tensor parallelism's per-step broadcast, TP=2 vs TP=1"
+    )
     bench.add_argument(
         "--workload",
         choices=("chat", "mixed"),
@@ -105,6 +110,13 @@ class UsageError(Exception):
     """An impossible option: reported in one line, exit code 2."""
 
 
+def add_tensor_parallel_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, metavar="N",
+        help="shard the model over N processes (gloo on the CPU, NCCL on N GPUs; default 1)",
+    )  # fmt: skip
+
+
 def checked_device(device: str) -> Any:
     """``--device`` as a ``torch.device`` this machine has, or a usage error."""
     from mstar.engine.device import checked_device
@@ -115,12 +127,21 @@ def checked_device(device: str) -> Any:
         raise UsageError(f"--device {device}: {err}") from err
 
 
-def load_model(name: str, device: str) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` on ``device``, or a usage error naming what is missing."""
+def load_model(name: str, device: str, tensor_parallel_size: int = 1) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` on ``device``, or a usage error naming what is
+    missing; with ``tensor_parallel_size > 1`` this rank's shard of a group
+    started for it (``make_engine`` serves it with the same size)."""
+    import torch
+
     from mstar.engine.loader import load
+    from mstar.engine.tp import load_sharded
 
     where = checked_device(device)
+    if tensor_parallel_size < 1:
+        raise UsageError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
     try:
+        if tensor_parallel_size > 1:
+            return load_sharded(name, tensor_parallel_size, where, torch.float32)
         model, tokenizer = load(name)
     except (FileNotFoundError, OSError, ValueError) as err:
         raise UsageError(f"--model {name}: {str(err).splitlines()[0]}") from err
@@ -157,6 +178,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
         if args.model != "smollm2":
             raise UsageError(f"--window builds its own model: not with --model {args.model}")
+        if args.tensor_parallel_size != 1:
+            raise UsageError("--window serves one process: not with --tensor-parallel-size")
 
         return run_window_demo(
             args.window, requests=args.requests, max_new_tokens=args.max_new_tokens,
@@ -174,7 +197,7 @@ def run_demo(args: argparse.Namespace) -> int:
     engine = make_engine(
         model, tokenizer, args.device,
         num_pages=args.pages, page_size=args.page_size, token_budget=args.budget,
-        prefix_cache=not args.no_prefix_cache,
+        prefix_cache=not args.no_prefix_cache, tensor_parallel_size=args.tensor_parallel_size,
     )  # fmt: skip
     need = {
         r.id: engine.peak_pages(
@@ -228,8 +251,9 @@ def run_generate(args: argparse.Namespace) -> int:
         )
     except ValueError as err:
         raise UsageError(str(err)) from err
-    model, tokenizer = load_model(args.model, args.device)
-    engine = make_engine(model, tokenizer, args.device, page_size=16)
+    size = args.tensor_parallel_size
+    model, tokenizer = load_model(args.model, args.device, size)
+    engine = make_engine(model, tokenizer, args.device, page_size=16, tensor_parallel_size=size)
     chat = not args.raw and tokenizer.chat_template is not None
     if (args.chat or args.system) and not chat:
         raise UsageError(f"--model {args.model} has no chat template: use --raw")
@@ -272,6 +296,8 @@ def run_bench(args: argparse.Namespace) -> int:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=2)
         return 0
+    if args.tp:
+        return run_bench_tp(args)
     if args.e2e:
         from rich.console import Console
 
@@ -313,6 +339,20 @@ def run_bench(args: argparse.Namespace) -> int:
         from mstar.report import plot_latency
 
         plot_latency(rows, args.plot)
+    return 0
+
+
+def run_bench_tp(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from mstar.bench.tp import format_tp, run
+
+    with Console(stderr=True).status("starting") as status:
+        rows = run(batches=(1, 32) if args.quick else (1, 8, 32, 128), stage=status.update)
+    print(format_tp(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
     return 0
 
 

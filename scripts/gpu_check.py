@@ -4,7 +4,8 @@ Stages, in an order that gives answers even when FlashInfer cannot build:
 wheels (install ``.whl/*.whl`` with ``--no-index``), probe (torch, CUDA,
 FlashInfer), paged_attention on CUDA against the CPU, the pinned index ring,
 the engine on CUDA against the CPU engine, FlashInfer against
-paged_attention, then a timing table. Each stage runs in its own process
+paged_attention, tensor parallelism over 2 GPUs (skipped with fewer), then
+a timing table. Each stage runs in its own process
 group under its own timeout, all within one overall budget; a skipped stage
 says why in one line. The last line is "N passed, M failed". Everything is
 logged to ``$OUT/gpu_check.log`` (``/tmp/gpu_check`` without ``$OUT``), the
@@ -37,6 +38,7 @@ TEST_STAGES = (
     ("ring", "tests/test_cuda_ring.py", 60),
     ("engine", "tests/test_cuda_engine.py", 120),
     ("flashinfer", "tests/test_flashinfer_cuda.py", 300),
+    ("tensor_parallel", "tests/test_cuda_tp.py", 120),  # NCCL, TP=2: with 2 GPUs only
 )
 WHEELS_TIMEOUT_S, PROBE_TIMEOUT_S, TIMING_TIMEOUT_S = 120, 120, 90
 MAX_REASONS = 12  # per stage on stdout, so the summary stays in a short output tail
@@ -48,6 +50,7 @@ info = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
 if info["cuda"]:
     info["device"] = torch.cuda.get_device_name()
     info["cuda_version"] = torch.version.cuda
+    info["gpus"] = torch.cuda.device_count()
 try:
     import flashinfer
     info["flashinfer"] = flashinfer.__version__
@@ -289,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
             reason = no_cuda
             if stage == "flashinfer" and reason is None and "flashinfer" not in info:
                 reason = f"flashinfer does not import ({info.get('flashinfer_error')})"
+            if stage == "tensor_parallel" and reason is None and info.get("gpus", 0) < 2:
+                reason = f"TP=2 needs 2 GPUs, this machine has {info.get('gpus')}"
             if reason is None:
                 ok[stage] = check.tests(stage, path, limit)
             elif collected.get(path):

@@ -12,6 +12,7 @@ a guided request decodes ``cond``/``uncond`` in lockstep.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import time
@@ -33,6 +34,7 @@ from mstar.engine.resources.kv.ring import PinnedIndexRing
 from mstar.engine.resources.step import KVStep, Segment
 from mstar.engine.sampling import SamplingParams, sample_token
 from mstar.engine.scheduler import kv_step, schedule
+from mstar.engine.tp import TensorParallel, check_size, load_sharded, shard
 from mstar.integrations.hf import forward_step, kv_spec, register
 
 Prompt = str | Sequence[int]
@@ -67,6 +69,22 @@ class EngineStats:
     plan_us: deque[float] = field(default_factory=lambda: deque(maxlen=PLAN_SAMPLES))
 
 
+def _stops_workers_on_error(init: Callable[..., None]) -> Callable[..., None]:
+    """A constructor that, when it raises, first stops the tensor-parallel
+    workers it started."""
+
+    @functools.wraps(init)
+    def checked(self: Engine, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            if getattr(self, "tp", None) is not None:
+                self.tp.close()
+            raise
+
+    return checked
+
+
 class Engine:
     """Continuous batching of a Hugging Face decoder over a paged KV cache.
 
@@ -79,10 +97,16 @@ class Engine:
     pages equal to a prefix of its tokens, computed by any earlier request, and
     computes only the rest.
 
+    With ``tensor_parallel_size=N > 1`` the model is sharded over N ranks
+    (``mstar.engine.tp``): this process plans, samples and runs rank 0;
+    N - 1 worker processes run the other shards, each with a ``KVCache`` of
+    its own KV heads. ``close()`` (or ``with Engine(...)``) stops them.
+
     A call that raises leaves the engine as it found it: nothing of that call
     stays queued, no page leaks.
     """
 
+    @_stops_workers_on_error
     def __init__(
         self,
         model: Any,
@@ -93,6 +117,7 @@ class Engine:
         token_budget: int = 256,
         flashinfer: Any = None,
         prefix_cache: bool = True,
+        tensor_parallel_size: int = 1,
     ) -> None:
         options = {"page_size": page_size, "token_budget": token_budget, "num_pages": num_pages}
         for name, value in options.items():
@@ -109,6 +134,9 @@ class Engine:
                 "expected tokenizer a Hugging Face fast tokenizer (with .backend_tokenizer)"
                 f" or None, got {type(tokenizer).__name__}"
             )
+        self.tp = shard(model, tensor_parallel_size)  # refuses before starting workers
+        model = model if self.tp is None else self.tp.model
+        self._forward_step = forward_step if self.tp is None else self.tp.forward_step
         spec = kv_spec(model)  # refuses a model the paged path cannot serve exactly
         param = next(model.parameters())
         if num_pages is None:
@@ -117,7 +145,9 @@ class Engine:
         model.set_attn_implementation(register())
         self.model, self.tokenizer, self.flashinfer = model, tokenizer, flashinfer
         self.device, self.budget = param.device, token_budget
-        self.mgr, self.cache = _kv_managers(spec, num_pages, page_size, param, prefix_cache)
+        self.mgr, self.cache = _kv_managers(
+            spec, num_pages, page_size, param, prefix_cache, self.tp, flashinfer
+        )
         window = self.mgr.window  # what admission counts
         self.prefix_cache = prefix_cache
         self.eos_token_ids = _eos_ids(model, tokenizer)
@@ -147,7 +177,8 @@ class Engine:
     ) -> Engine:
         """``name``: ``"smollm2"``, a GGUF file or a Hugging Face model folder.
         ``device="cuda"`` uses FlashInfer when it is installed and serves the
-        model (fp16/bf16 weights, head width 64/128/256); else ``paged_attention``."""
+        model (fp16/bf16 weights, head width 64/128/256); else ``paged_attention``.
+        With ``tensor_parallel_size=N > 1`` each rank loads only its shard."""
         from mstar.engine.loader import load
 
         if not isinstance(name, str | os.PathLike):
@@ -155,10 +186,20 @@ class Engine:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"expected dtype a floating torch.dtype, got {dtype!r}")
         device = checked_device(device)
-        model, tokenizer = load(os.fspath(name), dtype=dtype)
-        if device.type == "cuda" and "flashinfer" not in kwargs:
-            kwargs["flashinfer"] = flashinfer_or_none(str(device), model)
-        return cls(model.to(device), tokenizer, **kwargs)
+        size = check_size(kwargs.get("tensor_parallel_size", 1))
+        if size > 1:
+            model, tokenizer = load_sharded(os.fspath(name), size, device, dtype)
+        else:
+            model, tokenizer = load(os.fspath(name), dtype=dtype)
+            model = model.to(device)
+        try:
+            if device.type == "cuda" and "flashinfer" not in kwargs:
+                kwargs["flashinfer"] = flashinfer_or_none(str(device), model)
+            return cls(model, tokenizer, **kwargs)
+        except BaseException:
+            if size > 1:
+                shard(model, size).close()  # the group load_sharded started
+            raise
 
     # --- requests ------------------------------------------------------------------------
 
@@ -252,6 +293,18 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self._running)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent); the engine
+        cannot step afterwards. Also at exit, and by ``with Engine(...)``."""
+        if self.tp is not None:
+            self.tp.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _requests(self, prompts: object, params: object) -> list[Request]:
         """The requests of a ``generate``/``stream`` call, checked, none queued."""
@@ -425,7 +478,7 @@ class Engine:
         """Logits ``[len(at), vocab]`` at packed positions ``at`` of the step."""
         input_ids = torch.tensor(ids, device=self.device)
         index = torch.tensor(at, dtype=torch.int64)
-        return forward_step(
+        return self._forward_step(
             self.model, input_ids, plan, self.cache, flashinfer=self.flashinfer, logits_at=index
         )
 
@@ -535,15 +588,22 @@ class Engine:
 
 
 def _kv_managers(
-    spec: Any, num_pages: int, page_size: int, param: torch.Tensor, prefix_cache: bool
+    spec: Any,
+    num_pages: int,
+    page_size: int,
+    param: torch.Tensor,
+    prefix_cache: bool,
+    tp: TensorParallel | None,
+    flashinfer: Any,
 ) -> tuple[KVManager | KVGroups, KVCache | tuple[KVCache, ...]]:
     """The engine's pages and cache. A windowed model's streams release the
     pages behind its windows, unless the prefix cache keeps them (the two do
     not combine yet); a hybrid one's (windowed and full layers) then has one
-    manager and cache per KV group. On CUDA the plan's index arrays leave from
+    manager and cache per KV group (not under tensor parallelism: its workers
+    hold one cache over every layer). On CUDA the plan's index arrays leave from
     pinned memory, so their copies are asynchronous."""
     cuda = param.device.type == "cuda"
-    if not prefix_cache and len(spec.groups) > 1:
+    if not prefix_cache and len(spec.groups) > 1 and tp is None:
         groups = KVGroups(
             spec.groups,
             num_pages,
@@ -564,7 +624,7 @@ def _kv_managers(
     mgr = KVManager(
         num_pages,
         page_size,
-        cache=cache,
+        cache=cache if tp is None else tp.attach(cache, flashinfer),
         prefix_cache=prefix_cache,
         ring=PinnedIndexRing() if cuda else None,
         window=None if prefix_cache else spec.window,

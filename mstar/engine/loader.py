@@ -42,9 +42,27 @@ def smollm2_path() -> Path:
 
 
 def load(name: str, *, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` on the CPU in ``dtype``, in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """``(model, tokenizer)`` on the CPU in ``dtype``, in eval mode (the
+    tokenizer None for a folder without one)."""
+    from transformers import AutoModelForCausalLM
 
+    path = model_folder(name)
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.eval(), tokenizer
+
+
+def load_tokenizer(folder: Path) -> Any:
+    """The tokenizer saved in ``folder``, None when it holds none (token-id prompts only)."""
+    from transformers import AutoTokenizer
+
+    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def model_folder(name: str) -> Path:
+    """The Hugging Face folder of ``name`` (a GGUF file converted once)."""
     path = smollm2_path() if name == SMOLLM2 else Path(name)
     if not path.exists():
         raise FileNotFoundError(f"expected 'smollm2', a GGUF file or a model folder, got {name!r}")
@@ -52,11 +70,7 @@ def load(name: str, *, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
         raise FileNotFoundError(f"expected a model folder (with config.json), got {name!r}")
     if path.is_file() and path.suffix != ".gguf":
         raise FileNotFoundError(f"expected a .gguf file or a model folder, got the file {name!r}")
-    if path.suffix == ".gguf":
-        path = _converted(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model.eval(), tokenizer
+    return _converted(path) if path.suffix == ".gguf" else path
 
 
 def chat_prompt(tokenizer: Any, text: str) -> list[int]:

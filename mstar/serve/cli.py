@@ -33,6 +33,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="the random model's seed")
     p.add_argument("--grace", type=float, default=10.0, help="seconds to finish at shutdown")
     p.add_argument("--served-model-name", help="the model's name in the API (default: --model's)")
+    from mstar.cli import add_tensor_parallel_option
+
+    add_tensor_parallel_option(p)
 
 
 def add_bench_options(bench: argparse.ArgumentParser) -> None:
@@ -97,10 +100,11 @@ def _engine(args: argparse.Namespace) -> Any:
 
         model, tokenizer = build_model(args.seed, str(checked_device(args.device)))[1], None
     else:
-        model, tokenizer = load_model(args.model, args.device)
+        model, tokenizer = load_model(args.model, args.device, args.tensor_parallel_size)
     return make_engine(
         model, tokenizer, args.device, num_pages=args.pages, page_size=args.page_size,
         token_budget=args.budget, prefix_cache=not args.no_prefix_cache,
+        tensor_parallel_size=args.tensor_parallel_size,
     )  # fmt: skip
 
 
