@@ -197,7 +197,7 @@ def run_demo(args: argparse.Namespace) -> int:
     engine = make_engine(
         model, tokenizer, args.device,
         num_pages=args.pages, page_size=args.page_size, token_budget=args.budget,
-        prefix_cache=not args.no_prefix_cache, tensor_parallel_size=args.tensor_parallel_size,
+        prefix_cache=False if args.no_prefix_cache else None, tensor_parallel_size=args.tensor_parallel_size,
     )  # fmt: skip
     need = {
         r.id: engine.peak_pages(

@@ -192,3 +192,27 @@ def test_hybrid_models_share_no_window():
     )
     assert kv_spec(paged).window is None
     assert kv_spec(paged).groups == ((4, (0,)), (None, (1,)))
+
+
+def test_by_default_the_engine_releases_on_windowed_models_and_caches_prefixes_on_others():
+    """``prefix_cache=None`` (the default): off with a window in any layer
+    (window-only: one windowed manager; hybrid: KV groups), on without."""
+    from mstar.engine import Engine
+    from mstar.engine.resources.groups import KVGroups
+
+    options = {"num_pages": 8, "page_size": 4}
+    _, mistral = _pair("MistralConfig", {"sliding_window": W})
+    eng = Engine(mistral, **options)
+    assert not eng.prefix_cache and eng.mgr.window == W
+    _, gemma = _pair(
+        "Gemma2Config",
+        {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
+    )
+    eng = Engine(gemma, **options)
+    assert not eng.prefix_cache and isinstance(eng.mgr, KVGroups)
+    _, llama = _pair("LlamaConfig", {})
+    eng = Engine(llama, **options)
+    assert eng.prefix_cache and eng.mgr.window is None
+    assert Engine(mistral, prefix_cache=True, **options).mgr.window is None
+    with pytest.raises(TypeError, match="prefix_cache a bool or None"):
+        Engine(llama, prefix_cache=1, **options)

@@ -95,7 +95,10 @@ class Engine:
     outputs get ``.text`` with one. With ``prefix_cache`` a stream that starts
     (or restarts after preemption) first takes the longest run of cached full
     pages equal to a prefix of its tokens, computed by any earlier request, and
-    computes only the rest.
+    computes only the rest. ``prefix_cache=None`` (the default) turns it on
+    unless some attention layer of the model has a sliding window: such
+    layers then give the pages behind their window back to the pool, which a
+    prefix cache would keep (the two do not combine yet).
 
     With ``tensor_parallel_size=N > 1`` the model is sharded over N ranks
     (``mstar.engine.tp``): this process plans, samples and runs rank 0;
@@ -116,7 +119,7 @@ class Engine:
         page_size: int = 16,
         token_budget: int = 256,
         flashinfer: Any = None,
-        prefix_cache: bool = True,
+        prefix_cache: bool | None = None,
         tensor_parallel_size: int = 1,
     ) -> None:
         options = {"page_size": page_size, "token_budget": token_budget, "num_pages": num_pages}
@@ -127,8 +130,8 @@ class Engine:
                 raise TypeError(f"expected {name} an int, got {value!r}")
             if value < 1:
                 raise ValueError(f"expected {name} >= 1, got {value!r}")
-        if not isinstance(prefix_cache, bool):
-            raise TypeError(f"expected prefix_cache a bool, got {prefix_cache!r}")
+        if prefix_cache is not None and not isinstance(prefix_cache, bool):
+            raise TypeError(f"expected prefix_cache a bool or None, got {prefix_cache!r}")
         if tokenizer is not None and not hasattr(tokenizer, "backend_tokenizer"):
             raise TypeError(
                 "expected tokenizer a Hugging Face fast tokenizer (with .backend_tokenizer)"
@@ -138,6 +141,8 @@ class Engine:
         model = model if self.tp is None else self.tp.model
         self._forward_step = forward_step if self.tp is None else self.tp.forward_step
         spec = kv_spec(model)  # refuses a model the paged path cannot serve exactly
+        if prefix_cache is None:  # windows release pages, which a prefix cache would keep
+            prefix_cache = all(window is None for window, _ in spec.groups)
         param = next(model.parameters())
         if num_pages is None:
             num_pages = pool_pages(spec, page_size, param.dtype, param.device)

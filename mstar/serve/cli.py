@@ -103,7 +103,7 @@ def _engine(args: argparse.Namespace) -> Any:
         model, tokenizer = load_model(args.model, args.device, args.tensor_parallel_size)
     return make_engine(
         model, tokenizer, args.device, num_pages=args.pages, page_size=args.page_size,
-        token_budget=args.budget, prefix_cache=not args.no_prefix_cache,
+        token_budget=args.budget, prefix_cache=False if args.no_prefix_cache else None,
         tensor_parallel_size=args.tensor_parallel_size,
     )  # fmt: skip
 
