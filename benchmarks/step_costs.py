@@ -3,9 +3,10 @@
     OMP_WAIT_POLICY=PASSIVE python benchmarks/step_costs.py [--rows 12] [--steps 5]
 
 1. An ``Engine`` decode step on SmolLM2 with ``--rows`` requests (the mixed
-   workload's prompts, decoding), under the torch profiler: each op's share
-   of the step, and the share spent outside the model's forward (its head
-   included): the plan, sampling and the engine's host work.
+   workload's prompts, decoding): the share of its CPU time spent outside
+   the model's forward (the plan, sampling, the engine's host work) and in
+   the model's head (its forward less the decoder stack: lm_head), then
+   each op's share under the torch profiler.
 2. A linear layer of SmolLM2's MLP shape (``[M, 576] @ [576, 1536]``, 60
    weights so they come from memory, as in a forward) at M rows: ms per
    call, best of 5 rounds in turns. A decode step is M = its rows.
@@ -61,9 +62,7 @@ def step_shares(rows: int, steps: int) -> None:
     print(
         f"  outside the model's forward (plan, sampling, host work): {100 * outside / total:.1f}%"
     )
-    print(
-        f"  the model's head (embedding, final norm, lm_head at {rows} rows): {100 * head / total:.1f}%"
-    )
+    print(f"  the model's head (lm_head at the {rows} rows that choose): {100 * head / total:.1f}%")
     for e in ops[:6]:
         print(
             f"  {e.key:50s} {100 * e.self_cpu_time_total / whole:5.1f}%  {e.count // steps} calls"
