@@ -284,3 +284,23 @@ def test_mixed_table_has_a_section_per_arrival_pattern():
     assert table[0].startswith("4 prompts (2 threads)")
     assert table[2] == "at once" and "later" in table
     assert table[6].split()[-5:] == ["33.3", "1.50x", "4/4", "0.25", "0.50"]
+    rows[1]["ratio_range"], rows[0]["ratio_range"] = (1.25, 1.75), (1.0, 1.0)
+    table = format_mixed({**result, "rounds": 3}).splitlines()
+    assert "best of 3 rounds in turns" in table[0]
+    assert table[6].split()[-6:] == ["33.3", "1.50x", "4/4", "0.25", "0.50", "1.25-1.75x"]
+
+
+def test_mixed_rows_take_each_paths_best_round_and_the_ratio_per_round():
+    """A path's figures are its fastest round's; exact counts the jobs right
+    in every round; the range is ours over its tokens/s round by round."""
+    from mstar.bench.serving import Served, _rows
+
+    oracle = [[1, 2], [3]]
+    ours = [Served([[1, 2], [3]], [0.1, 0.2], 3.0), Served([[1, 2], [3]], [0.3, 0.4], 2.0)]
+    theirs = [Served([[1, 2], [3]], [0.5, 0.5], 4.0), Served([[1, 2], [4]], [0.6, 0.6], 6.0)]
+    engine, other = _rows({"ours": ours, "theirs": theirs}, oracle)
+    assert (engine["seconds"], engine["ttft_mean"], engine["exact"]) == (2.0, 0.35, 2)
+    assert (other["seconds"], other["ttft_mean"], other["exact"]) == (4.0, 0.5, 1)
+    assert other["tokens_per_s"] == 3 / 4.0
+    assert other["ratio_range"] == (4.0 / 3.0, 3.0)
+    assert engine["ratio_range"] == (1.0, 1.0)

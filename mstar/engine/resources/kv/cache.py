@@ -29,6 +29,14 @@ class KVCache:
     pair ``[num_pages, page_size, num_kv_heads, head_dim]`` and ``[...,
     v_head_dim]``. ``v_head_dim=None`` means ``head_dim``."""
 
+    # The constructor's arguments of these names, each checked >= 1.
+    num_layers: int
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+
     def __init__(
         self,
         num_layers: int,
@@ -52,12 +60,7 @@ class KVCache:
         for name, value in sizes.items():
             if value < 1:
                 raise ValueError(f"expected {name} >= 1, got {value}")
-        self.num_layers = num_layers
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.v_head_dim = v_head_dim
+        vars(self).update(sizes)
         self.dtype = dtype
         self.device = indexed_device(device)
         base = (num_pages, page_size, num_kv_heads)
