@@ -12,6 +12,13 @@ the indices by list extends and ``torch.tensor``.
   warm, and cold: with the data caches evicted before each step (a 48 MiB
   write, one byte per 64), as after a model forward. The note compares each
   with the steady decode step of the same run.
+- ``churn anywhere``: the step continuous batching runs most: rows leave
+  from anywhere in the batch (``batch // 32`` a step, at random: answers
+  ending after ~32 tokens on average) and as many newcomers join with a
+  64-token prompt, prefilled in the same step as the decode rows. Their
+  releases are untimed (the engine's previous step frees them). Timed in
+  turns with the steady decode step of the same batch, at B=32 and B=256,
+  warm and cold; the note compares the two.
 - ``prefix cache``: the steady decode step with the prefix cache on (fresh
   segments each step, each carrying its new token) against it off (fresh
   segments without tokens); ``match_prefix`` of a 4k-token
@@ -37,6 +44,7 @@ PAGE_SIZE = 16
 MAX_STEPS = 4096  # decode steps timed per configuration, at most
 HEADROOM_PAGES = MAX_STEPS // PAGE_SIZE + 2  # per row, for those steps
 PREFILL = 512  # the mixed step's prefill chunk
+JOIN = 64  # a newcomer's prompt in the churn-anywhere step
 STEPS = 200  # churn/mixed steps timed one by one
 
 
@@ -173,6 +181,31 @@ def _mixed(mgr, names: list[str], tag: str, baseline: bool):
     return prepare
 
 
+def _churn_anywhere(mgr, names: list[str], tag: str, baseline: bool):
+    """Step ``i`` of churn anywhere: ``len(names) // 32`` rows at random
+    places leave (untimed), then the decode rows and as many newcomers'
+    64-token prefill rows in one step (returned, to be timed)."""
+    rng = np.random.default_rng(0)  # the same rows leave on both sides
+    leave = max(1, len(names) // 32)
+
+    def prepare(i: int):
+        for j in sorted(rng.choice(len(names), leave, replace=False).tolist(), reverse=True):
+            mgr.release(names.pop(j))
+        joined = [f"{tag}{i}.{j}" for j in range(leave)]
+        if baseline:
+            rows = [(r, 1) for r in names] + [(r, JOIN) for r in joined]
+            names.extend(joined)
+            return lambda: mgr.step(rows)
+        segments = (
+            *(Segment(r, "main", 1) for r in names),
+            *(Segment(r, "main", JOIN) for r in joined),
+        )
+        names.extend(joined)
+        return lambda: _step(mgr, segments)
+
+    return prepare
+
+
 def _medians_us(steps_by_kind: dict, steps: int, evict: _Evictor | None) -> dict[str, float]:
     """``_median_us`` of several kinds of step, taken in turns (one step of
     each kind, then the next), so a machine's drift moves them alike."""
@@ -222,6 +255,43 @@ def serving_rows(batch: int = 256, context: int = 4096, steps: int = STEPS) -> l
                     note="" if kind == "steady" else f"{ratio:.2f}x steady",
                 )
             )
+    return out
+
+
+def churn_anywhere_rows(
+    batches: tuple[int, ...] = (32, 256), context: int = 4096, steps: int = STEPS
+) -> list[Row]:
+    """The churn-anywhere step against the steady decode step of the same
+    batch, in turns, warm and cold, ours and the list baseline."""
+    evict = _Evictor()
+    out = []
+    for batch in batches:
+        spare = steps * max(1, batch // 32) * (-(-JOIN // PAGE_SIZE) + 1)
+        for temp, ev in (("warm", None), ("cold", evict)):
+            figures: dict[str, list[float]] = {}
+            for baseline in (False, True):
+                kinds = {}
+                for kind in ("steady", "churn anywhere"):
+                    mgr, base, names = _prefilled(batch, context, spare)
+                    m = base if baseline else mgr
+                    if kind == "steady":
+                        kinds[kind] = _steady(m, names, baseline)
+                    else:
+                        kinds[kind] = _churn_anywhere(m, list(names), "n", baseline)
+                for kind, us in _medians_us(kinds, steps, ev).items():
+                    figures.setdefault(kind, []).append(us)
+            for kind, (ours, theirs) in figures.items():
+                ratio = ours / figures["steady"][0]
+                out.append(
+                    Row(
+                        f"{kind} step",
+                        f"{batch}x{context} {temp}",
+                        ours,
+                        theirs,
+                        params={"batch": batch, "context": context, "cold": int(ev is not None)},
+                        note="" if kind == "steady" else f"{ratio:.2f}x steady",
+                    )
+                )
     return out
 
 
@@ -284,4 +354,9 @@ def prefix_rows(batch: int = 256, context: int = 4096, steps: int = STEPS) -> li
 def run(batches=(1, 32, 256), contexts=(1024, 4096, 32768)) -> list[Row]:
     rows = [_decode_rows(b, c) for b in batches for c in contexts]
     big, context = max(batches), 4096 if 4096 in contexts else max(contexts)
-    return rows + serving_rows(big, context) + prefix_rows(big, context)
+    return (
+        rows
+        + serving_rows(big, context)
+        + churn_anywhere_rows(tuple(b for b in batches if b >= 32), context)
+        + prefix_rows(big, context)
+    )

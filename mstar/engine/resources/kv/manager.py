@@ -346,10 +346,12 @@ class KVManager:
             rec.slots = streams.resolve(rec.keys)
             rec.new = (rec.slots == 0).nonzero()[0].tolist()
             rec.ends, rec.num_pages, rec.grow = self._admission.sizes(rec.slots, rec.spans, rec.few)
-        for i in rec.new:
-            key = rec.keys[i]
-            rec.slots[i] = streams.make(*key, np.zeros(0, np.int32), 0)
-            journal.add(Made(key, int(rec.slots[i])))
+        if rec.new:
+            keys = [rec.keys[i] for i in rec.new]
+            rooms = [rec.grow[i] for i in rec.new] if rec.few else rec.grow[rec.new].tolist()
+            slots = streams.make_empty(keys, rooms)
+            rec.slots[rec.new] = slots
+            journal.entries.extend(map(Made, keys, slots))
         grow = rec.grow
         if rec.few:
             if not any(grow):

@@ -80,21 +80,42 @@ class StreamTable:
     ) -> int:
         """A new stream on ``table`` (pages it owns) holding ``stored`` tokens
         after ``base`` released ones."""
-        if not self._free:
-            self._grow()
-        slot = self._free.pop()
-        self.made += 1
+        slot = self._claim(1)[0]
         self.tables[slot] = table
         self.npages[slot] = len(table)
         self.stored[slot] = stored
         self.base[slot] = base
-        self._tick += 1
-        self.epoch[slot] = self._tick
         self.touch(slot)
         self.map(request_id, label, slot)
         if self.prefix is not None:
             self.prefix.start(slot)
         return slot
+
+    def make_empty(self, keys: list[tuple[str, str]], rooms: list[int]) -> list[int]:
+        """New streams for ``keys`` (distinct, unknown), empty, each table
+        with room for ``rooms[i]`` pages; their slots."""
+        slots = self._claim(len(keys))
+        tables = self.tables
+        for slot, room in zip(slots, rooms):
+            tables[slot] = np.empty(max(room, 16), np.int32)
+        self.touch(np.array(slots))  # a free slot's pages, lengths and base are 0
+        for (request_id, label), slot in zip(keys, slots):
+            self.map(request_id, label, slot)
+        if self.prefix is not None:
+            for slot in slots:
+                self.prefix.start(slot)
+        return slots
+
+    def _claim(self, n: int) -> list[int]:
+        """``n`` free slots, each now a new stream (a new epoch)."""
+        while len(self._free) < n:
+            self._grow()
+        slots = self._free[-n:][::-1]
+        del self._free[-n:]
+        self.made += n
+        self.epoch[slots] = np.arange(self._tick + 1, self._tick + 1 + n)
+        self._tick += n
+        return slots
 
     def map(self, request_id: str, label: str, slot: int) -> None:
         self.requests.setdefault(request_id, {})[label] = slot
