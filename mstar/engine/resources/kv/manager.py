@@ -265,7 +265,7 @@ class KVManager:
                 raise
             assert journal.taken == len(journal.reserved), "a step uses exactly its reserved pages"
             if rec.tokens is not None:  # only now is the step's KV final
-                self._prefix.record(rec.slots, np.subtract(rec.ends, rec.spans), rec.tokens)
+                self._prefix.record(rec.slots, rec.ends, rec.spans, rec.tokens)
                 self._forks.copy_chains(step.post_forks, rec.requests)
             if rec.forks:
                 for slot in journal.replaced():  # fork targets it replaced go now

@@ -131,8 +131,8 @@ class StreamTable:
     def free(self, slot: int, keep: np.ndarray | None = None) -> None:
         """Free the slot and release its pages, but those in ``keep`` (pages
         an undone step took from its reservation go back to it)."""
-        if self.prefix is not None and self.prefix.waiting[slot]:
-            self.prefix.flush()  # its full pages are registered before they go
+        if self.prefix is not None:
+            self.prefix.settle(slot)  # its full pages are registered before they go
         pages = self.tables[slot][: self.npages[slot]]
         self.pool.release(pages if keep is None else pages[~np.isin(pages, keep)])
         self.tables[slot] = None
