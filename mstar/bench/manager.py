@@ -5,7 +5,7 @@ the indices by list extends and ``torch.tensor``.
 - ``decode step``: every row decodes one token; rows are staggered so every
   step some start a page. The floor is one ``np.copyto`` of the step's
   ``paged_kv_indices`` into a preallocated array: the least any plan built
-  on the host spends.
+  on the host spends. The three are timed in turns (``turns_us``).
 - ``churn step`` / ``mixed step``: the steps continuous batching really runs.
   Churn: each step 2 rows leave and 2 new requests join (their prefill
   untimed). Mixed: the decode rows plus one new 512-token prefill row. Timed
@@ -19,7 +19,7 @@ the indices by list extends and ``torch.tensor``.
   releases are untimed (the engine's previous step frees them). Timed in
   turns with the steady decode step of the same batch, at B=32 and B=256,
   warm and cold; the note compares the two.
-- ``prefix cache``: the steady decode step with the prefix cache on (fresh
+- ``prefix cache``: the steady decode step with the prefix cache on (in turns, fresh
   segments each step, each carrying its new token) against it off (fresh
   segments without tokens); ``match_prefix`` of a 4k-token
   prompt whose first 3.5k tokens are cached, against a hashlib digest and a
@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from mstar.bench import Row, time_us
+from mstar.bench import Row, time_us, turns_us
 from mstar.bench.plan import baseline_build
 from mstar.bench.prefix import baseline_match
 from mstar.engine.resources.kv.manager import KVManager
@@ -104,12 +104,21 @@ def _decode_rows(batch: int, context: int) -> Row:
     assert len(ours_plan.cpu_indptrs.paged_kv_indices) == len(base_plan.paged_kv_indices)
     indices = ours_plan.cpu_indptrs.paged_kv_indices.numpy()
     target = np.empty_like(indices)
+    ours, theirs, floor = turns_us(  # at most MAX_STEPS steps each
+        [
+            lambda: _step(mgr, segments),
+            lambda: base.step([(r, 1) for r in names]),
+            lambda: np.copyto(target, indices),
+        ],
+        rounds=51,
+        target_s=0.0005,
+    )
     return Row(
         "decode step",
         f"batch={batch} context={context}",
-        time_us(lambda: _step(mgr, segments), max_calls=MAX_STEPS - 1),
-        time_us(lambda: base.step([(r, 1) for r in names]), max_calls=MAX_STEPS - 1),
-        time_us(lambda: np.copyto(target, indices)),
+        ours,
+        theirs,
+        floor,
         params={"batch": batch, "context": context},
     )
 
@@ -298,7 +307,7 @@ def churn_anywhere_rows(
 def prefix_rows(batch: int = 256, context: int = 4096, steps: int = STEPS) -> list[Row]:
     """The prefix cache's cost on a decode step, and ``match_prefix``."""
     per_row = -(-context // PAGE_SIZE) + HEADROOM_PAGES
-    timed = []
+    kinds = {}
     for on in (True, False):
         mgr = KVManager(num_pages=batch * per_row, page_size=PAGE_SIZE, prefix_cache=on)
         rng = np.random.default_rng(0)
@@ -310,7 +319,8 @@ def prefix_rows(batch: int = 256, context: int = 4096, steps: int = STEPS) -> li
             s = tuple(Segment(r, "main", 1, [i] if on else None) for r in names)
             return lambda: _step(m, s)
 
-        timed.append(_median_us(decode, steps, None))
+        kinds[on] = decode
+    timed = list(_medians_us(kinds, steps, None).values())  # on and off in turns
     out = [
         Row(
             "prefix cache",

@@ -180,7 +180,6 @@ class Admission:
         if segs and set(map(type, segs)) != {Segment}:
             bad = next(s for s in segs if type(s) is not Segment)
             raise TypeError(f"expected Segment rows, got {type(bad).__name__} {bad!r}")
-        n = len(segs)
         columns = tuple(zip(*segs)) or ((), (), (), ())  # one pass: ids, labels, spans, tokens
         request_ids, labels, span_values = columns[:3]
         if (
@@ -191,39 +190,38 @@ class Admission:
         ):  # the same streams with other spans or tokens
             spans = rows.spans if span_values == rows.columns[2] else _spans(span_values, rows.keys)
             return self._sized(step, forks, rows, columns, [], rows.slots, spans)
-        old, k = self._shared_rows(rows, request_ids, labels) if reuse else (None, 0)
+        old, k, pick = self._shared_rows(rows, request_ids, labels) if reuse else (None, 0, None)
         keys = list(zip(request_ids[k:], labels[k:]))
         if k:  # the last step's rows again (rows left among them, joined or left after)
-            keys[:0] = _rows_of(rows.keys, old)
+            keys[:0] = pick(rows.keys)
             kept = rows.slots[old]
             slots = np.concatenate((kept, self.streams.resolve(keys[k:])))
-            if span_values[:k] == _rows_of(rows.columns[2], old):
+            if span_values[:k] == pick(rows.columns[2]):
                 spans = np.concatenate((rows.spans[old], _spans(span_values[k:], keys[k:])))
             else:
                 spans = _spans(span_values, keys)
-            tail = slots[k:]
-            tail = tail[tail != 0]  # mostly none: newcomers
-            repeated = bool(len(tail)) and bool(np.isin(tail, kept).any())
         else:
-            slots = self.streams.resolve(keys)
+            kept = slots = self.streams.resolve(keys)
             spans = _spans(span_values, keys)
-            repeated = False
-        new = (slots == 0).nonzero()[0].tolist()
+        rest = slots[k:]
+        known = rest[rest != 0]  # the streams not reused that exist: mostly none
+        new = (rest == 0).nonzero()[0]
+        new = (new + k).tolist() if k else new.tolist()
         for i in new:  # a known stream's key was checked when it was made
             check_key(*keys[i])
-        if n > k + 1 or repeated:  # the rows it did not reuse are each one stream
-            known = np.sort(slots[k:][slots[k:] != 0])
-            if (
-                repeated
-                or (known[1:] == known[:-1]).any()
-                or len({keys[i] for i in new}) < len(new)
-            ):
-                key = _first_repeat(keys)
-                raise InvalidStep(
-                    f"expected one segment per stream, got two for request {key[0]!r},"
-                    f" label {key[1]!r}",
-                    *key,
-                )
+        if (  # the rows not reused are each one stream (mostly: newcomers, none known)
+            len(known)
+            and (
+                (k and np.isin(known, kept).any())
+                or (len(known) > 1 and len(np.unique(known)) < len(known))
+            )
+        ) or (len(new) > 1 and len({keys[i] for i in new}) < len(new)):
+            key = _first_repeat(keys)
+            raise InvalidStep(
+                f"expected one segment per stream, got two for request {key[0]!r},"
+                f" label {key[1]!r}",
+                *key,
+            )
         if self.admitted and self.in_flight(dict.fromkeys(request_ids)):
             key = next(k for k in keys if self.in_flight({k[0]: None}))
             raise InvalidStep(
@@ -237,23 +235,25 @@ class Admission:
 
     def _shared_rows(
         self, rows: ResolvedRows, request_ids: tuple, labels: tuple
-    ) -> tuple[slice | np.ndarray | None, int]:
-        """``(old, k)``: this step's first ``k`` rows are the last step's rows
-        ``old`` (a slice, or row numbers), in order, on the same streams. Mostly
-        they are every row of the last step whose stream is still there (rows
-        left from anywhere, others joined after): one comparison a column, the
-        ids mostly the very same objects. Else runs of them, up to
-        ``LEFT_AHEAD`` rows left before each, compared a run at a time."""
+    ) -> tuple[slice | np.ndarray | None, int, Any]:
+        """``(old, k, pick)``: this step's first ``k`` rows are the last
+        step's rows ``old`` (a slice, or row numbers), in order, on the same
+        streams; ``pick`` takes those rows of a column of the last step's (a
+        tuple or list). Mostly they are every row of the last step whose
+        stream is still there (rows left from anywhere, others joined after):
+        one comparison a column, the ids mostly the very same objects. Else
+        runs of them, up to ``LEFT_AHEAD`` rows left before each, compared a
+        run at a time."""
         old_ids, old_labels = rows.columns[0], rows.columns[1]
         if rows.made == self.streams.made:  # no stream made or freed since: all the same
-            alive: slice | np.ndarray = slice(0, len(old_ids))
+            old: slice | np.ndarray = slice(0, len(old_ids))
         else:  # the rows whose streams are still the ones resolved (those left are not)
-            alive = (self.streams.epoch[rows.slots] == rows.epochs).nonzero()[0]
-        k = len(old_ids) if type(alive) is slice else len(alive)
+            old = (self.streams.epoch[rows.slots] == rows.epochs).nonzero()[0]
+        k, pick = _picker(old)
         if 0 < k <= len(request_ids) and (  # the common case: every one still there, in order
-            request_ids[:k] == _rows_of(old_ids, alive) and labels[:k] == _rows_of(old_labels, alive)
+            request_ids[:k] == pick(old_ids) and labels[:k] == pick(old_labels)
         ):
-            return alive, k
+            return old, k, pick
         runs: list[tuple[int, int]] = []  # (first old row, rows)
         k, d = 0, 0
         while k < len(request_ids):
@@ -269,9 +269,9 @@ class Admission:
             runs.append((d, n))
             k, d = k + n, d + n
         if not runs:
-            return None, 0
+            return None, 0, None
         if len(runs) == 1:
-            old: slice | np.ndarray = slice(runs[0][0], runs[0][0] + k)
+            old = slice(runs[0][0], runs[0][0] + k)
         else:
             mask = np.zeros(d, bool)
             for first, n in runs:
@@ -280,8 +280,8 @@ class Admission:
         if rows.made != self.streams.made and not (
             self.streams.epoch[rows.slots[old]] == rows.epochs[old]
         ).all():
-            return None, 0
-        return old, k
+            return None, 0, None
+        return old, k, _picker(old)[1]
 
     def _same_streams(self, rows: ResolvedRows) -> bool:
         """Whether the rows' streams are those they were resolved to."""
@@ -430,11 +430,15 @@ def _common(a: tuple, i: int, b: tuple, j: int) -> int:
     return next(compress(count(), map(ne, a[i : i + n], b[j : j + n])), n)
 
 
-def _rows_of(column: tuple, old: slice | np.ndarray) -> tuple:
-    """``column``'s items at ``old`` (a slice, or row numbers), as a tuple."""
+def _picker(old: slice | np.ndarray) -> tuple[int, Any]:
+    """How many rows ``old`` (a slice, or row numbers) names, and a function
+    taking them from a column (a tuple or list, as the column's type or a tuple)."""
     if type(old) is slice:
-        return column[old]
-    return itemgetter(*old.tolist())(column) if len(old) > 1 else (column[int(old[0])],)
+        return old.stop - old.start, itemgetter(old)
+    rows = old.tolist()
+    if len(rows) > 1:
+        return len(rows), itemgetter(*rows)
+    return len(rows), lambda column: tuple(column[i] for i in rows)
 
 
 def _equal_rows(a: tuple, b: tuple) -> bool:
