@@ -51,6 +51,7 @@ from mstar.engine.resources.kv.errors import (
 )
 from mstar.engine.resources.kv.forks import Forks
 from mstar.engine.resources.kv.index import IndexBuilder, Paths
+from mstar.engine.resources.kv.invariants import check_invariants
 from mstar.engine.resources.kv.journal import Advanced, Grew, Journal, Made
 from mstar.engine.resources.kv.lengths import INT32_MAX
 from mstar.engine.resources.kv.pages import PagePool
@@ -315,26 +316,7 @@ class KVManager:
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` naming the first broken rule."""
         with self._lock:
-            pool, streams = self._pages, self._streams
-            free = pool.free_pages()
-            live = streams.live()  # and fork targets a step in flight replaced:
-            live += [s for rec in self._admitted.values() for s in rec.journal.replaced()]
-            held = [streams.tables[s][: streams.npages[s]] for s in live]
-            held += [rec.journal.reserved[rec.journal.taken :] for rec in self._admitted.values()]
-            held = np.concatenate([np.zeros(0, np.int32), *held])
-            counts = np.bincount(held, minlength=self.num_pages)
-            if len(np.unique(free)) != len(free) or counts[free].any():
-                raise AssertionError("broken rule: every page is free xor owned")
-            if not np.array_equal(counts, pool.refcount):
-                bad = int(np.flatnonzero(counts != pool.refcount)[0])
-                raise AssertionError(
-                    f"broken rule: owner counts equal the streams naming each page"
-                    f" (page {bad}: refcount {pool.refcount[bad]}, named {counts[bad]} times)"
-                )
-            streams.check(live, self.page_size, pool.refcount)
-            if pool.num_free + np.count_nonzero(counts) != self.num_pages:
-                raise AssertionError("broken rule: free + owned == num_pages")
-            pool.check()
+            check_invariants(self._pages, self._streams, list(self._admitted.values()))
 
     # --- applying a step -----------------------------------------------------------------
 
@@ -366,16 +348,10 @@ class KVManager:
     def _release_behind(self, rec: Admitted) -> None:
         """Release the full pages of the step's streams (its fork targets
         too) that no later query's window reaches."""
-        streams, ps = self._streams, self.page_size
-        slots = rec.slots
+        streams, slots = self._streams, rec.slots
         if rec.forks:
             slots = np.array([s for r in rec.requests for s in streams.labels(r).values()])
-        behind = streams.stored[slots] - (self.window - 1)
-        behind //= ps
-        dropping = (behind > 0).nonzero()[0]
-        for slot, n in zip(slots[dropping].tolist(), behind[dropping].tolist()):
-            streams.drop(slot, n, ps)
-        if len(dropping):
+        if streams.release_behind(slots, self.window):
             self._index.forget()  # its arrays name released pages
 
     def _undo(self, rec: Admitted, mark: tuple[int, int]) -> None:

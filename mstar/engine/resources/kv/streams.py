@@ -40,6 +40,7 @@ class StreamTable:
 
     def __init__(self, pool: PagePool, page_size: int, prefix_cache: bool = False) -> None:
         self.pool = pool
+        self.page_size = page_size
         self.requests: dict[str, dict[str, int]] = {}  # request -> label -> slot
         self.tables: list[np.ndarray | None] = [np.zeros(0, np.int32)]  # appended, never rebound
         self.stored = np.zeros(1, dtype=np.int64)  # tokens committed
@@ -176,6 +177,17 @@ class StreamTable:
         self.stored[slot] -= n * page_size
         self.base[slot] += n * page_size
         self.touch(slot)
+
+    def release_behind(self, slots: np.ndarray, window: int) -> bool:
+        """Release the full pages of the streams ``slots`` that no later
+        query's ``window`` reaches; whether any went."""
+        ps = self.page_size
+        behind = self.stored[slots] - (window - 1)
+        behind //= ps
+        dropping = (behind > 0).nonzero()[0]
+        for slot, n in zip(slots[dropping].tolist(), behind[dropping].tolist()):
+            self.drop(slot, n, ps)
+        return bool(len(dropping))
 
     def touch(self, slots: int | np.ndarray) -> None:
         """A new generation for streams whose pages or length changed."""
