@@ -230,30 +230,24 @@ def _medians_us(steps_by_kind: dict, steps: int, evict: _Evictor | None) -> dict
     return {kind: float(np.median(t)) * 1e6 for kind, t in times.items()}
 
 
-def serving_rows(batch: int = 256, context: int = 4096, steps: int = STEPS) -> list[Row]:
-    """Steady, churn and mixed steps at ``batch`` x ``context``, warm and cold,
-    ours against the list baseline; the three kinds are timed in turns, and
-    notes compare churn and mixed with the steady step."""
+def _rows_in_turns(batch: int, context: int, spare: int, makers: dict, steps: int) -> list[Row]:
+    """Rows for kinds of step (``makers``: kind -> ``make(manager, names,
+    baseline)`` giving step ``i``'s preparation; the first kind is the
+    steady step), warm and cold, ours against the list baseline, the kinds
+    timed in turns; notes compare each with the steady step."""
     evict = _Evictor()
     out = []
-    spare = steps * 2 * (-(-context // PAGE_SIZE)) + -(-PREFILL // PAGE_SIZE) + 1
     for temp, ev in (("warm", None), ("cold", evict)):
         figures: dict[str, list[float]] = {}
         for baseline in (False, True):
             kinds = {}
-            for kind in ("steady", "churn", "mixed"):
+            for kind, make in makers.items():
                 mgr, base, names = _prefilled(batch, context, spare)
-                m = base if baseline else mgr
-                if kind == "steady":
-                    kinds[kind] = _steady(m, names, baseline)
-                elif kind == "churn":
-                    kinds[kind] = _churn(m, list(names), "j", context, baseline)
-                else:
-                    kinds[kind] = _mixed(m, names, "m", baseline)
+                kinds[kind] = make(base if baseline else mgr, list(names), baseline)
             for kind, us in _medians_us(kinds, steps, ev).items():
                 figures.setdefault(kind, []).append(us)
+        first = next(iter(makers))
         for kind, (ours, theirs) in figures.items():
-            ratio = ours / figures["steady"][0]
             out.append(
                 Row(
                     f"{kind} step",
@@ -261,10 +255,23 @@ def serving_rows(batch: int = 256, context: int = 4096, steps: int = STEPS) -> l
                     ours,
                     theirs,
                     params={"batch": batch, "context": context, "cold": int(ev is not None)},
-                    note="" if kind == "steady" else f"{ratio:.2f}x steady",
+                    note="" if kind == first else f"{ours / figures[first][0]:.2f}x steady",
                 )
             )
     return out
+
+
+def serving_rows(batch: int = 256, context: int = 4096, steps: int = STEPS) -> list[Row]:
+    """Steady, churn and mixed steps at ``batch`` x ``context``, warm and cold,
+    ours against the list baseline; the three kinds are timed in turns, and
+    notes compare churn and mixed with the steady step."""
+    spare = steps * 2 * (-(-context // PAGE_SIZE)) + -(-PREFILL // PAGE_SIZE) + 1
+    makers = {
+        "steady": _steady,
+        "churn": lambda m, names, baseline: _churn(m, names, "j", context, baseline),
+        "mixed": lambda m, names, baseline: _mixed(m, names, "m", baseline),
+    }
+    return _rows_in_turns(batch, context, spare, makers, steps)
 
 
 def churn_anywhere_rows(
@@ -272,35 +279,14 @@ def churn_anywhere_rows(
 ) -> list[Row]:
     """The churn-anywhere step against the steady decode step of the same
     batch, in turns, warm and cold, ours and the list baseline."""
-    evict = _Evictor()
+    makers = {
+        "steady": _steady,
+        "churn anywhere": lambda m, names, baseline: _churn_anywhere(m, names, "n", baseline),
+    }
     out = []
     for batch in batches:
         spare = steps * max(1, batch // 32) * (-(-JOIN // PAGE_SIZE) + 1)
-        for temp, ev in (("warm", None), ("cold", evict)):
-            figures: dict[str, list[float]] = {}
-            for baseline in (False, True):
-                kinds = {}
-                for kind in ("steady", "churn anywhere"):
-                    mgr, base, names = _prefilled(batch, context, spare)
-                    m = base if baseline else mgr
-                    if kind == "steady":
-                        kinds[kind] = _steady(m, names, baseline)
-                    else:
-                        kinds[kind] = _churn_anywhere(m, list(names), "n", baseline)
-                for kind, us in _medians_us(kinds, steps, ev).items():
-                    figures.setdefault(kind, []).append(us)
-            for kind, (ours, theirs) in figures.items():
-                ratio = ours / figures["steady"][0]
-                out.append(
-                    Row(
-                        f"{kind} step",
-                        f"{batch}x{context} {temp}",
-                        ours,
-                        theirs,
-                        params={"batch": batch, "context": context, "cold": int(ev is not None)},
-                        note="" if kind == "steady" else f"{ratio:.2f}x steady",
-                    )
-                )
+        out += _rows_in_turns(batch, context, spare, makers, steps)
     return out
 
 
