@@ -249,6 +249,8 @@ class Admission:
             old: slice | np.ndarray = slice(0, len(old_ids))
         else:  # the rows whose streams are still the ones resolved (those left are not)
             old = (self.streams.epoch[rows.slots] == rows.epochs).nonzero()[0]
+            if len(old) and old[-1] - old[0] == len(old) - 1:  # one run: a slice is cheaper
+                old = slice(int(old[0]), int(old[-1]) + 1)
         k, pick = _picker(old)
         if 0 < k <= len(request_ids) and (  # the common case: every one still there, in order
             request_ids[:k] == pick(old_ids) and labels[:k] == pick(old_labels)
