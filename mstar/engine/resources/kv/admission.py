@@ -209,13 +209,12 @@ class Admission:
         new = (new + k).tolist() if k else new.tolist()
         for i in new:  # a known stream's key was checked when it was made
             check_key(*keys[i])
-        if (  # the rows not reused are each one stream (mostly: newcomers, none known)
-            len(known)
-            and (
-                (k and np.isin(known, kept).any())
-                or (len(known) > 1 and len(np.unique(known)) < len(known))
-            )
-        ) or (len(new) > 1 and len({keys[i] for i in new}) < len(new)):
+        distinct = set(known.tolist())  # the rows not reused are each one stream:
+        if (
+            len(distinct) < len(known)
+            or (k and distinct and not distinct.isdisjoint(kept.tolist()))
+            or (len(new) > 1 and len({keys[i] for i in new}) < len(new))
+        ):
             key = _first_repeat(keys)
             raise InvalidStep(
                 f"expected one segment per stream, got two for request {key[0]!r},"
