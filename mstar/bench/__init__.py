@@ -6,6 +6,7 @@ machine's noise hits both), so the ratio is the figure that matters.
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 from collections.abc import Callable
@@ -84,14 +85,20 @@ def turns_us(
     times: list[list[float]] = [[] for _ in fns]
     order = list(range(len(fns)))
     shuffle = random.Random(0).shuffle
-    for _ in range(rounds):
-        shuffle(order)
-        for i in order:
-            fn, number = fns[i], numbers[i]
-            t0 = time.perf_counter()
-            for _ in range(number):
-                fn()
-            times[i].append((time.perf_counter() - t0) / number)
+    collecting = gc.isenabled()
+    gc.disable()  # as timeit does: a collection lands on whichever batch runs then
+    try:
+        for _ in range(rounds):
+            shuffle(order)
+            for i in order:
+                fn, number = fns[i], numbers[i]
+                t0 = time.perf_counter()
+                for _ in range(number):
+                    fn()
+                times[i].append((time.perf_counter() - t0) / number)
+    finally:
+        if collecting:
+            gc.enable()
     return [sorted(t)[len(t) // 2] * 1e6 for t in times]
 
 
