@@ -267,7 +267,8 @@ class KVManager:
             assert journal.taken == len(journal.reserved), "a step uses exactly its reserved pages"
             if rec.tokens is not None:  # only now is the step's KV final
                 self._prefix.record(rec.slots, rec.ends, rec.spans, rec.tokens)
-                self._forks.copy_chains(step.post_forks, rec.requests)
+                if step.post_forks:  # (request ids are built only when asked)
+                    self._forks.copy_chains(step.post_forks, rec.requests)
             if rec.forks:
                 for slot in journal.replaced():  # fork targets it replaced go now
                     self._streams.free(slot)
