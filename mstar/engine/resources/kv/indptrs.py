@@ -2,8 +2,8 @@
 
 Every view is checked (integer fields, page ids, every value within int32)
 and an invalid one is named by request and label; the arithmetic is
-``index_arrays``'. A few rows are built row by row on Python ints, more
-column-wise through numpy (``view_arrays`` picks). Also
+``index_arrays``'. A few rows are built on Python ints (a C-level pass a
+column), more column-wise through numpy (``view_arrays`` picks). Also
 ``context_only_views``. ``plan`` re-exports the public names.
 """
 
@@ -136,8 +136,8 @@ def _page_ids(pages: Sequence, total: int) -> np.ndarray:
     return np.fromiter(itertools.chain.from_iterable(pages), dtype=np.int32, count=total)
 
 
-# Up to this many rows ``build_paged_indptrs`` works row by row on Python ints:
-# a numpy call has a fixed cost that per-row arithmetic undercuts for a few rows.
+# Up to this many rows ``build_paged_indptrs`` works on Python ints: a numpy
+# call has a fixed cost that C-level passes over a few rows undercut.
 _FEW_ROWS = 32
 
 # What the two builders return: (qo_indptr, paged_kv_indptr, paged_kv_indices,
