@@ -15,8 +15,11 @@ Page size 16, rows staggered (row i prefilled with ctx + i % 16 tokens). Cases: 
 step; 256 x 32k decode beside one np.copyto of its step's indices (timed alone); churn
 (2 rows leave, 2 join with an untimed prefill, then the decode); mixed (decode + a new
 512-token prefill row); steady, churn and mixed cold (48 MiB written before each);
-with the prefix cache on, the steady decode (fresh Segments carrying their token)
-and ``match_prefix`` of 4096 tokens with 3504 cached.
+churn anywhere at 32 and 256 rows, warm and cold (batch // 32 rows leave at random
+places, untimed, and as many newcomers join with a 64-token prompt prefilled in the
+decode step); the steady decode with the prefix cache on (fresh Segments carrying
+their token) and off, and ``match_prefix`` of 4096 tokens with 3504 cached. The
+last lines give the ratios the targets name, for each checkout.
 ``--quick`` runs ~5x fewer steps (~40 s; the full run ~3 min). Comparing a checkout
 with itself gives ratios within a few % of 1.
 """
@@ -140,6 +143,28 @@ def churn(cold: bool = False) -> Case:
     return case
 
 
+def churn_anywhere(batch: int, cold: bool = False) -> Case:
+    """``batch // 32`` rows leave at random places (untimed), then the decode
+    rows and as many newcomers' 64-token prefill rows in one step."""
+
+    def case(api: Api, n: int) -> Iteration:
+        m, names = prefilled(api, batch, 4096, n * max(1, batch // 32) * 8)
+        rng = np.random.default_rng(0)  # the same rows leave on both sides
+        leave = max(1, batch // 32)
+
+        def it(i: int) -> tuple[float, ...]:
+            for j in sorted(rng.choice(len(names), leave, replace=False).tolist(), reverse=True):
+                m.release(names.pop(j))
+            new = [f"n{i}.{j}" for j in range(leave)]
+            s = (*decode(api, names), *(api.Segment(r, "main", 64) for r in new))
+            names.extend(new)
+            return (clock(lambda: step(api, m, s), cold)[0],)
+
+        return it
+
+    return case
+
+
 def mixed(cold: bool = False) -> Case:
     def case(api: Api, n: int) -> Iteration:
         m, names = prefilled(api, 256, 4096, 64)
@@ -156,8 +181,18 @@ def mixed(cold: bool = False) -> Case:
     return case
 
 
-def prefix_decode(api: Api, n: int) -> Iteration:
-    m = api.KVManager(256 * (4096 // PS + 300), PS, prefix_cache=True)
+def prefix_decode(on: bool) -> Case:
+    """The steady 256 x 4k decode on fresh Segments, with the prefix cache on
+    (each Segment carrying its token) or off (no tokens)."""
+
+    def case(api: Api, n: int) -> Iteration:
+        return _prefix_decode(api, on)
+
+    return case
+
+
+def _prefix_decode(api: Api, on: bool) -> Iteration:
+    m = api.KVManager(256 * (4096 // PS + 300), PS, prefix_cache=on)
     rng = np.random.default_rng(0)
     names = [f"r{i}" for i in range(256)]
     lens = [4096 + i % PS for i in range(256)]
@@ -168,7 +203,7 @@ def prefix_decode(api: Api, n: int) -> Iteration:
     )
 
     def it(i: int) -> tuple[float, ...]:
-        s = tuple(api.Segment(r, "main", 1, [i]) for r in names)
+        s = tuple(api.Segment(r, "main", 1, [i] if on else None) for r in names)
         return (clock(lambda: step(api, m, s))[0],)
 
     return it
@@ -225,13 +260,24 @@ def main() -> None:
         rows["steady cold"] = compare(steady(256, 4096, cold=True), apis, 200, cold)[:, 0]
         rows["churn cold"] = compare(churn(cold=True), apis, 200, cold)[:, 0]
         rows["mixed cold"] = compare(mixed(cold=True), apis, 200, cold)[:, 0]
-        rows["prefix on 256 x 4k"] = compare(prefix_decode, apis, 200, warm)[:, 0]
+        rows["churn anywhere 32"] = compare(churn_anywhere(32), apis, 200, warm)[:, 0]
+        rows["churn anywhere 256"] = compare(churn_anywhere(256), apis, 200, warm)[:, 0]
+        rows["churn anywhere 256 cold"] = compare(churn_anywhere(256, True), apis, 200, cold)[:, 0]
+        rows["prefix on 256 x 4k"] = compare(prefix_decode(True), apis, 200, warm)[:, 0]
+        rows["prefix off 256 x 4k"] = compare(prefix_decode(False), apis, 200, warm)[:, 0]
         rows["match_prefix 4k"] = compare(match_prefix, apis, 200, warm)[:, 0]
     print("| step | before µs | after µs | after/before |\n|---|---:|---:|---:|")
     for name, (b, a) in rows.items():
         print(f"| {name} | {b:.1f} | {a:.1f} | {a / b:.2f} |")
     r = both[:, 0] / both[:, 1]
-    print(f"\n256 x 32k step/copyto: before {r[0]:.1f}x, after {r[1]:.1f}x")
+    print(f"\n256 x 32k step/copyto: before {r[0]:.2f}x, after {r[1]:.2f}x")
+    for name, ref in (
+        ("churn anywhere 256", "steady 256 x 4k, fresh Segments"),
+        ("churn anywhere 256 cold", "steady cold"),
+        ("prefix on 256 x 4k", "prefix off 256 x 4k"),
+    ):
+        r = rows[name] / rows[ref]
+        print(f"{name} / {ref}: before {r[0]:.2f}x, after {r[1]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 import torch
 
 from mstar.demo import build_model
-from mstar.engine import Engine, RequestTooLarge, SamplingParams
+from mstar.engine import Engine, RequestTooLarge, SamplingParams, StepFailed
 from mstar.engine.sampling import make_generator, sample_token
 
 NEW = 12
@@ -375,3 +375,36 @@ def test_smollm2_chat_prompts_share_the_system_prompt_from_cache(smollm2):
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False
         )[0, len(prompt) :].tolist()
         assert completion.outputs[0].token_ids == want
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=8, n=3)],
+    ids=["decode", "fork"],
+)
+def test_a_request_that_never_fits_is_dropped_not_retried_forever(models, params):
+    """Past an intake that let it in (here: told of a bigger pool), a request
+    that cannot fit even with every other one preempted fails its step with
+    ``RequestTooLarge`` as the cause; the others finish exactly."""
+    small = prompts(1, seed=12)[0][:6]
+    alone = engine(models).generate([small], SamplingParams(max_new_tokens=4))[0]
+    eng = engine(models, num_pages=4)
+    eng.intake = replace(eng.intake, num_pages=10**6)
+    big = eng.add_request(list(range(1, 30 if params.n == 1 else 20)), params, request_id="big")
+    kept = eng.add_request(small, SamplingParams(max_new_tokens=4))
+    finished, failed = {}, []
+    for _ in range(200):  # bounded: the old engine looped here without end
+        if not eng.has_unfinished():
+            break
+        try:
+            finished.update((c.request_id, c) for c in eng.step() if c.finished)
+        except StepFailed as err:
+            failed.append(err)
+    assert not eng.has_unfinished()
+    assert [big in err.request_ids for err in failed] == [True]
+    cause = failed[0].__cause__
+    assert isinstance(cause, RequestTooLarge) and "'big' does not fit the pool of 4" in str(cause)
+    if params.n == 1:  # refused before its step ran: the other request lost nothing
+        assert finished[kept].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert eng.mgr.num_free_pages == 4
+    eng.mgr.check_invariants()

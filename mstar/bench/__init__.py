@@ -6,6 +6,8 @@ machine's noise hits both), so the ratio is the figure that matters.
 
 from __future__ import annotations
 
+import gc
+import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -62,6 +64,42 @@ def time_us(
             fn()
         best = min(best, time.perf_counter() - t0)
     return best / number * 1e6
+
+
+def turns_us(
+    fns: list[Callable[[], object]], *, rounds: int = 101, target_s: float = 0.001
+) -> list[float]:
+    """Microseconds per call of each of ``fns``, timed in turns: each round
+    runs a short batch of calls of each, in a shuffled order (so no rhythm of
+    the machine's other work falls on one of them), and each gets the median
+    of its rounds. A loaded machine's bursts hit them alike, so their ratios
+    hold where ``time_us`` one after the other would not."""
+    numbers = []
+    for fn in fns:  # warmed up, then a batch of about target_s each
+        for _ in range(3):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            fn()
+        numbers.append(max(1, round(target_s * 10 / max(time.perf_counter() - t0, 1e-7))))
+    times: list[list[float]] = [[] for _ in fns]
+    order = list(range(len(fns)))
+    shuffle = random.Random(0).shuffle
+    collecting = gc.isenabled()
+    gc.disable()  # as timeit does: a collection lands on whichever batch runs then
+    try:
+        for _ in range(rounds):
+            shuffle(order)
+            for i in order:
+                fn, number = fns[i], numbers[i]
+                t0 = time.perf_counter()
+                for _ in range(number):
+                    fn()
+                times[i].append((time.perf_counter() - t0) / number)
+    finally:
+        if collecting:
+            gc.enable()
+    return [sorted(t)[len(t) // 2] * 1e6 for t in times]
 
 
 def format_table(rows: list[Row]) -> str:

@@ -5,14 +5,22 @@ the indices by list extends and ``torch.tensor``.
 - ``decode step``: every row decodes one token; rows are staggered so every
   step some start a page. The floor is one ``np.copyto`` of the step's
   ``paged_kv_indices`` into a preallocated array: the least any plan built
-  on the host spends.
+  on the host spends. A step and a copy are timed in turns, one each a round
+  (``turns_us``), so both meet the caches alike.
 - ``churn step`` / ``mixed step``: the steps continuous batching really runs.
   Churn: each step 2 rows leave and 2 new requests join (their prefill
   untimed). Mixed: the decode rows plus one new 512-token prefill row. Timed
   warm, and cold: with the data caches evicted before each step (a 48 MiB
   write, one byte per 64), as after a model forward. The note compares each
   with the steady decode step of the same run.
-- ``prefix cache``: the steady decode step with the prefix cache on (fresh
+- ``churn anywhere``: the step continuous batching runs most: rows leave
+  from anywhere in the batch (``batch // 32`` a step, at random: answers
+  ending after ~32 tokens on average) and as many newcomers join with a
+  64-token prompt, prefilled in the same step as the decode rows. Their
+  releases are untimed (the engine's previous step frees them). Timed in
+  turns with the steady decode step of the same batch, at B=32 and B=256,
+  warm and cold; the note compares the two.
+- ``prefix cache``: the steady decode step with the prefix cache on (in turns, fresh
   segments each step, each carrying its new token) against it off (fresh
   segments without tokens); ``match_prefix`` of a 4k-token
   prompt whose first 3.5k tokens are cached, against a hashlib digest and a
@@ -26,7 +34,7 @@ import time
 
 import numpy as np
 
-from mstar.bench import Row, time_us
+from mstar.bench import Row, time_us, turns_us
 from mstar.bench.plan import baseline_build
 from mstar.bench.prefix import baseline_match
 from mstar.engine.resources.kv.manager import KVManager
@@ -37,6 +45,7 @@ PAGE_SIZE = 16
 MAX_STEPS = 4096  # decode steps timed per configuration, at most
 HEADROOM_PAGES = MAX_STEPS // PAGE_SIZE + 2  # per row, for those steps
 PREFILL = 512  # the mixed step's prefill chunk
+JOIN = 64  # a newcomer's prompt in the churn-anywhere step
 STEPS = 200  # churn/mixed steps timed one by one
 
 
@@ -96,12 +105,19 @@ def _decode_rows(batch: int, context: int) -> Row:
     assert len(ours_plan.cpu_indptrs.paged_kv_indices) == len(base_plan.paged_kv_indices)
     indices = ours_plan.cpu_indptrs.paged_kv_indices.numpy()
     target = np.empty_like(indices)
+    # a step, then a copy of its indices, one call each a round (so both meet
+    # the caches alike); the baseline on its own (it is 20-200x slower)
+    ours, floor = turns_us(
+        [lambda: _step(mgr, segments), lambda: np.copyto(target, indices)],
+        rounds=201,
+        target_s=0.0,
+    )
     return Row(
         "decode step",
         f"batch={batch} context={context}",
-        time_us(lambda: _step(mgr, segments), max_calls=MAX_STEPS - 1),
-        time_us(lambda: base.step([(r, 1) for r in names]), max_calls=MAX_STEPS - 1),
-        time_us(lambda: np.copyto(target, indices)),
+        ours,
+        time_us(lambda: base.step([(r, 1) for r in names]), max_calls=MAX_STEPS // 2),
+        floor,
         params={"batch": batch, "context": context},
     )
 
@@ -173,6 +189,31 @@ def _mixed(mgr, names: list[str], tag: str, baseline: bool):
     return prepare
 
 
+def _churn_anywhere(mgr, names: list[str], tag: str, baseline: bool):
+    """Step ``i`` of churn anywhere: ``len(names) // 32`` rows at random
+    places leave (untimed), then the decode rows and as many newcomers'
+    64-token prefill rows in one step (returned, to be timed)."""
+    rng = np.random.default_rng(0)  # the same rows leave on both sides
+    leave = max(1, len(names) // 32)
+
+    def prepare(i: int):
+        for j in sorted(rng.choice(len(names), leave, replace=False).tolist(), reverse=True):
+            mgr.release(names.pop(j))
+        joined = [f"{tag}{i}.{j}" for j in range(leave)]
+        if baseline:
+            rows = [(r, 1) for r in names] + [(r, JOIN) for r in joined]
+            names.extend(joined)
+            return lambda: mgr.step(rows)
+        segments = (
+            *(Segment(r, "main", 1) for r in names),
+            *(Segment(r, "main", JOIN) for r in joined),
+        )
+        names.extend(joined)
+        return lambda: _step(mgr, segments)
+
+    return prepare
+
+
 def _medians_us(steps_by_kind: dict, steps: int, evict: _Evictor | None) -> dict[str, float]:
     """``_median_us`` of several kinds of step, taken in turns (one step of
     each kind, then the next), so a machine's drift moves them alike."""
@@ -188,30 +229,24 @@ def _medians_us(steps_by_kind: dict, steps: int, evict: _Evictor | None) -> dict
     return {kind: float(np.median(t)) * 1e6 for kind, t in times.items()}
 
 
-def serving_rows(batch: int = 256, context: int = 4096, steps: int = STEPS) -> list[Row]:
-    """Steady, churn and mixed steps at ``batch`` x ``context``, warm and cold,
-    ours against the list baseline; the three kinds are timed in turns, and
-    notes compare churn and mixed with the steady step."""
+def _rows_in_turns(batch: int, context: int, spare: int, makers: dict, steps: int) -> list[Row]:
+    """Rows for kinds of step (``makers``: kind -> ``make(manager, names,
+    baseline)`` giving step ``i``'s preparation; the first kind is the
+    steady step), warm and cold, ours against the list baseline, the kinds
+    timed in turns; notes compare each with the steady step."""
     evict = _Evictor()
     out = []
-    spare = steps * 2 * (-(-context // PAGE_SIZE)) + -(-PREFILL // PAGE_SIZE) + 1
     for temp, ev in (("warm", None), ("cold", evict)):
         figures: dict[str, list[float]] = {}
         for baseline in (False, True):
             kinds = {}
-            for kind in ("steady", "churn", "mixed"):
+            for kind, make in makers.items():
                 mgr, base, names = _prefilled(batch, context, spare)
-                m = base if baseline else mgr
-                if kind == "steady":
-                    kinds[kind] = _steady(m, names, baseline)
-                elif kind == "churn":
-                    kinds[kind] = _churn(m, list(names), "j", context, baseline)
-                else:
-                    kinds[kind] = _mixed(m, names, "m", baseline)
+                kinds[kind] = make(base if baseline else mgr, list(names), baseline)
             for kind, us in _medians_us(kinds, steps, ev).items():
                 figures.setdefault(kind, []).append(us)
+        first = next(iter(makers))
         for kind, (ours, theirs) in figures.items():
-            ratio = ours / figures["steady"][0]
             out.append(
                 Row(
                     f"{kind} step",
@@ -219,16 +254,45 @@ def serving_rows(batch: int = 256, context: int = 4096, steps: int = STEPS) -> l
                     ours,
                     theirs,
                     params={"batch": batch, "context": context, "cold": int(ev is not None)},
-                    note="" if kind == "steady" else f"{ratio:.2f}x steady",
+                    note="" if kind == first else f"{ours / figures[first][0]:.2f}x steady",
                 )
             )
+    return out
+
+
+def serving_rows(batch: int = 256, context: int = 4096, steps: int = STEPS) -> list[Row]:
+    """Steady, churn and mixed steps at ``batch`` x ``context``, warm and cold,
+    ours against the list baseline; the three kinds are timed in turns, and
+    notes compare churn and mixed with the steady step."""
+    spare = steps * 2 * (-(-context // PAGE_SIZE)) + -(-PREFILL // PAGE_SIZE) + 1
+    makers = {
+        "steady": _steady,
+        "churn": lambda m, names, baseline: _churn(m, names, "j", context, baseline),
+        "mixed": lambda m, names, baseline: _mixed(m, names, "m", baseline),
+    }
+    return _rows_in_turns(batch, context, spare, makers, steps)
+
+
+def churn_anywhere_rows(
+    batches: tuple[int, ...] = (32, 256), context: int = 4096, steps: int = STEPS
+) -> list[Row]:
+    """The churn-anywhere step against the steady decode step of the same
+    batch, in turns, warm and cold, ours and the list baseline."""
+    makers = {
+        "steady": _steady,
+        "churn anywhere": lambda m, names, baseline: _churn_anywhere(m, names, "n", baseline),
+    }
+    out = []
+    for batch in batches:
+        spare = steps * max(1, batch // 32) * (-(-JOIN // PAGE_SIZE) + 1)
+        out += _rows_in_turns(batch, context, spare, makers, steps)
     return out
 
 
 def prefix_rows(batch: int = 256, context: int = 4096, steps: int = STEPS) -> list[Row]:
     """The prefix cache's cost on a decode step, and ``match_prefix``."""
     per_row = -(-context // PAGE_SIZE) + HEADROOM_PAGES
-    timed = []
+    kinds = {}
     for on in (True, False):
         mgr = KVManager(num_pages=batch * per_row, page_size=PAGE_SIZE, prefix_cache=on)
         rng = np.random.default_rng(0)
@@ -240,7 +304,8 @@ def prefix_rows(batch: int = 256, context: int = 4096, steps: int = STEPS) -> li
             s = tuple(Segment(r, "main", 1, [i] if on else None) for r in names)
             return lambda: _step(m, s)
 
-        timed.append(_median_us(decode, steps, None))
+        kinds[on] = decode
+    timed = list(_medians_us(kinds, steps, None).values())  # on and off in turns
     out = [
         Row(
             "prefix cache",
@@ -284,4 +349,9 @@ def prefix_rows(batch: int = 256, context: int = 4096, steps: int = STEPS) -> li
 def run(batches=(1, 32, 256), contexts=(1024, 4096, 32768)) -> list[Row]:
     rows = [_decode_rows(b, c) for b in batches for c in contexts]
     big, context = max(batches), 4096 if 4096 in contexts else max(contexts)
-    return rows + serving_rows(big, context) + prefix_rows(big, context)
+    return (
+        rows
+        + serving_rows(big, context)
+        + churn_anywhere_rows(tuple(b for b in batches if b >= 32), context)
+        + prefix_rows(big, context)
+    )

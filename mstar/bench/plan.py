@@ -1,12 +1,13 @@
 """``build_paged_indptrs`` against building the same arrays with
-``torch.tensor(list)``, and ``max()`` over a ``HostLens`` against a plain tensor."""
+``torch.tensor(list)`` (the two timed in turns), and ``max()`` over a
+``HostLens`` against a plain tensor."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from mstar.bench import Row, time_us
+from mstar.bench import Row, time_us, turns_us
 from mstar.engine.resources.kv.plan import (
     HostLens,
     PagedIndptrs,
@@ -53,12 +54,18 @@ def run(batches=(1, 32, 128, 256), pages=(1, 10, 256)) -> list[Row]:
             ours = build_paged_indptrs(views, PAGE_SIZE)
             base = baseline_build(views, PAGE_SIZE)
             assert all(torch.equal(a, b) for a, b in zip(ours, base)), "baseline disagrees"
+            ours_us, base_us = turns_us(
+                [
+                    lambda v=views: build_paged_indptrs(v, PAGE_SIZE),
+                    lambda v=views: baseline_build(v, PAGE_SIZE),
+                ]
+            )
             rows.append(
                 Row(
                     "build_paged_indptrs",
                     f"batch={batch} pages/row={per_row}",
-                    time_us(lambda v=views: build_paged_indptrs(v, PAGE_SIZE)),
-                    time_us(lambda v=views: baseline_build(v, PAGE_SIZE)),
+                    ours_us,
+                    base_us,
                     params={"batch": batch, "pages_per_row": per_row},
                 )
             )

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from mstar.engine.device import check_pool_fits, checked_device, flashinfer_or_none, pool_pages
-from mstar.engine.intake import Intake
+from mstar.engine.intake import Intake, RequestTooLarge
 from mstar.engine.prompts import NOT_A_SEQUENCE, chat_ids, prompt_list
 from mstar.engine.request import GUIDED, Completion, Request, Sample
 from mstar.engine.resources.groups import KVGroups
@@ -438,7 +438,9 @@ class Engine:
         first that did not fit; with nothing fitting, preempt the youngest
         request holding KV and schedule again. None when nothing is running.
         A request preempted here takes no cached prefix again until the next
-        step (it would hold the pages it just gave back: a livelock)."""
+        step (it would hold the pages it just gave back: a livelock). A request
+        that cannot fit even alone is dropped: ``StepFailed`` names it, its
+        cause is the ``RequestTooLarge``; the others go on at the next step."""
         t0 = time.perf_counter()
         preempted: set[str] = set()
         try:
@@ -446,20 +448,50 @@ class Engine:
                 segments = schedule(self._running.values(), self.budget)
                 while self._reuse_prefixes(segments, preempted):  # less to compute:
                     segments = schedule(self._running.values(), self.budget)  # room for more
-                while segments:
-                    step = kv_step(segments)
-                    try:
-                        self.mgr.admit(step)
-                        return step
-                    except AllocationFailed as err:
-                        self.stats.refused += 1
-                        order = list(dict.fromkeys(s.request_id for s in segments))
-                        keep = set(order[: order.index(err.request_id)])
-                        segments = [s for s in segments if s.request_id in keep]
-                preempted.add(self._preempt_youngest().id)
+                assert segments, "every running request has a token to feed"
+                owner = self._running[segments[0].request_id]
+                try:
+                    step, victim = self._admit_or_preempt(kv_step(segments), owner)
+                except RequestTooLarge as err:
+                    raise StepFailed((owner.id,)) from err
+                if step is not None:
+                    return step
+                preempted.add(victim.id)
             return None
         finally:
             self.stats.plan_s += time.perf_counter() - t0
+
+    def _admit_or_preempt(
+        self, step: KVStep, owner: Request
+    ) -> tuple[KVStep | None, Request | None]:
+        """Admit ``step`` or, when the pool refuses it, the segments of its
+        requests before the one refused (``owner``'s come first). When none of
+        it fits, preempt the youngest request holding KV and return it: the
+        caller builds its step again. ``(admitted step, None)`` or ``(None,
+        preempted request)``. When no request but ``owner`` holds KV, it can
+        never fit (it would hold as much again the next time it got here): it
+        is dropped and ``RequestTooLarge`` raised, nothing else changed."""
+        segments = step.segments
+        while True:
+            try:
+                self.mgr.admit(step)
+                return step, None
+            except AllocationFailed as err:
+                self.stats.refused += 1
+                order = list(dict.fromkeys(s.request_id for s in segments))
+                keep = set(order[: order.index(err.request_id)])
+                segments = tuple(s for s in segments if s.request_id in keep)
+                if not segments:
+                    break
+                step = kv_step(list(segments))
+        holding = [r for r in self._running.values() if r.holds_kv()]
+        if not holding or holding == [owner]:
+            self.abort(owner.id)
+            raise RequestTooLarge(
+                f"request {owner.id!r} does not fit the pool of {self.mgr.num_pages} KV pages"
+                " even with every other request preempted; dropped"
+            )
+        return None, self._preempt(holding[-1])
 
     def _reuse_prefixes(self, segments: list[Segment], skip: set[str]) -> bool:
         """Streams about to start (scheduled, nothing in the KV cache yet)
@@ -525,18 +557,17 @@ class Engine:
         """The prompt is in: fork ``main`` into a stream per unfinished sample
         (full pages shared, the partial tail copied). A sample with no token yet
         draws its first from ``logits``; one recomputed after a preemption
-        feeds its generated tokens on from the prompt."""
+        feeds its generated tokens on from the prompt. A fork that cannot fit
+        even alone raises ``RequestTooLarge`` (the request is dropped)."""
         live = [s for s in req.samples if s.finish_reason is None]
         forks = tuple(("main", s.labels[0]) for s in live)
         step = KVStep((Segment(req.id, "main", 0, ()),), post_forks=forks)
         while True:
-            try:
-                self.mgr.admit(step)
+            admitted, victim = self._admit_or_preempt(step, req)
+            if admitted is not None:
                 break
-            except AllocationFailed:
-                self.stats.refused += 1
-                if self._preempt_youngest() is req:
-                    return  # recomputed later, and forked then
+            if victim is req:
+                return  # recomputed later, and forked then
         try:
             self.mgr.commit(step)
         except BaseException:
@@ -563,12 +594,8 @@ class Engine:
             if label not in req.streams:
                 self.mgr.release(req.id, label)
 
-    def _preempt_youngest(self) -> Request:
-        """Free the youngest request holding KV; it is recomputed later. The
-        oldest fits the pool alone, so some request always makes progress."""
-        holding = [r for r in self._running.values() if r.holds_kv()]
-        assert holding, "nothing fits an empty pool: add_request should have refused it"
-        req = holding[-1]
+    def _preempt(self, req: Request) -> Request:
+        """Free ``req``'s KV; it is recomputed later."""
         self.mgr.release(req.id)
         req.restart()
         self.stats.preemptions += 1

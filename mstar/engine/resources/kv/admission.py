@@ -15,7 +15,9 @@ while those rows' streams are the ones they were resolved to (their epochs).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import eq, itemgetter
+from functools import cached_property
+from itertools import compress, count
+from operator import itemgetter, ne
 from typing import Any
 
 import numpy as np
@@ -45,10 +47,15 @@ class ResolvedRows:
     spans: np.ndarray  # int32 [B]
     combined: dict[tuple[str, ...], str]
     slots: np.ndarray  # int64 [B]
-    requests: dict[str, None]
     groups: dict[str, np.ndarray | None]
     epochs: np.ndarray | None = None  # int64 [B], from the step's commit
     made: int = -1  # the stream table's count of streams made and freed then
+
+    @cached_property
+    def requests(self) -> dict[str, None]:
+        """The rows' request ids, in order (asked for only while steps overlap,
+        and by forks)."""
+        return dict.fromkeys(self.columns[0])
 
 
 @dataclass(eq=False)
@@ -67,13 +74,17 @@ class Admitted:
     ends: Any  # [B]: each stream's length with the span
     num_pages: Any  # [B]: pages holding ``ends`` tokens
     grow: Any  # [B]: pages each row takes
-    requests: dict[str, None]  # ordered
     groups: dict[str, np.ndarray | None]  # plan label -> rows (None: all, in order)
     resolved: ResolvedRows  # its rows: the last step's, reused, or its own
     tokens: Any = None  # with a prefix cache: the rows' tokens (see ``step_tokens``)
     need: int = 0  # pages to reserve
     journal: Journal | None = None  # its reserved pages and changes (set by ``admit``)
     planned: bool = False
+
+    @property
+    def requests(self) -> dict[str, None]:
+        """The step's request ids, in order."""
+        return self.resolved.requests
 
 
 class Admission:
@@ -169,7 +180,6 @@ class Admission:
         if segs and set(map(type, segs)) != {Segment}:
             bad = next(s for s in segs if type(s) is not Segment)
             raise TypeError(f"expected Segment rows, got {type(bad).__name__} {bad!r}")
-        n = len(segs)
         columns = tuple(zip(*segs)) or ((), (), (), ())  # one pass: ids, labels, spans, tokens
         request_ids, labels, span_values = columns[:3]
         if (
@@ -180,39 +190,38 @@ class Admission:
         ):  # the same streams with other spans or tokens
             spans = rows.spans if span_values == rows.columns[2] else _spans(span_values, rows.keys)
             return self._sized(step, forks, rows, columns, [], rows.slots, spans)
-        d, k = self._shared_rows(rows, request_ids, labels) if reuse else (0, 0)
-        keys = (rows.keys[d : d + k] if k else []) + list(zip(request_ids[k:], labels[k:]))
-        if k:  # the last step's rows again (rows left before them, joined or left after)
-            kept = rows.slots[d : d + k]
+        old, k, pick = self._shared_rows(rows, request_ids, labels) if reuse else (None, 0, None)
+        keys = list(zip(request_ids[k:], labels[k:]))
+        if k:  # the last step's rows again (rows left among them, joined or left after)
+            keys[:0] = pick(rows.keys)
+            kept = rows.slots[old]
             slots = np.concatenate((kept, self.streams.resolve(keys[k:])))
-            if span_values[:k] == rows.columns[2][d : d + k]:
-                spans = np.concatenate((rows.spans[d : d + k], _spans(span_values[k:], keys[k:])))
+            if span_values[:k] == pick(rows.columns[2]):
+                spans = np.concatenate((rows.spans[old], _spans(span_values[k:], keys[k:])))
             else:
                 spans = _spans(span_values, keys)
-            tail = slots[k:]
-            repeated = not set(tail[tail != 0].tolist()).isdisjoint(kept.tolist())
         else:
-            slots = self.streams.resolve(keys)
+            kept = slots = self.streams.resolve(keys)
             spans = _spans(span_values, keys)
-            repeated = False
-        new = (slots == 0).nonzero()[0].tolist()
+        rest = slots[k:]
+        known = rest[rest != 0]  # the streams not reused that exist: mostly none
+        new = (rest == 0).nonzero()[0]
+        new = (new + k).tolist() if k else new.tolist()
         for i in new:  # a known stream's key was checked when it was made
             check_key(*keys[i])
-        if n > k + 1 or repeated:  # the rows it did not reuse are each one stream
-            known = np.sort(slots[k:][slots[k:] != 0])
-            if (
-                repeated
-                or (known[1:] == known[:-1]).any()
-                or len({keys[i] for i in new}) < len(new)
-            ):
-                key = _first_repeat(keys)
-                raise InvalidStep(
-                    f"expected one segment per stream, got two for request {key[0]!r},"
-                    f" label {key[1]!r}",
-                    *key,
-                )
-        requests = dict.fromkeys(request_ids)
-        if self.in_flight(requests):
+        distinct = set(known.tolist())  # the rows not reused are each one stream:
+        if (
+            len(distinct) < len(known)
+            or (k and distinct and not distinct.isdisjoint(kept.tolist()))
+            or (len(new) > 1 and len({keys[i] for i in new}) < len(new))
+        ):
+            key = _first_repeat(keys)
+            raise InvalidStep(
+                f"expected one segment per stream, got two for request {key[0]!r},"
+                f" label {key[1]!r}",
+                *key,
+            )
+        if self.admitted and self.in_flight(dict.fromkeys(request_ids)):
             key = next(k for k in keys if self.in_flight({k[0]: None}))
             raise InvalidStep(
                 f"request {key[0]!r} (label {key[1]!r}) is already in an admitted step", *key
@@ -220,30 +229,60 @@ class Admission:
         _check_forks(step)
         groups = self._groups(step, keys, labels)
         combined = step.combined_labels
-        rows = ResolvedRows(step.segments, columns, keys, spans, combined, slots, requests, groups)
+        rows = ResolvedRows(step.segments, columns, keys, spans, combined, slots, groups)
         return self._sized(step, forks, rows, columns, new, slots, spans)
 
     def _shared_rows(
         self, rows: ResolvedRows, request_ids: tuple, labels: tuple
-    ) -> tuple[int, int]:
-        """``(d, k)``: the last step's rows ``[d, d + k)`` are this step's first
-        ``k``, on the same streams (rows that left before them, rows that
-        joined or left after). Compared by column: the ids are mostly the very
-        same objects."""
-        old_ids = rows.columns[0]
-        if not request_ids or not old_ids:
-            return 0, 0
-        try:  # a few rows ahead of it may have left
-            d = old_ids.index(request_ids[0], 0, LEFT_AHEAD + 1)
-        except ValueError:
-            return 0, 0
-        k = len(request_ids)
-        for new, old in ((request_ids, old_ids), (labels, rows.columns[1])):
-            same = list(map(eq, new[:k], old[d:]))
-            k = same.index(False) if False in same else len(same)
-        if k and rows.made != self.streams.made:
-            k *= bool((self.streams.epoch[rows.slots[d : d + k]] == rows.epochs[d : d + k]).all())
-        return d, k
+    ) -> tuple[slice | np.ndarray | None, int, Any]:
+        """``(old, k, pick)``: this step's first ``k`` rows are the last
+        step's rows ``old`` (a slice, or row numbers), in order, on the same
+        streams; ``pick`` takes those rows of a column of the last step's (a
+        tuple or list). Mostly they are every row of the last step whose
+        stream is still there (rows left from anywhere, others joined after):
+        one comparison a column, the ids mostly the very same objects. Else
+        runs of them, up to ``LEFT_AHEAD`` rows left before each, compared a
+        run at a time."""
+        old_ids, old_labels = rows.columns[0], rows.columns[1]
+        if rows.made == self.streams.made:  # no stream made or freed since: all the same
+            old: slice | np.ndarray = slice(0, len(old_ids))
+        else:  # the rows whose streams are still the ones resolved (those left are not)
+            old = (self.streams.epoch[rows.slots] == rows.epochs).nonzero()[0]
+            if len(old) and old[-1] - old[0] == len(old) - 1:  # one run: a slice is cheaper
+                old = slice(int(old[0]), int(old[-1]) + 1)
+        k, pick = _picker(old)
+        if 0 < k <= len(request_ids) and (  # the common case: every one still there, in order
+            request_ids[:k] == pick(old_ids) and labels[:k] == pick(old_labels)
+        ):
+            return old, k, pick
+        runs: list[tuple[int, int]] = []  # (first old row, rows)
+        k, d = 0, 0
+        while k < len(request_ids):
+            try:  # a few rows ahead of the run may have left
+                d = old_ids.index(request_ids[k], d, d + LEFT_AHEAD + 1)
+            except ValueError:
+                break
+            n = _common(request_ids, k, old_ids, d)
+            if labels[k : k + n] != old_labels[d : d + n]:  # mostly equal: one C-level pass
+                n = _common(labels[: k + n], k, old_labels, d)
+            if not n:
+                break
+            runs.append((d, n))
+            k, d = k + n, d + n
+        if not runs:
+            return None, 0, None
+        if len(runs) == 1:
+            old = slice(runs[0][0], runs[0][0] + k)
+        else:
+            mask = np.zeros(d, bool)
+            for first, n in runs:
+                mask[first : first + n] = True
+            old = mask.nonzero()[0]
+        if rows.made != self.streams.made and not (
+            self.streams.epoch[rows.slots[old]] == rows.epochs[old]
+        ).all():
+            return None, 0, None
+        return old, k, _picker(old)[1]
 
     def _same_streams(self, rows: ResolvedRows) -> bool:
         """Whether the rows' streams are those they were resolved to."""
@@ -272,16 +311,15 @@ class Admission:
                 raise InvalidStep(str(err)) from err
         return Admitted(
             keys, columns, new, slots, spans, forks, few, ends, num_pages, grow,
-            rows.requests, rows.groups, rows, tokens,
+            rows.groups, rows, tokens,
         )  # fmt: skip
 
     def _groups(
         self, step: KVStep, keys: list[tuple[str, str]], labels: tuple[str, ...]
     ) -> dict[str, np.ndarray | None]:
         """Plan label -> the rows it packs (``group_by_plan_label``'s order)."""
-        distinct = dict.fromkeys(labels)
-        if not step.combined_labels and len(distinct) <= 1:
-            return dict.fromkeys(distinct)  # one standalone label: every row, in order
+        if not step.combined_labels and (not labels or labels.count(labels[0]) == len(labels)):
+            return dict.fromkeys(labels[:1])  # one standalone label: every row, in order
         if not isinstance(step.combined_labels, dict):
             raise TypeError(
                 f"expected combined_labels a dict, got {type(step.combined_labels).__name__}"
@@ -385,6 +423,23 @@ def _spans(values: list, keys: list[tuple[str, str]]) -> np.ndarray:
                 f"expected span >= 0 and < 2**31, got {value} {where}", request_id, label
             )
     return np.array([int(v) for v in values], dtype=np.int32)
+
+
+def _common(a: tuple, i: int, b: tuple, j: int) -> int:
+    """How many items ``a[i:]`` and ``b[j:]`` share from their starts."""
+    n = min(len(a) - i, len(b) - j)
+    return next(compress(count(), map(ne, a[i : i + n], b[j : j + n])), n)
+
+
+def _picker(old: slice | np.ndarray) -> tuple[int, Any]:
+    """How many rows ``old`` (a slice, or row numbers) names, and a function
+    taking them from a column (a tuple or list, as the column's type or a tuple)."""
+    if type(old) is slice:
+        return old.stop - old.start, itemgetter(old)
+    rows = old.tolist()
+    if len(rows) > 1:
+        return len(rows), itemgetter(*rows)
+    return len(rows), lambda column: tuple(column[i] for i in rows)
 
 
 def _equal_rows(a: tuple, b: tuple) -> bool:

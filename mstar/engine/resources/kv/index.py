@@ -120,12 +120,13 @@ class IndexBuilder:
         indices = self._recycler.empty(starts[-1])
         self._copy_rows(indices, slots.tolist(), num_pages, starts)
         write = None
-        if ends and queries.count(1) == len(queries):  # decode rows
-            write = (
-                np.array([indices.item(d - 1) for d in starts[1:]], np.int64),
-                np.array([n - 1 for n in last.tolist()], np.int64),
-            )
-        ends = np.array(ends, np.int64)
+        if ends and queries.count(1) == len(queries):  # decode rows: one conversion
+            pages = [indices.item(d - 1) for d in starts[1:]]
+            offsets = [n - 1 for n in last.tolist()]
+            write_pages, offsets, ends = np.array([pages, offsets, ends], np.int64)
+            write = write_pages, offsets
+        else:
+            ends = np.array(ends, np.int64)
         return qo_indptr, kv_indptr, indices, last, kv_lens, ends, slots, spans, keys, write
 
     def publish(self, arrays: tuple, ring: PinnedIndexRing | None) -> KVPlanOutput:

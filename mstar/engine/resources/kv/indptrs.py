@@ -2,8 +2,8 @@
 
 Every view is checked (integer fields, page ids, every value within int32)
 and an invalid one is named by request and label; the arithmetic is
-``index_arrays``'. A few rows are built row by row on Python ints, more
-column-wise through numpy (``view_arrays`` picks). Also
+``index_arrays``'. A few rows are built on Python ints (a C-level pass a
+column), more column-wise through numpy (``view_arrays`` picks). Also
 ``context_only_views``. ``plan`` re-exports the public names.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Sequence
+from itertools import repeat as _repeat
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -135,8 +136,8 @@ def _page_ids(pages: Sequence, total: int) -> np.ndarray:
     return np.fromiter(itertools.chain.from_iterable(pages), dtype=np.int32, count=total)
 
 
-# Up to this many rows ``build_paged_indptrs`` works row by row on Python ints:
-# a numpy call has a fixed cost that per-row arithmetic undercuts for a few rows.
+# Up to this many rows ``build_paged_indptrs`` works on Python ints: a numpy
+# call has a fixed cost that C-level passes over a few rows undercut.
 _FEW_ROWS = 32
 
 # What the two builders return: (qo_indptr, paged_kv_indptr, paged_kv_indices,
@@ -154,29 +155,34 @@ def view_arrays(segments: Sequence[SequenceView], page_size: int) -> _Arrays:
 
 
 def _arrays_by_row(segments: Sequence[SequenceView], page_size: int) -> _Arrays:
-    """The arrays of a few rows: the checks on Python ints, row by row, then
+    """The arrays of a few rows on Python ints: each check one C-level pass
+    over a column (no per-row Python, no numpy call per check), then
     ``index_arrays`` on lists (a value beyond int32 raises there)."""
-    queries, num_pages, ends, pages = [], [], [], []
     try:
-        for _, _, row_pages, length, to_compute, start, _ in segments:
-            if not (
-                type(length) in INT_TYPES
-                and type(to_compute) in INT_TYPES
-                and type(start) in INT_TYPES
-            ):
-                raise ValueError("non-integer lengths")
-            length, to_compute, start = int(length), int(to_compute), int(start)
-            end = start + length
-            # _arrays_by_column's refusals: with the pages covering the end,
-            # 0 <= to_compute <= length <= end <= kv_lens
-            if not (0 <= to_compute <= length and start >= 0 and end <= len(row_pages) * page_size):
-                raise ValueError("invalid row")
-            queries.append(to_compute)
-            num_pages.append(len(row_pages))
-            ends.append(end)
-            pages.append(row_pages)
-        qo_indptr, kv_indptr, last, kv_lens = index_arrays(queries, num_pages, ends, page_size)
-        indices = _page_ids(pages, int(kv_indptr[-1]))
+        _, _, pages, length, to_compute, start, _ = zip(*segments) if segments else ((),) * 7
+        lists = not (pages and isinstance(pages[0], np.ndarray))  # page lists: typed here too
+        ints = itertools.chain(length, to_compute, start)
+        types = set(map(type, itertools.chain(ints, *pages) if lists else ints))
+        if types != {int}:  # numpy integers: as Python ints, so sums cannot wrap
+            if not INT_TYPES.issuperset(types):
+                raise ValueError("non-integer lengths or page ids")
+            length, to_compute, start = (list(map(int, c)) for c in (length, to_compute, start))
+        ends = list(map(operator.add, start, length))
+        num_pages = list(map(len, pages))
+        # _arrays_by_column's refusals: with the pages covering the end,
+        # 0 <= to_compute <= length <= end <= kv_lens
+        if segments and (
+            min(itertools.chain(to_compute, start)) < 0
+            or not all(map(operator.le, to_compute, length))
+            or not all(map(operator.le, ends, map(operator.mul, num_pages, _repeat(page_size))))
+        ):
+            raise ValueError("invalid row")
+        qo_indptr, kv_indptr, last, kv_lens = index_arrays(to_compute, num_pages, ends, page_size)
+        total = int(kv_indptr[-1])
+        if lists:  # typed above; beyond int32 raises
+            indices = np.fromiter(itertools.chain(*pages), np.int32, total)
+        else:
+            indices = _page_ids(pages, total)
         if indices.size and np.minimum.reduce(indices) < 0:
             raise ValueError("negative page ids")
     except (ValueError, TypeError, OverflowError):

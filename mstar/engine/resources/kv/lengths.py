@@ -48,15 +48,15 @@ def index_arrays(
     raises ``OverflowError`` from lists. ``exact``: each row holds just the
     pages of its end (the manager's rows), so ``kv_lens`` is ``max(end,
     last_page_len)``, one array op."""
-    if isinstance(ends, list):
+    if isinstance(ends, list):  # one array, four views of it: one conversion
         last = [(end - 1) % page_size + 1 for end in ends]
         kv_lens = [(n - 1) * page_size + x if n else x for n, x in zip(num_pages, last)]
-        return IndexArrays(
-            np.array([0, *accumulate(queries)], np.int32),
-            np.array([0, *accumulate(num_pages)], np.int32),
-            np.array(last, np.int32),
-            np.array(kv_lens, np.int32),
+        b = len(ends)
+        flat = np.array(
+            [0, *accumulate(queries), 0, *accumulate(num_pages), *last, *kv_lens], np.int32
         )
+        qo_indptr, kv_indptr = flat[: b + 1], flat[b + 1 : 2 * b + 2]
+        return IndexArrays(qo_indptr, kv_indptr, flat[2 * b + 2 : 3 * b + 2], flat[3 * b + 2 :])
     b = len(ends)
     qo_indptr = np.zeros(b + 1, dtype=np.int32)
     np.add.accumulate(queries, out=qo_indptr[1:])

@@ -51,6 +51,7 @@ from mstar.engine.resources.kv.errors import (
 )
 from mstar.engine.resources.kv.forks import Forks
 from mstar.engine.resources.kv.index import IndexBuilder, Paths
+from mstar.engine.resources.kv.invariants import check_invariants
 from mstar.engine.resources.kv.journal import Advanced, Grew, Journal, Made
 from mstar.engine.resources.kv.lengths import INT32_MAX
 from mstar.engine.resources.kv.pages import PagePool
@@ -265,8 +266,9 @@ class KVManager:
                 raise
             assert journal.taken == len(journal.reserved), "a step uses exactly its reserved pages"
             if rec.tokens is not None:  # only now is the step's KV final
-                self._prefix.record(rec.slots, np.subtract(rec.ends, rec.spans), rec.tokens)
-                self._forks.copy_chains(step.post_forks, rec.requests)
+                self._prefix.record(rec.slots, rec.ends, rec.spans, rec.tokens)
+                if step.post_forks:  # (request ids are built only when asked)
+                    self._forks.copy_chains(step.post_forks, rec.requests)
             if rec.forks:
                 for slot in journal.replaced():  # fork targets it replaced go now
                     self._streams.free(slot)
@@ -315,26 +317,7 @@ class KVManager:
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` naming the first broken rule."""
         with self._lock:
-            pool, streams = self._pages, self._streams
-            free = pool.free_pages()
-            live = streams.live()  # and fork targets a step in flight replaced:
-            live += [s for rec in self._admitted.values() for s in rec.journal.replaced()]
-            held = [streams.tables[s][: streams.npages[s]] for s in live]
-            held += [rec.journal.reserved[rec.journal.taken :] for rec in self._admitted.values()]
-            held = np.concatenate([np.zeros(0, np.int32), *held])
-            counts = np.bincount(held, minlength=self.num_pages)
-            if len(np.unique(free)) != len(free) or counts[free].any():
-                raise AssertionError("broken rule: every page is free xor owned")
-            if not np.array_equal(counts, pool.refcount):
-                bad = int(np.flatnonzero(counts != pool.refcount)[0])
-                raise AssertionError(
-                    f"broken rule: owner counts equal the streams naming each page"
-                    f" (page {bad}: refcount {pool.refcount[bad]}, named {counts[bad]} times)"
-                )
-            streams.check(live, self.page_size, pool.refcount)
-            if pool.num_free + np.count_nonzero(counts) != self.num_pages:
-                raise AssertionError("broken rule: free + owned == num_pages")
-            pool.check()
+            check_invariants(self._pages, self._streams, list(self._admitted.values()))
 
     # --- applying a step -----------------------------------------------------------------
 
@@ -346,10 +329,12 @@ class KVManager:
             rec.slots = streams.resolve(rec.keys)
             rec.new = (rec.slots == 0).nonzero()[0].tolist()
             rec.ends, rec.num_pages, rec.grow = self._admission.sizes(rec.slots, rec.spans, rec.few)
-        for i in rec.new:
-            key = rec.keys[i]
-            rec.slots[i] = streams.make(*key, np.zeros(0, np.int32), 0)
-            journal.add(Made(key, int(rec.slots[i])))
+        if rec.new:
+            keys = [rec.keys[i] for i in rec.new]
+            rooms = [rec.grow[i] for i in rec.new] if rec.few else rec.grow[rec.new].tolist()
+            slots = streams.make_empty(keys, rooms)
+            rec.slots[rec.new] = slots
+            journal.entries.extend(map(Made, keys, slots))
         grow = rec.grow
         if rec.few:
             if not any(grow):
@@ -364,16 +349,10 @@ class KVManager:
     def _release_behind(self, rec: Admitted) -> None:
         """Release the full pages of the step's streams (its fork targets
         too) that no later query's window reaches."""
-        streams, ps = self._streams, self.page_size
-        slots = rec.slots
+        streams, slots = self._streams, rec.slots
         if rec.forks:
             slots = np.array([s for r in rec.requests for s in streams.labels(r).values()])
-        behind = streams.stored[slots] - (self.window - 1)
-        behind //= ps
-        dropping = (behind > 0).nonzero()[0]
-        for slot, n in zip(slots[dropping].tolist(), behind[dropping].tolist()):
-            streams.drop(slot, n, ps)
-        if len(dropping):
+        if streams.release_behind(slots, self.window):
             self._index.forget()  # its arrays name released pages
 
     def _undo(self, rec: Admitted, mark: tuple[int, int]) -> None:

@@ -9,10 +9,14 @@ later pages are never registered, so nothing is keyed by tokens it lacks).
 Only committed tokens are recorded, after the step's fallible work, so a page
 is registered only once its KV is final.
 
-A decode step fills a page in a few rows at a time; registering them then
-would cost one pool call per step. Those pages wait (with their tokens) and
-are registered in one batch: before a lookup, before any of their streams is
-freed or forked, before other recording, or when a stream fills its next page.
+A decode step (one token a row) is not even recorded when it commits: its
+rows, lengths and tokens are kept, and up to ``page_size`` such steps are
+recorded together, in a few array operations for them all. The pages they
+fill wait (with their tokens) and are registered in one batch. Both happen
+before a lookup, before any stream is freed or forked, before other
+recording, or when a stream fills its next page. A stream's partial page
+lives in one half of a two-page ring (``tail``), so the up to ``page_size -
+1`` tokens a stream records after filling a page never overwrite it.
 """
 
 from __future__ import annotations
@@ -66,18 +70,20 @@ class PrefixChains:
         self.page_size = page_size
         self.tables = tables  # the manager's page tables by slot (appended to, never rebound)
         self.on = np.zeros(0, dtype=bool)
-        self.tail = np.zeros((0, page_size), dtype=np.int64)  # the partial page's tokens
+        # the partial page's tokens, at [slot, (position // page_size) % 2]
+        self.tail = np.zeros((0, 2, page_size), dtype=np.int64)
         self.keyed = np.zeros(0, dtype=np.int64)  # full pages keyed (and registered)
         self.last_key = np.zeros(0, dtype=np.uint64)  # the last keyed page's (if keyed)
         self.namespace: list[str] = []
         self.queried = self.hit = 0  # tokens asked of match_prefix, tokens served
         self.waiting = np.zeros(0, dtype=bool)  # per slot: a full page not yet registered
         self._wait: list[tuple[np.ndarray, np.ndarray]] = []  # (slots [n], tokens [n, ps])
+        self._steps: list[tuple[np.ndarray, Any, np.ndarray]] = []  # decode steps not recorded
 
     def grow(self, n: int) -> None:
         old = len(self.on)
         self.on = np.concatenate((self.on, np.zeros(n - old, bool)))
-        self.tail = np.concatenate((self.tail, np.zeros((n - old, self.page_size), np.int64)))
+        self.tail = np.concatenate((self.tail, np.zeros((n - old, 2, self.page_size), np.int64)))
         self.keyed = np.concatenate((self.keyed, np.zeros(n - old, np.int64)))
         self.last_key = np.concatenate((self.last_key, np.zeros(n - old, np.uint64)))
         self.waiting = np.concatenate((self.waiting, np.zeros(n - old, bool)))
@@ -110,24 +116,18 @@ class PrefixChains:
         self.hit += len(pages) * self.page_size
         return pages, int(keys.hashes[len(pages) - 1]) if len(pages) else None
 
-    def record(self, slots: np.ndarray, stored: np.ndarray, tokens) -> None:
-        """Committed tokens of a step's rows (``stored``: the lengths before
-        it); pages they fill are registered (a decode step's, in a while)."""
-        ps, tables = self.page_size, self.tables
-        on = self.on[slots]
-        if isinstance(tokens, np.ndarray):  # one token a row: vectorized
-            live, at = slots, stored % ps
-            if not on.all():
-                live, at, tokens = live[on], at[on], tokens[on]
-            self.tail[live, at] = tokens
-            filled = live[at == ps - 1]
-            if len(filled):
-                if self.waiting[filled].any():  # a stream's next page: its last goes first
-                    self.flush()
-                self.waiting[filled] = True
-                self._wait.append((filled, self.tail[filled]))
+    def record(self, slots: np.ndarray, ends: Any, spans: np.ndarray, tokens) -> None:
+        """Committed tokens of a step's rows (``ends``: the lengths after it);
+        pages they fill are registered (a decode step's, in a while)."""
+        if isinstance(tokens, np.ndarray):  # one token a row: recorded with others
+            self._steps.append((slots, ends, tokens))
+            if len(self._steps) == self.page_size:
+                self._record_steps()
             return
         self.flush()
+        ps, tables = self.page_size, self.tables
+        stored = np.subtract(ends, spans)
+        on = self.on[slots]
         for slot, old, t, active in zip(slots.tolist(), stored.tolist(), tokens, on.tolist()):
             if not active or (t is not None and not len(t)):
                 continue
@@ -135,11 +135,32 @@ class PrefixChains:
                 self.on[slot] = False
                 continue
             have = old % ps
-            chain = np.concatenate((self.tail[slot, :have], t))
+            chain = np.concatenate((self.tail[slot, old // ps % 2, :have], t))
             full = len(chain) // ps * ps
             if full:
                 self._register(slot, chain[:full], tables[slot])
-            self.tail[slot, : len(chain) - full] = chain[full:]
+            end = old + len(t)
+            self.tail[slot, end // ps % 2, : len(chain) - full] = chain[full:]
+
+    def _record_steps(self) -> None:
+        """Record the decode steps kept (at most ``page_size``: no stream
+        fills two pages in them), all at once."""
+        steps, self._steps = self._steps, []
+        ps = self.page_size
+        slots = np.concatenate([s[0] for s in steps])
+        at = np.concatenate([s[1] for s in steps]) - 1  # each token's position
+        tokens = np.concatenate([s[2] for s in steps])
+        on = self.on[slots]
+        if not on.all():
+            slots, at, tokens = slots[on], at[on], tokens[on]
+        self.tail.reshape(len(self.tail), 2 * ps)[slots, at % (2 * ps)] = tokens
+        rows = (at % ps == ps - 1).nonzero()[0]
+        if len(rows):
+            filled = slots[rows]
+            if self.waiting[filled].any():  # a stream's next page: its last goes first
+                self._register_waiting()
+            self.waiting[filled] = True
+            self._wait.append((filled, self.tail[filled, at[rows] // ps % 2]))
 
     def _register(self, slot: int, tokens: np.ndarray, table: np.ndarray) -> None:
         """Key and register the stream's next full pages, holding ``tokens``."""
@@ -152,6 +173,20 @@ class PrefixChains:
         self.last_key[slot] = keys.last
 
     def flush(self) -> None:
+        """Record the decode steps kept and register the full pages waiting."""
+        if self._steps:
+            self._record_steps()
+        self._register_waiting()
+
+    def settle(self, slot: int) -> None:
+        """Before ``slot``'s stream is freed: what it recorded is in and its
+        full pages are registered."""
+        if self._steps:
+            self._record_steps()
+        if self.waiting[slot]:
+            self._register_waiting()
+
+    def _register_waiting(self) -> None:
         """Register the full pages waiting: one batch for those continuing a
         chain, one call each for first pages."""
         if not self._wait:

@@ -40,6 +40,7 @@ class StreamTable:
 
     def __init__(self, pool: PagePool, page_size: int, prefix_cache: bool = False) -> None:
         self.pool = pool
+        self.page_size = page_size
         self.requests: dict[str, dict[str, int]] = {}  # request -> label -> slot
         self.tables: list[np.ndarray | None] = [np.zeros(0, np.int32)]  # appended, never rebound
         self.stored = np.zeros(1, dtype=np.int64)  # tokens committed
@@ -80,21 +81,42 @@ class StreamTable:
     ) -> int:
         """A new stream on ``table`` (pages it owns) holding ``stored`` tokens
         after ``base`` released ones."""
-        if not self._free:
-            self._grow()
-        slot = self._free.pop()
-        self.made += 1
+        slot = self._claim(1)[0]
         self.tables[slot] = table
         self.npages[slot] = len(table)
         self.stored[slot] = stored
         self.base[slot] = base
-        self._tick += 1
-        self.epoch[slot] = self._tick
         self.touch(slot)
         self.map(request_id, label, slot)
         if self.prefix is not None:
             self.prefix.start(slot)
         return slot
+
+    def make_empty(self, keys: list[tuple[str, str]], rooms: list[int]) -> list[int]:
+        """New streams for ``keys`` (distinct, unknown), empty, each table
+        with room for ``rooms[i]`` pages; their slots."""
+        slots = self._claim(len(keys))
+        tables = self.tables
+        for slot, room in zip(slots, rooms):
+            tables[slot] = np.empty(max(room, 16), np.int32)
+        self.touch(np.array(slots))  # a free slot's pages, lengths and base are 0
+        for (request_id, label), slot in zip(keys, slots):
+            self.map(request_id, label, slot)
+        if self.prefix is not None:
+            for slot in slots:
+                self.prefix.start(slot)
+        return slots
+
+    def _claim(self, n: int) -> list[int]:
+        """``n`` free slots, each now a new stream (a new epoch)."""
+        while len(self._free) < n:
+            self._grow()
+        slots = self._free[-n:][::-1]
+        del self._free[-n:]
+        self.made += n
+        self.epoch[slots] = np.arange(self._tick + 1, self._tick + 1 + n)
+        self._tick += n
+        return slots
 
     def map(self, request_id: str, label: str, slot: int) -> None:
         self.requests.setdefault(request_id, {})[label] = slot
@@ -110,8 +132,8 @@ class StreamTable:
     def free(self, slot: int, keep: np.ndarray | None = None) -> None:
         """Free the slot and release its pages, but those in ``keep`` (pages
         an undone step took from its reservation go back to it)."""
-        if self.prefix is not None and self.prefix.waiting[slot]:
-            self.prefix.flush()  # its full pages are registered before they go
+        if self.prefix is not None:
+            self.prefix.settle(slot)  # its full pages are registered before they go
         pages = self.tables[slot][: self.npages[slot]]
         self.pool.release(pages if keep is None else pages[~np.isin(pages, keep)])
         self.tables[slot] = None
@@ -155,6 +177,17 @@ class StreamTable:
         self.stored[slot] -= n * page_size
         self.base[slot] += n * page_size
         self.touch(slot)
+
+    def release_behind(self, slots: np.ndarray, window: int) -> bool:
+        """Release the full pages of the streams ``slots`` that no later
+        query's ``window`` reaches; whether any went."""
+        ps = self.page_size
+        behind = self.stored[slots] - (window - 1)
+        behind //= ps
+        dropping = (behind > 0).nonzero()[0]
+        for slot, n in zip(slots[dropping].tolist(), behind[dropping].tolist()):
+            self.drop(slot, n, ps)
+        return bool(len(dropping))
 
     def touch(self, slots: int | np.ndarray) -> None:
         """A new generation for streams whose pages or length changed."""
