@@ -30,7 +30,7 @@ from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.plan import KVPlanOutput
 from mstar.engine.tp import worker
 from mstar.engine.tp.wire import Command, Message, copy_message, forward_message, message
-from mstar.integrations.hf import forward_step
+from mstar.integrations.hf import forward_step, supports
 
 __all__ = ["BroadcastStats", "TensorParallel", "WorkerFailed"]
 
@@ -234,8 +234,12 @@ class TensorParallel:
 
 
 def _load_driver_shard(folder: str, dtype: torch.dtype, control: Any) -> Any:
+    """This rank's shard, probed (``supports``: a forward with collectives)
+    in step with the workers' ``kv_spec``, so whatever the engine refuses
+    next finds the workers waiting for a message, not inside a forward."""
     model = worker.load_shard(folder, dtype)
     dist.barrier(group=control)  # every rank has read the folder
+    supports(model)
     return model
 
 

@@ -73,7 +73,7 @@ def serve(control: Any, folder: str, dtype: torch.dtype, device: torch.device | 
     register()
     model = load_shard(folder, dtype)
     dist.barrier(group=control)  # every rank has read the folder
-    spec = kv_spec(model)  # the probe forward, in step with the driver's
+    spec = kv_spec(model)  # the probe forward, in step with the driver's (group.py)
     model.set_attn_implementation(register())
     cache, flashinfer = None, None
     header = torch.empty(HEADER, dtype=torch.int32)
