@@ -104,7 +104,9 @@ def windows_note(engine: Engine) -> str:
     if mgr.window is not None:
         return f"window {mgr.window}: pages behind it released"
     if any(w for w, _ in kv_spec(engine.model).groups):
-        return "every page kept (the prefix cache is on: no release)"
+        if engine.prefix_cache:
+            return "every page kept (the prefix cache is on: no release)"
+        return "every page kept (tensor parallelism: one cache over every layer)"
     return "none"
 
 

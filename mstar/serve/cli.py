@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from mstar.cli import UsageError
+    from mstar.report import windows_note
     from mstar.serve.app import GracefulServer, create_app
 
     for name in ("port", "pages", "page_size", "budget", "max_waiting"):
@@ -74,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         f"prefix cache {'on' if engine.prefix_cache else 'off'}, max waiting {args.max_waiting})",
         flush=True,
     )
+    if (windows := windows_note(engine)) != "none":
+        print(f"sliding windows: {windows}", flush=True)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
         log_level="info", access_log=False,
