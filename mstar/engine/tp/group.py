@@ -19,6 +19,7 @@ import sys
 import time
 import weakref
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -265,10 +266,11 @@ def _shutdown(ranks: _Ranks) -> None:
     """Tell healthy workers to stop and wait for them; terminate the rest;
     leave the process group."""
     if ranks.error is None and all(p.is_alive() for p in ranks.procs):
-        try:
-            for tensor in message(Command.STOP, [], []):
-                dist.broadcast(tensor, 0, group=ranks.control)
+        try:  # a worker alive but stuck (in a collective) never takes STOP: bounded
             deadline = time.monotonic() + JOIN_SECONDS
+            for tensor in message(Command.STOP, [], []):
+                sent = dist.broadcast(tensor, 0, group=ranks.control, async_op=True)
+                sent.wait(timeout=timedelta(seconds=max(0.1, deadline - time.monotonic())))
             for proc in ranks.procs:
                 proc.join(max(0.0, deadline - time.monotonic()))
         except Exception:  # they are terminated below
