@@ -97,7 +97,6 @@ class KVGroups:
             for i, window in enumerate(self.windows)
         )
         self.num_pages, self.page_size = num_pages, page_size
-        self.num_cached_pages = 0
         # steps whose commit failed part-way: the index of the first group not committed
         self._partial: dict[KVStep, int] = {}
 
@@ -110,6 +109,11 @@ class KVGroups:
     @property
     def num_free_pages(self) -> int:
         return min(m.num_free_pages for m in self.managers)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """The most any group keeps cached (none: groups run without the prefix cache)."""
+        return max(m.num_cached_pages for m in self.managers)
 
     def held_pages(self, request_id: str, label: str) -> tuple[int, ...]:
         """Pages the stream holds in each group."""
