@@ -10,8 +10,9 @@ on one shared pool. The baseline, in the same run, keeps every page (one
 manager, as with the prefix cache on). KV memory counts a page once per
 layer it covers.
 
-Capacity: how many such requests fit at once, at their measured peaks, in
-the memory of ``MEMORY_PAGES`` pages over every layer: keeping every page;
+Capacity: how many such requests, stepped together, run to the end at once
+in the memory of ``MEMORY_PAGES`` pages over every layer (``fitting``:
+measured, from the one stream's peaks as a first guess): keeping every page;
 with per-group pools (each window's layers with a pool of its own of
 ``MEMORY_PAGES`` pages, the layout before the shared pool: the fullest group
 bounds it); and with the groups' one shared pool of ``MEMORY_PAGES x layers /
@@ -20,10 +21,15 @@ k`` pages of ``k`` layers (the sum of the groups' peaks bounds it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 
 from mstar.engine.intake import Intake
 from mstar.engine.resources.groups import KVGroups
+from mstar.engine.resources.kv.errors import AllocationFailed
+from mstar.engine.resources.kv.manager import KVManager
 from mstar.engine.resources.step import KVStep, Segment
 from mstar.engine.sampling import SamplingParams
 
@@ -31,9 +37,13 @@ PAGE = 16
 CHUNK = 256
 # name: (windowed layers, full layers)
 MODELS = {"Mistral-like": (1, 0), "Gemma 2-like (1:1)": (1, 1), "Gemma 3-like (5:1)": (5, 1)}
-
-
 MEMORY_PAGES = 4096  # the pool the capacity columns share: 64k tokens on every layer
+KEEP_ALL = ((None, (0,)),)  # one manager keeping every page
+
+
+def spans(prompt: int, new: int) -> list[int]:
+    """Each step's tokens: the prompt in chunks, then one per decode step."""
+    return [min(CHUNK, prompt - i) for i in range(0, prompt, CHUNK)] + [1] * (new - 1)
 
 
 def held(prompt: int, new: int, groups: tuple) -> tuple[list[tuple[int, int]], KVGroups]:
@@ -41,9 +51,8 @@ def held(prompt: int, new: int, groups: tuple) -> tuple[list[tuple[int, int]], K
     over ``groups``, and the groups."""
     layers = sum(len(g) for _, g in groups)  # groups of 1 layer at most
     mgr = KVGroups(groups, layers * (-(-(prompt + new) // PAGE) + 1), PAGE)
-    spans = [min(CHUNK, prompt - i) for i in range(0, prompt, CHUNK)] + [1] * (new - 1)
     peaks = [0] * len(mgr.managers)
-    for span in spans:
+    for span in spans(prompt, new):
         step = KVStep((Segment("r", "main", span),))
         mgr.admit(step)
         mgr.plan(step)
@@ -52,12 +61,53 @@ def held(prompt: int, new: int, groups: tuple) -> tuple[list[tuple[int, int]], K
     return list(zip(peaks, mgr.held_pages("r", "main"))), mgr
 
 
+def fits(managers: list[KVManager | KVGroups], count: int, steps: list[int]) -> bool:
+    """Whether ``count`` streams, stepped together (``steps``: each step's
+    tokens) through every one of ``managers``, run to the end."""
+    for span in steps:
+        step = KVStep(tuple(Segment(f"r{i}", "main", span) for i in range(count)))
+        try:
+            for mgr in managers:
+                mgr.admit(step)
+        except AllocationFailed:
+            return False
+        for mgr in managers:
+            mgr.commit(step)
+    return True
+
+
+def per_group_pools(groups: tuple) -> list[KVManager]:
+    """A manager per window, each with a pool of its own of ``MEMORY_PAGES``
+    pages over its layers."""
+    return [KVManager(MEMORY_PAGES, PAGE, window=window) for window, _ in groups]
+
+
+def shared_pool(groups: tuple) -> list[KVGroups]:
+    """``KVGroups`` on one pool of the memory of ``MEMORY_PAGES`` pages over
+    every layer."""
+    layers, k = sum(len(g) for _, g in groups), min(len(g) for _, g in groups)
+    return [KVGroups(groups, MEMORY_PAGES * layers // k, PAGE)]
+
+
+def fitting(layout: Callable[[], list], guess: int, steps: list[int]) -> int:
+    """The most streams that run to the end together on a fresh ``layout()``,
+    searched from ``guess``."""
+    count = guess
+    while count > 0 and not fits(layout(), count, steps):
+        count -= 1
+    while fits(layout(), count + 1, steps):
+        count += 1
+    return count
+
+
 def run_window(prompt: int = 512, new: int = 4096, window: int = 512) -> list[dict]:
     """A row per model: pages held kept-all and released, per group, the KV
     memory at the peak (page-layers), the engine's admission bound (page-layers), and how
     many requests fit at once in ``MEMORY_PAGES`` pages over every layer."""
-    keep_peak, keep_end = held(prompt, new, ((None, (0,)),))[0][0]
+    keep_peak, keep_end = held(prompt, new, KEEP_ALL)[0][0]
     params = SamplingParams(max_new_tokens=new)
+    steps = spans(prompt, new)
+    keep_all = fitting(partial(per_group_pools, KEEP_ALL), MEMORY_PAGES // keep_peak, steps)
     rows = []
     for name, (windowed, full) in MODELS.items():
         groups = ((window, tuple(range(windowed))),)
@@ -83,9 +133,17 @@ def run_window(prompt: int = 512, new: int = 4096, window: int = 512) -> list[di
                 "memory_released": memory,
                 "admission_keep_all": _intake((None,)).peak_pages(prompt, params) * layers,
                 "admission": _intake(mgr.windows).peak_pages(prompt, params) * mgr.size,
-                "fit_keep_all": MEMORY_PAGES // keep_peak,
-                "fit_per_group": MEMORY_PAGES // max(by_window.values()),
-                "fit_shared": MEMORY_PAGES * layers // mgr.size // sum(peaks),
+                "fit_keep_all": keep_all,
+                "fit_per_group": fitting(
+                    partial(per_group_pools, groups),
+                    MEMORY_PAGES // max(by_window.values()),
+                    steps,
+                ),
+                "fit_shared": fitting(
+                    partial(shared_pool, groups),
+                    MEMORY_PAGES * layers // mgr.size // sum(peaks),
+                    steps,
+                ),
             }
         )
     return rows
