@@ -233,8 +233,8 @@ def test_the_engine_serves_a_hybrid_through_groups_on_one_pool():
 
     reference, paged = _pair(*HYBRID["gemma2"])
     prompts = [_prompt(10, seed=31), _prompt(7, seed=32)]
-    eng = Engine(paged, prefix_cache=False, num_pages=16, page_size=4, token_budget=8)
-    assert isinstance(eng.mgr, KVGroups) and eng.mgr.num_pages == 16 * 3  # 3 groups of 1 layer
+    eng = Engine(paged, prefix_cache=False, num_pages=14, page_size=4, token_budget=8)
+    assert isinstance(eng.mgr, KVGroups) and eng.mgr.num_pages == 14 * 3  # 3 groups of 1 layer
     with pytest.raises(RequestTooLarge, match="needs 61 KV pages"):  # 53 full + 2 x (2 + 2)
         eng.add_request(prompts[0], SamplingParams(max_new_tokens=200))
     params = SamplingParams(max_new_tokens=30, n=2, ignore_eos=True)
@@ -243,7 +243,7 @@ def test_the_engine_serves_a_hybrid_through_groups_on_one_pool():
     held, finished = [], {}
     for i in range(200):  # bounded: about 60 steps serve both
         finished.update((c.request_id, c) for c in eng.step() if c.finished)
-        if i == 3:
+        if i == 30:  # after the preemption
             eng.abort(dropped)
         held.append(eng.mgr.group_pages())
         eng.mgr.check_invariants()
@@ -257,12 +257,12 @@ def test_the_engine_serves_a_hybrid_through_groups_on_one_pool():
             assert output.token_ids == expected.tolist()
     peaks = np.max(held, axis=0)
     assert max(peaks[:2]) <= 4 * (_bound(W, 4) + 2) < peaks[2]  # 2 requests x 2 samples, + a chunk
-    assert eng.mgr.num_free_pages == 48 and eng.mgr.group_pages() == (0, 0, 0)
-    # 25 pages in the full group alone: more than a pool of its own of 16 pages
+    assert eng.mgr.num_free_pages == 42 and eng.mgr.group_pages() == (0, 0, 0)
+    # 25 pages in the full group alone: more than a pool of its own of 14 pages
     long = eng.generate(prompts[:1], SamplingParams(max_new_tokens=90, ignore_eos=True))[0]
     expected = reference.generate(torch.tensor(prompts[:1]), max_new_tokens=90, do_sample=False)
     assert long.outputs[0].token_ids == expected[0, 10:].tolist()
-    assert eng.stats.peak_pages > 25 > 16
+    assert eng.stats.peak_pages > 25 > 14
     keeping = Engine(paged, prefix_cache=True, num_pages=24, page_size=4)
     assert keeping.mgr.window is None and not isinstance(keeping.mgr, KVGroups)
     assert windows_note(eng).startswith(
@@ -428,3 +428,22 @@ def test_a_manager_takes_a_shared_pool_of_its_sizes_without_the_prefix_cache():
     pool.refcount[a.page_ids("r", "main")[0]] = 0  # a page of a's the pool lost count of
     with pytest.raises(AssertionError, match="owns no more of a page than the pool counts"):
         a.check_invariants()
+
+
+def test_a_refusal_names_the_first_request_that_does_not_fit_across_groups():
+    """Rows a (8 tokens: 2 pages a group) and b (16 tokens: 4 a group) on a
+    pool of 6 pages: the windowed group reserves 6 pages for both before the
+    full group refuses at a; the refusal names b, as a fits alone (2 + 2),
+    changes nothing, and a is then admitted on its own."""
+    groups = KVGroups(((4, (0,)), (None, (1,))), 6, 4)
+    step = KVStep((Segment("a", "main", 8), Segment("b", "main", 16)))
+    with pytest.raises(AllocationFailed) as refused:
+        groups.admit(step)
+    assert (refused.value.request_id, refused.value.pages_short) == ("b", 6)
+    assert groups.num_free_pages == 6 and not groups.labels("a")
+    groups.check_invariants()
+    alone = KVStep((Segment("a", "main", 8),))
+    groups.admit(alone)
+    groups.commit(alone)
+    assert groups.held_pages("a", "main") == (1, 2) and groups.num_free_pages == 3  # 1 released
+    groups.check_invariants()

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from mstar.engine.resources.kv.cache import KVCache
+from mstar.engine.resources.kv.errors import AllocationFailed
 from mstar.engine.resources.kv.invariants import check_owners
 from mstar.engine.resources.kv.manager import KVManager, check_sizes
 from mstar.engine.resources.kv.pages import PagePool
@@ -158,16 +159,30 @@ class KVGroups:
         return self.managers[0].prefix_stats()  # the prefix cache is off: zeros
 
     def admit(self, step: KVStep) -> None:
-        """Admit ``step`` in every group, or (it raises) in none."""
+        """Admit ``step`` in every group, or (it raises) in none. When the
+        pool is short, ``AllocationFailed`` names the first row whose pages
+        in all groups, with those of the rows before it, do not fit."""
         admitted: list[KVManager] = []
         try:
             for mgr in self.managers:
                 mgr.admit(step)
                 admitted.append(mgr)
-        except BaseException:
+        except BaseException as err:
             for mgr in reversed(admitted):
                 mgr.abort(step)
+            if isinstance(err, AllocationFailed):
+                raise self._refusal(step) from None
             raise
+
+    def _refusal(self, step: KVStep) -> AllocationFailed:
+        """The shortfall of ``step`` (which does not fit) over every group:
+        a group that refused counted the pages the groups before it reserved
+        for every row, so its row may come too early."""
+        needs = [mgr.pages_needed(step) for mgr in self.managers]
+        keys, total = needs[0][0], np.cumsum(sum(grow for _, grow in needs))
+        free = self.pool.num_free
+        row = min(int(np.searchsorted(total, free, side="right")), len(keys) - 1)
+        return AllocationFailed(int(total[-1]) - free, *keys[row])
 
     def plan(self, step: KVStep) -> KVPlanOutputs:
         """Each plan label's ``GroupPlans``. If a group raises, abort the step."""

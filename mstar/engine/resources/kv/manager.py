@@ -262,6 +262,14 @@ class KVManager:
             rec.journal = Journal(self._pages.alloc(rec.need))
             self._admitted[step] = rec
 
+    def pages_needed(self, step: KVStep) -> tuple[list[tuple[str, str]], np.ndarray]:
+        """The step's rows (``(request_id, label)``, in order) and the pages
+        admitting it would reserve for each (int64); raises as ``admit`` for
+        a bad step, never ``AllocationFailed``, and changes nothing."""
+        with self._lock:
+            rec = self._admission.sized(step)
+            return list(rec.keys), np.asarray(rec.grow, dtype=np.int64)
+
     def plan(self, step: KVStep) -> KVPlanOutputs:
         """Apply the pre-forks and the spans' pages and return one
         ``KVPlanOutput`` per plan label, in ``group_by_plan_label`` order. If
