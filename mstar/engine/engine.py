@@ -371,8 +371,9 @@ class Engine:
         self, prompt_len: int, params: SamplingParams, uncond_len: int | None = None
     ) -> int:
         """KV pages a request holds at its peak, alone in the pool (the last
-        generated token is never fed); ``add_request`` refuses one above
-        ``num_pages``."""
+        generated token is never fed; on a hybrid's KV groups, the sum over
+        the groups); ``add_request`` refuses one above the pool's
+        ``mgr.num_pages``."""
         return self.intake.peak_pages(prompt_len, params, uncond_len)
 
     # --- one step ------------------------------------------------------------------------
