@@ -87,9 +87,10 @@ class KVSpec:
     @property
     def groups(self) -> tuple[tuple[int | None, tuple[int, ...]], ...]:
         """The KV groups: ``(window, layers)`` per distinct window (None: full
-        attention), in order of their first layer. Each group's pages can be
-        managed apart (``KVManager(..., window=window)``, a ``KVCache`` over
-        its layers): a hybrid model has two or more."""
+        attention), in order of their first layer. A hybrid model has two or
+        more; ``KVGroups`` splits them into groups of equal size
+        (``block_groups``), each with its own ``KVManager(..., window=window)``
+        on one page pool and one ``KVCache``."""
         windows = self.layer_windows or (self.window,) * self.num_layers
         layers: dict[int | None, list[int]] = {}
         for layer, window in enumerate(windows):
@@ -108,8 +109,8 @@ class KVSpec:
 @dataclass
 class _Step:
     """What one ``forward_step`` hands its attention calls: a plan and a
-    cache per KV group, and each layer's (group, layer in the group's cache)
-    (None: one group of every layer)."""
+    cache per KV group (the groups' one cache), and each layer's (group,
+    slot in the cache) (None: one group of every layer)."""
 
     plans: tuple[KVPlanOutput, ...]
     caches: tuple[KVCache, ...]
