@@ -447,3 +447,20 @@ def test_a_refusal_names_the_first_request_that_does_not_fit_across_groups():
     groups.commit(alone)
     assert groups.held_pages("a", "main") == (1, 2) and groups.num_free_pages == 3  # 1 released
     groups.check_invariants()
+
+
+def test_a_fork_the_pool_cannot_hold_is_refused_in_every_group():
+    """A fork copying a partial page in each group (2 pages) with 1 free:
+    the windowed group's reservation is undone, the refusal names the
+    request and is 1 page short, nothing changed."""
+    groups = KVGroups(((4, (0,)), (None, (1,))), 5, 4)
+    prefill = KVStep((Segment("r", "main", 6),))
+    groups.admit(prefill)
+    groups.commit(prefill)
+    assert groups.held_pages("r", "main") == (2, 2) and groups.num_free_pages == 1
+    fork = KVStep((Segment("r", "main", 0),), post_forks=(("main", "side"),))
+    with pytest.raises(AllocationFailed) as refused:
+        groups.admit(fork)
+    assert (refused.value.request_id, refused.value.pages_short) == ("r", 1)
+    assert groups.num_free_pages == 1 and groups.labels("r") == ["main"]
+    groups.check_invariants()
