@@ -6,8 +6,10 @@ agree (with ``--check``, against HF ``generate`` too).
 
 Mistral windows every layer, so its streams hold their window alone and the
 pool serves more at once; Gemma 2 alternates windowed and full layers (two KV
-groups), so its windowed group holds its window while the full group, which
-keeps every page, still bounds what the pool admits.
+groups of 2 layers on one pool of the same memory: 2 x ``--pages`` pages of
+2 layers), so its windowed group holds its window while the full group takes
+what the windowed one gave back, beyond the ``--pages`` a pool of its own
+would have had.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def run_window_demo(
         f" {WINDOW}, {requests} requests x {max_new_tokens} new tokens, a pool of {pages}"
         f" pages of {page_size}"
     )
-    print("| engine | KV group (window: layers) | peak pages | preemptions | steps |")
+    print("| engine | KV group (window: layers) | peak pages (of the pool) | preemptions | steps |")
     print("|---|---|---:|---:|---:|")
     outputs = []
     for name, prefix_cache in (("keeps every page", True), ("releases behind the window", False)):
@@ -88,10 +90,12 @@ def run_window_demo(
         )  # fmt: skip
         done, peaks = _serve_counting(engine, workload)
         outputs.append({rid: c.outputs[0].token_ids for rid, c in done.items()})
+        stats, pool = engine.stats, _pool(engine)
         for i, (group, peak) in enumerate(zip(_groups(engine), peaks)):
-            stats = engine.stats
             row = (name, stats.preemptions, stats.steps) if i == 0 else ("", "", "")
-            print(f"| {row[0]} | {group} | {peak} of {pages} | {row[1]} | {row[2]} |")
+            print(f"| {row[0]} | {group} | {peak} of {pool} | {row[1]} | {row[2]} |")
+        if isinstance(engine.mgr, KVGroups):
+            print(f"| | all groups, one pool | {stats.peak_pages} of {pool} | | |")
     same = outputs[0] == outputs[1]
     print(f"outputs equal between the two engines: {'yes' if same else 'NO'}")
     if not verify:
@@ -112,13 +116,22 @@ def _groups(engine: Engine) -> list[str]:
     ]
 
 
+def _pool(engine: Engine) -> str:
+    """The pool's pages, and the layers each covers."""
+    if not isinstance(engine.mgr, KVGroups):
+        return f"{engine.mgr.num_pages} (every layer)"
+    return f"{engine.mgr.num_pages} ({engine.mgr.size} layers)"
+
+
 def _serve_counting(engine: Engine, workload: list[DemoRequest]) -> tuple[dict, list[int]]:
     """``serve``, and the most pages each KV group held after any step."""
-    managers = engine.mgr.managers if isinstance(engine.mgr, KVGroups) else (engine.mgr,)
-    peaks = [0] * len(managers)
+    mgr = engine.mgr
+    peaks = [0] * (len(mgr.managers) if isinstance(mgr, KVGroups) else 1)
 
     def record(e: Engine, _: int) -> None:
-        for i, m in enumerate(managers):
-            peaks[i] = max(peaks[i], m.num_pages - m.num_free_pages)
+        held = (
+            mgr.group_pages() if isinstance(mgr, KVGroups) else [mgr.num_pages - mgr.num_free_pages]
+        )
+        peaks[:] = map(max, peaks, held)
 
     return serve(engine, workload, record), peaks

@@ -99,7 +99,8 @@ def windows_note(engine: Engine) -> str:
                 f"{f'window {w}' if w else 'full'} on layers {', '.join(map(str, layers))}"
                 for w, layers in groups
             )
-            + ", the windowed ones release the pages behind their window"
+            + ", the windowed ones release the pages behind their window to the groups'"
+            + f" one pool of {mgr.num_pages} pages of {mgr.size} layers"
         )
     if mgr.window is not None:
         return f"window {mgr.window}: pages behind it released"

@@ -1,7 +1,8 @@
-"""KV groups: hybrid models (sliding-window and full layers) through one
-``KVManager`` and one ``KVCache`` per group. The windowed groups hold only
-their window, the full groups every page, and the models stay exact against
-their own forward and generate."""
+"""KV groups: hybrid models (sliding-window and full layers) through a
+``KVManager`` per group of equal size, all on one page pool and one
+``KVCache``. The windowed groups hold only their window, the full groups
+every page, pages a windowed group gives back serve the full groups, and
+the models stay exact against their own forward and generate."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from mstar.engine.resources.groups import GroupPlans, KVGroups
+from mstar.engine.resources.groups import GroupPlans, KVGroups, block_groups
 from mstar.engine.resources.kv.errors import AllocationFailed
 from mstar.engine.resources.step import KVStep, Segment
 
@@ -35,6 +36,16 @@ HYBRID = {
     "gpt_oss": ("GptOssConfig", {**LAYERS, "intermediate_size": 32}),  # sinks
     "olmo3": ("Olmo3Config", LAYERS),
 }
+# groups of 2 layers: (W, (0, 1)), (W, (3,)) with a slot unused, (None, (2, 4))
+UNEVEN = (
+    "Gemma3TextConfig",
+    {
+        "num_hidden_layers": 5,
+        "layer_types": ["sliding_attention"] * 2
+        + ["full_attention", "sliding_attention", "full_attention"],
+        "sliding_window": W,
+    },
+)
 
 
 def _bound(window: int, page_size: int) -> int:
@@ -43,30 +54,35 @@ def _bound(window: int, page_size: int) -> int:
 
 class GroupRunner(ManagedRunner):
     """``ManagedRunner`` through ``KVGroups``: each plan label's forward
-    gets a ``GroupPlans`` and the groups' caches."""
+    gets a ``GroupPlans`` and the groups' cache."""
 
     def __init__(self, model: torch.nn.Module, page_size: int, num_pages: int = 64) -> None:
         self.model = model
         spec = kv_spec(model)
         self.mgr = KVGroups(spec.groups, num_pages, page_size, cache=spec.cache_kwargs())
-        self.cache = self.mgr.caches
+        self.cache = self.mgr.cache
         self.tokens, self.logits = {}, {}
 
 
-@pytest.mark.parametrize("name", sorted(HYBRID))
+CASES = {**HYBRID, "gemma3_uneven": UNEVEN}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_hybrid_models_stay_exact_with_windowed_groups_holding_their_window(name):
     """Chunked prefill crossing the window and pages beside another
     stream's decode rows, a fork, then decode far past the window: every
     step's logits against one full forward, greedy tokens against generate;
-    the windowed group's streams hold at most ceil(W / page_size) + 1 pages
-    between steps, the full group's every page."""
-    reference, paged = _pair(*HYBRID[name])
+    the windowed groups' streams hold at most ceil(W / page_size) + 1 pages
+    between steps, the full groups' every page, all on one pool."""
+    reference, paged = _pair(*CASES[name])
     spec = kv_spec(paged)
-    assert spec.window is None and spec.groups == ((W, (0, 2)), (None, (1,)))
+    assert spec.window is None and len(spec.groups) == 2
     a, b = ("a", "main"), ("b", "main")
     prompt_a, prompt_b = _prompt(13, seed=21), _prompt(4, seed=22)
     page_size = 3
     run = GroupRunner(paged, page_size=page_size)
+    windowed = [i for i, w in enumerate(run.mgr.windows) if w is not None]
+    assert run.mgr.windows.count(None) == 1 and len(windowed) == 2
     run.step({a: prompt_a[:7], b: prompt_b})
     run.step({b: [run.next_token(b)], a: prompt_a[7:11]})
     run.step({a: prompt_a[11:], b: [run.next_token(b)]})
@@ -74,14 +90,18 @@ def test_hybrid_models_stay_exact_with_windowed_groups_holding_their_window(name
     c = ("b", "side")
     released = False
     for _ in range(14):
-        plans = run.decode([a, b, c])
-        windowed, full = plans["main"].plans
-        released |= bool(windowed.kv_offsets.any())
-        assert full.kv_offsets is None
+        plans = run.decode([a, b, c]).values()
+        for group, window in enumerate(run.mgr.windows):
+            plan = next(iter(plans)).plans[group]
+            released |= window is not None and bool(plan.kv_offsets.any())
+            assert (plan.kv_offsets is None) == (window is None)
         for stream in (a, b, c):
-            held_w, held_f = run.mgr.held_pages(*stream)
-            assert held_w <= _bound(W, page_size)
-            assert held_f == -(-run.mgr.stored_len(*stream) // page_size)
+            held = run.mgr.held_pages(*stream)
+            for group, window in enumerate(run.mgr.windows):
+                if window is None:
+                    assert held[group] == -(-run.mgr.stored_len(*stream) // page_size)
+                else:
+                    assert held[group] <= _bound(W, page_size)
         run.mgr.check_invariants()
     assert released, "no page went back: the test would not see a release"
     _check_stream(reference, run, a, len(prompt_a))
@@ -89,26 +109,44 @@ def test_hybrid_models_stay_exact_with_windowed_groups_holding_their_window(name
     _check_stream(reference, run, c, len(prompt_b))
 
 
-def test_a_step_must_bring_a_plan_and_a_cache_per_group():
+def test_block_groups_split_each_window_into_groups_of_the_fewest_layers():
+    gemma3 = ((W, (0, 1, 2, 3, 4, 6, 7)), (None, (5, 8)))
+    assert block_groups(gemma3) == (
+        (W, (0, 1)), (W, (2, 3)), (W, (4, 6)), (W, (7,)), (None, (5, 8)),
+    )  # fmt: skip
+    assert block_groups(gemma3, 5) == ((W, (0, 1, 2, 3, 4)), (W, (6, 7)), (None, (5, 8)))
+    assert block_groups(((None, (0, 1)),)) == ((None, (0, 1)),)
+    groups = KVGroups(gemma3, 8, 4, cache={"num_layers": 9, "num_kv_heads": 1, "head_dim": 2,
+                                          "v_head_dim": 2})  # fmt: skip
+    assert groups.size == groups.cache.num_layers == 2 and len(groups.managers) == 5
+    for bad in (0, 1.5):
+        with pytest.raises(ValueError, match="expected size"):
+            block_groups(gemma3, bad)
+
+
+def test_a_step_must_bring_a_plan_per_group_and_their_cache():
     """A hybrid's forward refuses a mismatched layout before it computes
     anything; one plan and one cache over every layer (all pages kept) is
     served as before."""
+    from mstar.engine.resources.kv.cache import KVCache
+
     reference, paged = _pair(*HYBRID["gemma2"])
     run = GroupRunner(paged, page_size=2)
     step = KVStep((Segment("a", "main", 4),))
     run.mgr.admit(step)
     plans = run.mgr.plan(step)["main"]
     ids = torch.tensor(_prompt(4, seed=1))
-    before = [c.layer(0).clone() for c in run.cache]
+    every_layer = KVCache(num_pages=64, page_size=2, **kv_spec(paged).cache_kwargs())
+    before = run.cache.layer(0).clone()
     for plan, cache in (
-        (plans.plans[0], run.cache),
-        (plans, run.cache[:1]),
-        (GroupPlans(plans.plans[:1]), run.cache),
-        (plans, run.cache[::-1]),  # each cache sized to its group's layers
+        (plans.plans[0], run.cache),  # a cache of 1 layer for a plan over every layer
+        (GroupPlans(plans.plans[:2]), run.cache),
+        (plans, every_layer),  # groups of 3 layers: 2 of them
+        (plans, (run.cache,) * 3),
     ):
-        with pytest.raises(ValueError, match=r"KV group|expected a cache"):
+        with pytest.raises(ValueError, match=r"KV group|expected a cache|expected cache a"):
             forward_step(paged, ids, plan, cache)
-    assert all(torch.equal(c.layer(0), b) for c, b in zip(run.cache, before))
+    assert torch.equal(run.cache.layer(0), before)
     run.mgr.abort(step)
     keep_all = ManagedRunner(paged, page_size=2)
     keep_all.step({("a", "main"): ids.tolist()})
@@ -116,26 +154,28 @@ def test_a_step_must_bring_a_plan_and_a_cache_per_group():
 
 
 def _snapshot(groups: KVGroups, keys) -> tuple:
-    return tuple(
-        (
-            mgr.num_free_pages,
-            [(mgr.stored_len(*k), mgr.held_pages(*k)) for k in keys if mgr.labels(k[0])],
-        )
-        for mgr in groups.managers
+    return (
+        groups.num_free_pages,
+        groups.pool.refcount.tolist(),
+        [
+            [(mgr.stored_len(*k), mgr.held_pages(*k)) for k in keys if mgr.labels(k[0])]
+            for mgr in groups.managers
+        ],
     )
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_random_steps_keep_the_groups_in_step(seed):
     """Random chunked steps, decode rows, forks, releases and aborts through
-    KVGroups on a pool small enough to refuse steps: every group holds the
-    same streams at the same lengths, a refused or aborted step changes no
-    group, each group's invariants hold, windowed streams hold their window
-    and full ones every page."""
+    KVGroups on a shared pool small enough to refuse steps: every group holds
+    the same streams at the same lengths, a refused or aborted step changes no
+    group and not the pool, the pool's refcounts are the sum of the groups'
+    owners, windowed streams hold their window and full ones every page."""
     rng = np.random.default_rng(seed)
     page_size, window = int(rng.integers(1, 5)), int(rng.integers(1, 10))
-    groups = KVGroups(((window, (0, 2)), (None, (1,))), 40, page_size)
-    windowed, full = groups.managers
+    groups = KVGroups(((window, (0, 2)), (None, (1,))), 60, page_size)
+    windowed, _, full = groups.managers
+    assert groups.windows == (window, window, None)
     keys = [(f"r{i}", "main") for i in range(3)]
     total = dict.fromkeys(keys, 0)
     refused = 0
@@ -149,7 +189,7 @@ def test_random_steps_keep_the_groups_in_step(seed):
         before = _snapshot(groups, keys)
         try:
             groups.admit(step)
-        except AllocationFailed:  # the full group ran out: release the longest stream
+        except AllocationFailed:  # the pool ran out: release the longest stream
             refused += 1
             assert _snapshot(groups, keys) == before
             longest = max(total, key=total.get)
@@ -173,34 +213,39 @@ def test_random_steps_keep_the_groups_in_step(seed):
         for r, _ in keys:
             assert windowed.labels(r) == full.labels(r)
         groups.check_invariants()
+        owned = sum(m.owner_counts() for m in groups.managers)
+        assert np.array_equal(owned, groups.pool.refcount)
+        assert sum(groups.group_pages()) + groups.num_free_pages == groups.num_pages
     assert refused, "no step was refused: the test would not see a rollback"
 
 
-def test_the_engine_serves_a_hybrid_through_groups():
-    """The engine (prefix cache off) serves Gemma 2 through KV groups on a
-    pool that forces preemption: two samples forked off each prompt and a
-    generation far past the window equal HF generate, an aborted request
-    gives its pages back in every group, the windowed group holds its window
-    alone while the full group holds every page, and admission counts the
-    full group. With the prefix cache on it keeps one manager for all."""
+def test_the_engine_serves_a_hybrid_through_groups_on_one_pool():
+    """The engine (prefix cache off) serves Gemma 2 through KV groups on one
+    pool of the memory of ``num_pages`` pages over every layer, small enough
+    to force preemption: two samples forked off each prompt and a generation
+    far past the window equal HF generate, an aborted request gives its pages
+    back, the windowed groups hold their window alone while the full group
+    holds every page, and admission counts every group's pages. A long
+    generation a per-group pool of ``num_pages`` would refuse is admitted and
+    exact. With the prefix cache on it keeps one manager for all."""
     from mstar.engine import Engine, RequestTooLarge, SamplingParams
     from mstar.report import windows_note
 
     reference, paged = _pair(*HYBRID["gemma2"])
     prompts = [_prompt(10, seed=31), _prompt(7, seed=32)]
-    eng = Engine(paged, prefix_cache=False, num_pages=24, page_size=4, token_budget=8)
-    assert isinstance(eng.mgr, KVGroups) and eng.mgr.window is None
+    eng = Engine(paged, prefix_cache=False, num_pages=14, page_size=4, token_budget=8)
+    assert isinstance(eng.mgr, KVGroups) and eng.mgr.num_pages == 14 * 3  # 3 groups of 1 layer
+    with pytest.raises(RequestTooLarge, match="needs 61 KV pages"):  # 53 full + 2 x (2 + 2)
+        eng.add_request(prompts[0], SamplingParams(max_new_tokens=200))
     params = SamplingParams(max_new_tokens=30, n=2, ignore_eos=True)
-    with pytest.raises(RequestTooLarge, match="needs 25 KV pages"):  # the full group's
-        eng.add_request(prompts[0], SamplingParams(max_new_tokens=90))
     ids = [eng.add_request(p, params) for p in prompts]
     dropped = eng.add_request(_prompt(5, seed=33), params)
     held, finished = [], {}
-    for i in range(200):  # bounded: about 80 steps serve both
+    for i in range(200):  # bounded: about 60 steps serve both
         finished.update((c.request_id, c) for c in eng.step() if c.finished)
-        if i == 3:
+        if i == 30:  # after the preemption
             eng.abort(dropped)
-        held.append([m.num_pages - m.num_free_pages for m in eng.mgr.managers])
+        held.append(eng.mgr.group_pages())
         eng.mgr.check_invariants()
         if not eng.has_unfinished():
             break
@@ -210,29 +255,75 @@ def test_the_engine_serves_a_hybrid_through_groups():
         expected = reference.generate(tokens, max_new_tokens=30, do_sample=False)[0, len(prompt) :]
         for output in completion.outputs:
             assert output.token_ids == expected.tolist()
-    windowed, full = max(w for w, _ in held), max(f for _, f in held)
-    assert windowed <= 4 * (_bound(W, 4) + 2) < full  # 2 requests x 2 samples, + a chunk
-    assert [m.num_free_pages for m in eng.mgr.managers] == [24, 24]
+    peaks = np.max(held, axis=0)
+    assert max(peaks[:2]) <= 4 * (_bound(W, 4) + 2) < peaks[2]  # 2 requests x 2 samples, + a chunk
+    assert eng.mgr.num_free_pages == 42 and eng.mgr.group_pages() == (0, 0, 0)
+    # 25 pages in the full group alone: more than a pool of its own of 14 pages
+    long = eng.generate(prompts[:1], SamplingParams(max_new_tokens=90, ignore_eos=True))[0]
+    expected = reference.generate(torch.tensor(prompts[:1]), max_new_tokens=90, do_sample=False)
+    assert long.outputs[0].token_ids == expected[0, 10:].tolist()
+    assert eng.stats.peak_pages > 25 > 14
     keeping = Engine(paged, prefix_cache=True, num_pages=24, page_size=4)
     assert keeping.mgr.window is None and not isinstance(keeping.mgr, KVGroups)
-    assert windows_note(eng).startswith("KV groups: window 5 on layers 0, 2; full on layers 1")
+    assert windows_note(eng).startswith(
+        "KV groups: window 5 on layers 0; window 5 on layers 2; full on layers 1"
+    )
     assert windows_note(keeping) == "every page kept (the prefix cache is on: no release)"
+
+
+def test_pages_a_windowed_group_releases_serve_the_full_group():
+    """One long decode through KVGroups on a shared pool of 2 x 10 pages: a
+    page the windowed group gave back is later held by the full group, and
+    the stream grows to 60 tokens (15 full-group pages). Per-group pools of
+    the same memory (10 pages each, one manager per group) refuse it at 41
+    tokens."""
+    from mstar.engine.resources.kv.manager import KVManager
+
+    shared = KVGroups(((None, (0,)), (4, (1,))), 20, 4)  # the full group allocates first
+    own = [KVManager(10, 4), KVManager(10, 4, window=4)]
+    full, windowed = shared.managers
+    seen_windowed: set[int] = set()
+    reused = refused_at = 0
+    for n in range(1, 61):
+        step = KVStep((Segment("r", "main", 1),))
+        shared.admit(step)
+        shared.plan(step)
+        shared.commit(step)
+        shared.check_invariants()
+        seen_windowed |= set(windowed.page_ids("r", "main").tolist())
+        reused += len(seen_windowed & set(full.page_ids("r", "main").tolist()))
+        if not refused_at:
+            try:
+                for mgr in own:
+                    mgr.admit(step)
+                    mgr.commit(step)
+            except AllocationFailed:
+                refused_at = n
+    assert full.held_pages("r", "main") == 15 and windowed.held_pages("r", "main") <= 2
+    assert reused, "the full group never took a page the windowed group gave back"
+    assert refused_at == 41
 
 
 def test_bench_window_prints_pages_held_with_and_without_release(capsys, tmp_path):
     """``mstar-kv bench --window``: a windowed group holds its window, a full
-    one (and the keep-all baseline) every page."""
+    one (and the keep-all baseline) every page; on one shared pool a hybrid
+    fits more requests than per-group pools of the same memory."""
     import json
 
     from mstar.cli import main
 
     path = tmp_path / "window.json"
     assert main(["bench", "--window", "--quick", "--json", str(path)]) == 0
-    assert "| Gemma 2-like (1:1) | 96 / 96 | 33 / 32 | 96 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| Gemma 2-like (1:1) | 2 | 96 / 96 | 33 / 32 | 96 | 129 / 192 (0.67x) |" in out
     rows = {r["model"]: r for r in json.loads(path.read_text())}
     assert rows["Mistral-like"]["windowed_peak"] == _bound(512, 16)
     assert rows["Mistral-like"]["admission"] < rows["Mistral-like"]["admission_keep_all"]
     assert rows["Gemma 3-like (5:1)"]["memory_released"] == 5 * 33 + 96
+    gemma3 = rows["Gemma 3-like (5:1)"]
+    assert gemma3["admission"] == (96 + 5 * (_bound(512, 16) + 16)) < gemma3["admission_keep_all"]
+    assert gemma3["fit_keep_all"] == gemma3["fit_per_group"] == 4096 // 96
+    assert gemma3["fit_shared"] == 6 * 4096 // (96 + 5 * 33) > 2 * gemma3["fit_per_group"]
 
 
 def test_demo_window_serves_a_hybrid_keeping_and_releasing(capsys):
@@ -247,8 +338,8 @@ def test_demo_window_serves_a_hybrid_keeping_and_releasing(capsys):
     out = capsys.readouterr().out
     assert "outputs equal between the two engines: yes" in out
     assert "against HF generate: 2 passed, 0 failed" in out
-    windowed = int(re.search(r"\| 16: 0, 2 \| (\d+) of 40", out)[1])
-    full = int(re.search(r"\| full: 1, 3 \| (\d+) of 40", out)[1])
+    windowed = int(re.search(r"\| 16: 0, 2 \| (\d+) of 80 \(2 layers\)", out)[1])
+    full = int(re.search(r"\| full: 1, 3 \| (\d+) of 80 \(2 layers\)", out)[1])
     assert windowed <= 2 * (_bound(16, 4) + 8) < full  # + a 32-token chunk in flight
     assert main([*argv, "--model", "random"]) == 2
 
@@ -256,18 +347,23 @@ def test_demo_window_serves_a_hybrid_keeping_and_releasing(capsys):
 def test_a_commit_failing_part_way_is_aborted_and_released():
     """A fork's page copy fails in the second group after the first group
     committed: ``abort`` rolls back the rest, releasing the request leaves
-    every group empty and sound."""
+    every group empty and the pool sound."""
     sizes = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 2, "v_head_dim": 2}
     groups = KVGroups(((3, (0,)), (None, (1,))), 8, 4, cache=sizes)
     prefill = KVStep((Segment("r", "main", 6),))
     groups.admit(prefill)
     groups.plan(prefill)
     groups.commit(prefill)
+    copies = []
+    copy_pages = groups.cache.copy_pages
 
-    def broken(src, dst):
-        raise RuntimeError("copy failed")
+    def second_fails(src, dst):
+        copies.append(dst)
+        if len(copies) == 2:
+            raise RuntimeError("copy failed")
+        copy_pages(src, dst)
 
-    groups.caches[1].copy_pages = broken
+    groups.cache.copy_pages = second_fails
     step = KVStep((Segment("r", "main", 1),), post_forks=(("main", "side"),))
     groups.admit(step)
     groups.plan(step)
@@ -278,4 +374,93 @@ def test_a_commit_failing_part_way_is_aborted_and_released():
     groups.abort(step)
     groups.release("r")
     groups.check_invariants()
-    assert [m.num_free_pages for m in groups.managers] == [8, 8]
+    assert groups.num_free_pages == 8 and groups.group_pages() == (0, 0)
+
+
+def test_a_fork_copies_the_whole_page_of_its_group():
+    """On the shared cache a fork's partial page is copied in every slot:
+    the forked stream reads the same keys as its source in each group's
+    layers (a group's layers are the cache's slots 0 .. k - 1)."""
+    sizes = {"num_layers": 4, "num_kv_heads": 1, "head_dim": 2, "v_head_dim": 2}
+    groups = KVGroups(((3, (0, 2)), (None, (1, 3))), 8, 4, cache=sizes)
+    assert groups.size == 2
+    prefill = KVStep((Segment("r", "main", 6),))
+    groups.admit(prefill)
+    groups.plan(prefill)
+    groups.commit(prefill)
+    for slot in range(2):
+        layer = groups.cache.layer(slot)
+        layer.copy_(torch.randn_like(layer))
+    fork = KVStep((Segment("r", "main", 0),), post_forks=(("main", "side"),))
+    groups.admit(fork)
+    groups.commit(fork)
+    for mgr in groups.managers:
+        src, dst = mgr.page_ids("r", "main")[-1], mgr.page_ids("r", "side")[-1]
+        assert src != dst
+        for slot in range(2):
+            layer = groups.cache.layer(slot)
+            assert torch.equal(layer[src], layer[dst])
+    groups.check_invariants()
+
+
+def test_a_manager_takes_a_shared_pool_of_its_sizes_without_the_prefix_cache():
+    from mstar.engine.resources.kv.manager import KVManager
+    from mstar.engine.resources.kv.pages import PagePool
+
+    pool = PagePool(8, 4)
+    for kwargs, match in (
+        ({"num_pages": 9}, "expected a pool of 9 pages of 4, got one of 8 pages of 4"),
+        ({"page_size": 2}, "expected a pool of 8 pages of 2"),
+        ({"prefix_cache": True}, "expected prefix_cache=False with a shared pool"),
+    ):
+        args = {"num_pages": 8, "page_size": 4, **kwargs}
+        with pytest.raises(ValueError, match=match):
+            KVManager(args.pop("num_pages"), args.pop("page_size"), pool=pool, **args)
+    with pytest.raises(TypeError, match="expected pool a PagePool or None, got int"):
+        KVManager(8, 4, pool=8)
+    a, b = KVManager(8, 4, pool=pool), KVManager(8, 4, pool=pool, window=3)
+    for mgr, n in ((a, 9), (b, 6)):
+        step = KVStep((Segment("r", "main", n),))
+        mgr.admit(step)
+        mgr.commit(step)
+    assert pool.num_free == 8 - 3 - 1 and a.num_free_pages == b.num_free_pages  # b released 1
+    a.check_invariants()
+    pool.refcount[a.page_ids("r", "main")[0]] = 0  # a page of a's the pool lost count of
+    with pytest.raises(AssertionError, match="owns no more of a page than the pool counts"):
+        a.check_invariants()
+
+
+def test_a_refusal_names_the_first_request_that_does_not_fit_across_groups():
+    """Rows a (8 tokens: 2 pages a group) and b (16 tokens: 4 a group) on a
+    pool of 6 pages: the windowed group reserves 6 pages for both before the
+    full group refuses at a; the refusal names b, as a fits alone (2 + 2),
+    changes nothing, and a is then admitted on its own."""
+    groups = KVGroups(((4, (0,)), (None, (1,))), 6, 4)
+    step = KVStep((Segment("a", "main", 8), Segment("b", "main", 16)))
+    with pytest.raises(AllocationFailed) as refused:
+        groups.admit(step)
+    assert (refused.value.request_id, refused.value.pages_short) == ("b", 6)
+    assert groups.num_free_pages == 6 and not groups.labels("a")
+    groups.check_invariants()
+    alone = KVStep((Segment("a", "main", 8),))
+    groups.admit(alone)
+    groups.commit(alone)
+    assert groups.held_pages("a", "main") == (1, 2) and groups.num_free_pages == 3  # 1 released
+    groups.check_invariants()
+
+
+def test_a_fork_the_pool_cannot_hold_is_refused_in_every_group():
+    """A fork copying a partial page in each group (2 pages) with 1 free:
+    the windowed group's reservation is undone, the refusal names the
+    request and is 1 page short, nothing changed."""
+    groups = KVGroups(((4, (0,)), (None, (1,))), 5, 4)
+    prefill = KVStep((Segment("r", "main", 6),))
+    groups.admit(prefill)
+    groups.commit(prefill)
+    assert groups.held_pages("r", "main") == (2, 2) and groups.num_free_pages == 1
+    fork = KVStep((Segment("r", "main", 0),), post_forks=(("main", "side"),))
+    with pytest.raises(AllocationFailed) as refused:
+        groups.admit(fork)
+    assert (refused.value.request_id, refused.value.pages_short) == ("r", 1)
+    assert groups.num_free_pages == 1 and groups.labels("r") == ["main"]
+    groups.check_invariants()

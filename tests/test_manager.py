@@ -9,6 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from mstar.engine.resources.kv.invariants import check_owners
 from mstar.engine.resources.kv.manager import (
     AllocationFailed,
     InvalidStep,
@@ -16,6 +17,7 @@ from mstar.engine.resources.kv.manager import (
     KVManager,
     UnknownStream,
 )
+from mstar.engine.resources.kv.pages import PagePool
 from mstar.engine.resources.kv.plan import (
     KVPlanOutputs,
     PinnedIndexRing,
@@ -501,11 +503,20 @@ class ManagerMachine(RuleBasedStateMachine):
         page_size=st.sampled_from([1, 2, 3, 5]),
         num_pages=st.integers(3, 30),
         path=st.sampled_from(["few", "copy", "splice", "splice kept rows"]),
+        sibling=st.integers(0, 2),
     )
-    def setup(self, page_size, num_pages, path):
+    def setup(self, page_size, num_pages, path, sibling):
+        """``sibling``: pages a second manager holds on a pool shared with
+        this one (a hybrid's KV groups), 0: a pool of its own."""
         self.ps = page_size
         self.cache = TokenCache(num_pages, page_size)
-        self.mgr = KVManager(num_pages=num_pages, page_size=page_size, cache=self.cache)
+        self.sibling, self.pool = None, PagePool(num_pages, page_size) if sibling else None
+        if sibling:
+            self.sibling = KVManager(num_pages, page_size, pool=self.pool)
+            run_step(self.sibling, ("other", "main", sibling * page_size))
+        self.mgr = KVManager(
+            num_pages=num_pages, page_size=page_size, cache=self.cache, pool=self.pool
+        )
         if path != "few":  # the array path, however few the rows
             self.mgr._few_rows = 0
         if path.startswith("splice"):  # every plan spliced from the label's last
@@ -707,6 +718,8 @@ class ManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "mgr"):
             return
         self.mgr.check_invariants()
+        if self.sibling is not None:  # the pool against both managers' owners
+            check_owners(self.pool, self.mgr.owner_counts() + self.sibling.owner_counts())
         for (request, label), tokens in self.hist.items():
             assert self.mgr.stored_len(request, label) == len(tokens)
         for r in REQUESTS:

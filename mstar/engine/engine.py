@@ -100,6 +100,13 @@ class Engine:
     layers then give the pages behind their window back to the pool, which a
     prefix cache would keep (the two do not combine yet).
 
+    A hybrid model (windowed and full layers; prefix cache off, no tensor
+    parallelism) is served through KV groups of ``k`` layers on one page pool
+    (``KVGroups``): ``num_pages`` then means the same memory as ``num_pages``
+    pages over every layer, a pool of ``num_pages * num_layers // k`` pages
+    of ``k`` layers (``engine.mgr.num_pages``), which the groups' pages (a
+    request's peak counts each group's) share.
+
     With ``tensor_parallel_size=N > 1`` the model is sharded over N ranks
     (``mstar.engine.tp``): this process plans, samples and runs rank 0;
     N - 1 worker processes run the other shards, each with a ``KVCache`` of
@@ -153,7 +160,7 @@ class Engine:
         self.mgr, self.cache = _kv_managers(
             spec, num_pages, page_size, param, prefix_cache, self.tp, flashinfer
         )
-        window = self.mgr.window  # what admission counts
+        windows = self.mgr.windows if isinstance(self.mgr, KVGroups) else (self.mgr.window,)
         self.prefix_cache = prefix_cache
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.max_len = getattr(model.config, "max_position_embeddings", None)
@@ -162,9 +169,9 @@ class Engine:
             model.config.vocab_size,
             self.max_len,
             page_size,
-            num_pages,
+            self.mgr.num_pages,
             self.device,
-            window,
+            windows,  # what admission counts
             token_budget,
         )
         self.stats = EngineStats()
@@ -364,8 +371,9 @@ class Engine:
         self, prompt_len: int, params: SamplingParams, uncond_len: int | None = None
     ) -> int:
         """KV pages a request holds at its peak, alone in the pool (the last
-        generated token is never fed); ``add_request`` refuses one above
-        ``num_pages``."""
+        generated token is never fed; on a hybrid's KV groups, the sum over
+        the groups); ``add_request`` refuses one above the pool's
+        ``mgr.num_pages``."""
         return self.intake.peak_pages(prompt_len, params, uncond_len)
 
     # --- one step ------------------------------------------------------------------------
@@ -627,25 +635,27 @@ def _kv_managers(
     prefix_cache: bool,
     tp: TensorParallel | None,
     flashinfer: Any,
-) -> tuple[KVManager | KVGroups, KVCache | tuple[KVCache, ...]]:
+) -> tuple[KVManager | KVGroups, KVCache]:
     """The engine's pages and cache. A windowed model's streams release the
     pages behind its windows, unless the prefix cache keeps them (the two do
-    not combine yet); a hybrid one's (windowed and full layers) then has one
-    manager and cache per KV group (not under tensor parallelism: its workers
-    hold one cache over every layer). On CUDA the plan's index arrays leave from
-    pinned memory, so their copies are asynchronous."""
+    not combine yet); a hybrid one's (windowed and full layers) then has a
+    manager per KV group of ``k`` layers, on one pool of the memory of
+    ``num_pages`` pages over every layer (not under tensor parallelism: its
+    workers hold one cache over every layer). On CUDA the plan's index arrays
+    leave from pinned memory, so their copies are asynchronous."""
     cuda = param.device.type == "cuda"
     if not prefix_cache and len(spec.groups) > 1 and tp is None:
+        k = min(len(layers) for _, layers in spec.groups)  # KVGroups.size
         groups = KVGroups(
             spec.groups,
-            num_pages,
+            num_pages * spec.num_layers // k,
             page_size,
             cache=spec.cache_kwargs(),
             dtype=param.dtype,
             device=param.device,
             rings=cuda,
         )
-        return groups, groups.caches
+        return groups, groups.cache
     cache = KVCache(
         num_pages=num_pages,
         page_size=page_size,

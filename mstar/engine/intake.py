@@ -23,9 +23,11 @@ class RequestTooLarge(ValueError):
 @dataclass(frozen=True)
 class Intake:
     """The limits of one engine: its tokenizer (or None), vocabulary, longest
-    sequence (or None), page size and pool, the device samplers draw on, and,
-    for a manager that releases pages behind a sliding ``window``, the
-    longest chunk a step feeds a stream (``budget``)."""
+    sequence (or None), page size and pool, the device samplers draw on, the
+    window of each manager allocating from the pool (``windows``; None: it
+    keeps every page; several: a hybrid's KV groups on one pool) and, for
+    those that release pages behind a window, the longest chunk a step feeds
+    a stream (``budget``)."""
 
     tokenizer: Any
     vocab_size: int
@@ -33,7 +35,7 @@ class Intake:
     page_size: int
     num_pages: int
     device: torch.device
-    window: int | None = None
+    windows: tuple[int | None, ...] = (None,)
     budget: int | None = None
 
     def request(
@@ -103,19 +105,26 @@ class Intake:
         self, prompt_len: int, params: SamplingParams, uncond_len: int | None = None
     ) -> int:
         """KV pages a request holds at its peak, alone in the pool (the last
-        generated token is never fed). With a ``window``, a stream holds at
-        most ``W + page_size - 2`` tokens' pages between steps (the manager
-        releases those behind the window) plus a step's chunk."""
+        generated token is never fed): the sum over ``windows``. With a
+        window, a stream holds at most ``W + page_size - 2`` tokens' pages
+        between steps (the manager releases those behind the window) plus a
+        step's chunk."""
+        return sum(self._peak(w, prompt_len, params, uncond_len) for w in self.windows)
+
+    def _peak(
+        self, window: int | None, prompt_len: int, params: SamplingParams, uncond_len: int | None
+    ) -> int:
+        """``peak_pages`` in one manager of ``window``."""
         size = self.page_size
 
         def full(tokens: int) -> int:
             return -(-tokens // size)
 
         def pages(tokens: int) -> int:
-            if self.window is None:
+            if window is None:
                 return full(tokens)
             chunk = tokens if self.budget is None else min(tokens, self.budget)
-            return min(full(tokens), full(self.window + size - 2 + chunk))
+            return min(full(tokens), full(window + size - 2 + chunk))
 
         longest = prompt_len + params.max_new_tokens - 1
         if uncond_len is not None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextvars
 import inspect
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +29,7 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from mstar.engine.resources.attn.flashinfer import FlashInferPagedAttention, unsupported
 from mstar.engine.resources.attn.paged import AttentionSchedule, paged_attention
-from mstar.engine.resources.groups import GroupPlans
+from mstar.engine.resources.groups import GroupPlans, block_groups
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.plan import KVPlanOutput
 from mstar.engine.resources.position import positions
@@ -88,9 +87,10 @@ class KVSpec:
     @property
     def groups(self) -> tuple[tuple[int | None, tuple[int, ...]], ...]:
         """The KV groups: ``(window, layers)`` per distinct window (None: full
-        attention), in order of their first layer. Each group's pages can be
-        managed apart (``KVManager(..., window=window)``, a ``KVCache`` over
-        its layers): a hybrid model has two or more."""
+        attention), in order of their first layer. A hybrid model has two or
+        more; ``KVGroups`` splits them into groups of equal size
+        (``block_groups``), each with its own ``KVManager(..., window=window)``
+        on one page pool and one ``KVCache``."""
         windows = self.layer_windows or (self.window,) * self.num_layers
         layers: dict[int | None, list[int]] = {}
         for layer, window in enumerate(windows):
@@ -109,8 +109,8 @@ class KVSpec:
 @dataclass
 class _Step:
     """What one ``forward_step`` hands its attention calls: a plan and a
-    cache per KV group, and each layer's (group, layer in the group's cache)
-    (None: one group of every layer)."""
+    cache per KV group (the groups' one cache), and each layer's (group,
+    slot in the cache) (None: one group of every layer)."""
 
     plans: tuple[KVPlanOutput, ...]
     caches: tuple[KVCache, ...]
@@ -172,7 +172,7 @@ def forward_step(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
     plan: KVPlanOutput | GroupPlans,
-    cache: KVCache | Sequence[KVCache],
+    cache: KVCache,
     *,
     flashinfer: FlashInferPagedAttention | None = None,
     logits_at: torch.Tensor | None = None,
@@ -187,10 +187,12 @@ def forward_step(
     runs without autograd. The model must use ``register()``'s attention
     implementation. Never builds the plan's views itself.
 
-    KV groups (a hybrid model's windowed and full layers managed apart, see
-    ``KVGroups``): ``plan`` a ``GroupPlans`` and ``cache`` a cache per group
-    of ``kv_spec(model).groups``, each layer reading its group's; one plan
-    and one cache over every layer serve any model (every page kept)."""
+    KV groups (a hybrid model's windowed and full layers managed apart on one
+    page pool, see ``KVGroups``): ``plan`` a ``GroupPlans`` of a plan per
+    group of ``block_groups(kv_spec(model).groups, k)`` and ``cache`` the
+    groups' ``KVCache`` of ``k`` layer slots, each layer reading its group's
+    plan and its slot; one plan and one cache over every layer serve any
+    model (every page kept)."""
     spec = kv_spec(model)
     implementation = model.config._attn_implementation
     if implementation != ATTENTION_NAME:
@@ -401,7 +403,7 @@ def _judge(config: Any, calls: list[dict[str, Any]], keeps_logits: bool) -> KVSp
 
 
 def _layout(
-    spec: KVSpec, plan: KVPlanOutput | GroupPlans, cache: KVCache | Sequence[KVCache]
+    spec: KVSpec, plan: KVPlanOutput | GroupPlans, cache: KVCache
 ) -> tuple[
     tuple[KVPlanOutput, ...],
     tuple[KVCache, ...],
@@ -409,21 +411,24 @@ def _layout(
     tuple[tuple[int, int], ...] | None,
 ]:
     """A step's plans, caches and windows per KV group, and each layer's
-    (group, layer in its cache); checked against the model."""
-    if isinstance(plan, KVPlanOutput) and isinstance(cache, KVCache):
+    (group, slot in the cache); checked against the model. A ``GroupPlans``
+    comes with one cache of a group's ``cache.num_layers`` slots, the groups
+    being ``block_groups(spec.groups, cache.num_layers)``."""
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"expected cache a KVCache, got {type(cache).__name__}")
+    if isinstance(plan, KVPlanOutput):
         _check_cache(cache, spec, spec.num_layers)
         return (plan,), (cache,), (spec.window,), None
-    groups = spec.groups
-    caches = (cache,) if isinstance(cache, KVCache) else tuple(cache)
-    plans = plan.plans if isinstance(plan, GroupPlans) else (plan,)
-    if len(plans) != len(groups) or len(caches) != len(groups):
+    groups = block_groups(spec.groups, cache.num_layers)
+    plans = plan.plans
+    if len(plans) != len(groups):
         raise ValueError(
-            f"expected a plan and a cache per KV group ({len(groups)}, windows"
-            f" {[w for w, _ in groups]}), got {len(plans)} plan(s) and {len(caches)} cache(s)"
+            f"expected a plan per KV group of {cache.num_layers} layers ({len(groups)}, windows"
+            f" {[w for w, _ in groups]}), got {len(plans)} plan(s)"
         )
+    _check_cache(cache, spec, max(len(layers) for _, layers in groups))
     where: list[tuple[int, int]] = [(0, 0)] * spec.num_layers
-    for g, ((_, layers), each) in enumerate(zip(groups, caches)):
-        _check_cache(each, spec, len(layers))
+    for g, (_, layers) in enumerate(groups):
         for i, layer in enumerate(layers):
             where[layer] = (g, i)
     qo_indptr = plans[0].cpu_indptrs.qo_indptr
@@ -432,6 +437,7 @@ def _layout(
             raise ValueError(
                 f"expected every KV group's plan over the same rows, group {g}'s differ"
             )
+    caches = (cache,) * len(groups)
     return plans, caches, tuple(w for w, _ in groups), tuple(where)
 
 

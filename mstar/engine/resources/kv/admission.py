@@ -110,6 +110,16 @@ class Admission:
         """The admission record of a valid step, with the pages it needs
         (``need``), which fit; else ``InvalidStep``/``UnknownStream``,
         ``AllocationFailed`` or ``TypeError``."""
+        rec = self.sized(step)
+        free = self.pool.num_free
+        if rec.need > free:
+            i = int(np.searchsorted(np.cumsum(rec.grow), free, side="right"))
+            raise AllocationFailed(rec.need - free, *rec.keys[min(i, len(rec.keys) - 1)])
+        return rec
+
+    def sized(self, step: KVStep) -> Admitted:
+        """``check`` but for the free pages: the record of a valid step with
+        the pages it needs (``need``, ``grow`` per row); changes nothing."""
         if not isinstance(step, KVStep):
             raise TypeError(f"expected a KVStep, got {type(step).__name__}")
         if step in self.admitted:
@@ -119,10 +129,6 @@ class Admission:
             rec.need = self._fork_pages(step, rec)
         else:
             rec.need = sum(rec.grow) if rec.few else int(np.add.reduce(rec.grow))
-        free = self.pool.num_free
-        if rec.need > free:
-            i = int(np.searchsorted(np.cumsum(rec.grow), free, side="right"))
-            raise AllocationFailed(rec.need - free, *rec.keys[min(i, len(rec.keys) - 1)])
         return rec
 
     def in_flight(self, requests: dict[str, None]) -> bool:

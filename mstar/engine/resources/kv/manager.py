@@ -26,11 +26,15 @@ slots, pages, lengths), ``Admission`` (checking a step, resolving its rows,
 counting its pages), ``Journal`` (a step's reserved pages and its undo),
 ``Forks``, ``IndexBuilder`` (a plan label's arrays) and ``PagePool`` (pages,
 their owners and the prefix cache). This class holds the lock and the order.
+
+A shared pool (``pool=``, a hybrid model's KV groups: ``KVGroups``): the
+manager allocates from and releases to a ``PagePool`` other managers use too,
+under the pool's lock; each page it owns is its own (no page is shared
+between managers), and the pool's free pages are capacity for all of them.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -51,7 +55,7 @@ from mstar.engine.resources.kv.errors import (
 )
 from mstar.engine.resources.kv.forks import Forks
 from mstar.engine.resources.kv.index import IndexBuilder, Paths
-from mstar.engine.resources.kv.invariants import check_invariants
+from mstar.engine.resources.kv.invariants import check_invariants, owner_counts
 from mstar.engine.resources.kv.journal import Advanced, Grew, Journal, Made
 from mstar.engine.resources.kv.lengths import INT32_MAX
 from mstar.engine.resources.kv.pages import PagePool
@@ -59,7 +63,25 @@ from mstar.engine.resources.kv.plan import KVPlanOutputs, PinnedIndexRing
 from mstar.engine.resources.kv.streams import StreamTable
 from mstar.engine.resources.step import KVStep
 
-__all__ = ["AllocationFailed", "InvalidStep", "KVError", "KVManager", "UnknownStream"]
+__all__ = [
+    "AllocationFailed",
+    "InvalidStep",
+    "KVError",
+    "KVManager",
+    "UnknownStream",
+    "check_sizes",
+]
+
+
+def check_sizes(num_pages: int, page_size: int) -> None:
+    """Refuse a pool whose pages or slots int32 indices cannot name."""
+    for name, value in (("num_pages", num_pages), ("page_size", page_size)):
+        if not is_int(value) or not 1 <= value <= INT32_MAX:
+            raise ValueError(f"expected {name} an int in [1, 2**31), got {value!r}")
+    if num_pages * page_size > INT32_MAX:
+        raise ValueError(
+            f"expected num_pages * page_size < 2**31 (int32 slots), got {num_pages * page_size}"
+        )
 
 
 def _path_option(name: str) -> property:
@@ -77,7 +99,11 @@ class KVManager:
     committed (a stream's segments must carry their ``tokens``), stay cached
     after their last owner lets go until their memory is needed (cached pages
     count as free), and ``match_prefix`` starts a new stream on the longest
-    cached run of a prompt's pages."""
+    cached run of a prompt's pages.
+
+    With ``pool`` (a ``PagePool`` of ``num_pages`` pages of ``page_size``) it
+    allocates from that pool, shared with other managers, under the pool's
+    lock (no prefix cache then)."""
 
     _few_rows = _path_option("few_rows")
     _splice_rows = _path_option("splice_rows")
@@ -92,10 +118,9 @@ class KVManager:
         *,
         prefix_cache: bool = False,
         window: int | None = None,
+        pool: PagePool | None = None,
     ) -> None:
-        for name, value in (("num_pages", num_pages), ("page_size", page_size)):
-            if not is_int(value) or not 1 <= value <= INT32_MAX:
-                raise ValueError(f"expected {name} an int in [1, 2**31), got {value!r}")
+        check_sizes(num_pages, page_size)
         if window is not None:
             if not is_int(window) or not 1 <= window <= INT32_MAX:
                 raise ValueError(f"expected window None or an int in [1, 2**31), got {window!r}")
@@ -105,17 +130,27 @@ class KVManager:
                     " pages cannot serve as a prefix), got window"
                     f" {window}"
                 )
-        if num_pages * page_size > INT32_MAX:
-            raise ValueError(
-                f"expected num_pages * page_size < 2**31 (int32 slots), got {num_pages * page_size}"
-            )
+        if pool is not None:
+            if not isinstance(pool, PagePool):
+                raise TypeError(f"expected pool a PagePool or None, got {type(pool).__name__}")
+            if (pool.num_pages, pool.page_size) != (num_pages, page_size):
+                raise ValueError(
+                    f"expected a pool of {num_pages} pages of {page_size}, got one of"
+                    f" {pool.num_pages} pages of {pool.page_size}"
+                )
+            if prefix_cache:
+                raise ValueError(
+                    "expected prefix_cache=False with a shared pool (a page registered by one"
+                    " manager would be reused by another), got prefix_cache=True"
+                )
         self.num_pages = int(num_pages)
         self.page_size = int(page_size)
         self.cache = cache
         self.ring = ring
         self.window = None if window is None else int(window)
-        self._lock = threading.Lock()
-        self._pages = PagePool(self.num_pages, self.page_size)
+        self._shared = pool is not None
+        self._pages = PagePool(self.num_pages, self.page_size) if pool is None else pool
+        self._lock = self._pages.lock
         self._streams = StreamTable(self._pages, self.page_size, prefix_cache)
         self._prefix = self._streams.prefix
         self._paths = Paths()
@@ -142,6 +177,12 @@ class KVManager:
         """Pages the stream holds now (shared ones included)."""
         with self._lock:
             return int(self._streams.npages[self._slot(request_id, label)])
+
+    def page_ids(self, request_id: str, label: str) -> np.ndarray:
+        """The pages the stream holds now, in token order (a copy)."""
+        with self._lock:
+            slot = self._slot(request_id, label)
+            return self._streams.tables[slot][: self._streams.npages[slot]].copy()
 
     def labels(self, request_id: str) -> list[str]:
         """The labels of the request's streams (empty for an unknown request)."""
@@ -220,6 +261,14 @@ class KVManager:
             rec = self._admission.check(step)
             rec.journal = Journal(self._pages.alloc(rec.need))
             self._admitted[step] = rec
+
+    def pages_needed(self, step: KVStep) -> tuple[list[tuple[str, str]], np.ndarray]:
+        """The step's rows (``(request_id, label)``, in order) and the pages
+        admitting it would reserve for each (int64); raises as ``admit`` for
+        a bad step, never ``AllocationFailed``, and changes nothing."""
+        with self._lock:
+            rec = self._admission.sized(step)
+            return list(rec.keys), np.asarray(rec.grow, dtype=np.int64)
 
     def plan(self, step: KVStep) -> KVPlanOutputs:
         """Apply the pre-forks and the spans' pages and return one
@@ -317,7 +366,15 @@ class KVManager:
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` naming the first broken rule."""
         with self._lock:
-            check_invariants(self._pages, self._streams, list(self._admitted.values()))
+            in_flight = list(self._admitted.values())
+            check_invariants(self._pages, self._streams, in_flight, self._shared)
+
+    def owner_counts(self) -> np.ndarray:
+        """How many times this manager's streams and reservations name each
+        page of its pool (int64 ``[num_pages]``): a shared pool's refcounts
+        are the sum over its managers."""
+        with self._lock:
+            return owner_counts(self.num_pages, self._streams, list(self._admitted.values()))
 
     # --- applying a step -----------------------------------------------------------------
 

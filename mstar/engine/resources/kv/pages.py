@@ -15,9 +15,15 @@ leave before its earlier ones. ``share`` on a cached-unowned page owns it
 again. So every page is exactly one of: free, owned (registered or not),
 cached-unowned. This class is the allocator: the owner counts and the
 free/cached counters change here and nowhere else.
+
+Several managers may share one pool (a hybrid model's KV groups, see
+``KVGroups``): each owns the pages it allocated, and ``lock`` guards the pool
+and every manager on it.
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -32,13 +38,15 @@ _NO_PAGES = np.zeros(0, dtype=np.int32)
 
 class PagePool:
     """Pages ``0 .. num_pages - 1``: a free stack and an owner count per
-    page, with the prefix cache's registry, eviction queue and hasher."""
+    page, with the prefix cache's registry, eviction queue and hasher, and
+    the ``lock`` its managers hold."""
 
     def __init__(self, num_pages: int, page_size: int | None = None) -> None:
         """``page_size`` is needed by the prefix cache alone (``page_keys``,
         ``register``)."""
         self.num_pages = num_pages
         self.page_size = page_size
+        self.lock = threading.Lock()
         self.refcount = np.zeros(num_pages, dtype=np.int32)  # owners per page
         self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int32)  # top at the end
         self._nstack = num_pages  # pages on the free stack
