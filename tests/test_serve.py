@@ -346,3 +346,42 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(models, offlin
         want = offline([PROMPTS[4]], SamplingParams(max_new_tokens=6))[0].outputs[0].token_ids
         assert got.choices[0].model_extra["token_ids"] == want
         assert pages_used(srv) == 0
+
+
+@pytest.mark.parametrize(
+    "name", ["llama", "mistral", "gemma2"], ids=["full", "windowed", "hybrid"]
+)
+def test_chat_default_max_tokens_is_the_most_the_pool_admits(name):
+    """Chat without ``max_tokens`` asks for ``Front.room``: the most new
+    tokens a request alone can be admitted with, whatever the model's KV
+    layout: every page kept, pages released behind a window (the context is
+    the bound), a hybrid's groups on one pool (counting pages as tokens
+    over-asked there, so every such chat was refused)."""
+    from types import SimpleNamespace
+
+    from test_architectures import _pair
+    from test_groups import HYBRID
+
+    from mstar.engine import RequestTooLarge
+    from mstar.serve.app import Front
+
+    config = {
+        "llama": ("LlamaConfig", {}),
+        "mistral": ("MistralConfig", {"sliding_window": 5}),
+        "gemma2": HYBRID["gemma2"],
+    }[name]
+    _, paged = _pair(*config)
+    paged.config.max_position_embeddings = 512
+    eng = Engine(paged, prefix_cache=False, num_pages=14, page_size=4, token_budget=8)
+    room = Front(SimpleNamespace(engine=eng), None, "m", 1).room(10)
+    prompt = list(range(1, 11))
+    eng.add_request(prompt, SamplingParams(max_new_tokens=room), request_id="fits")
+    eng.abort("fits")
+    if name == "mistral":
+        assert room == 512 - 10
+        return
+    # full: 14 pages of 4 hold 56 tokens, the last one never fed; hybrid: 42
+    # pages of one layer, 34 in the full group and 4 in each windowed one
+    assert room == {"llama": 14 * 4 - 10 + 1, "gemma2": 127}[name]
+    with pytest.raises(RequestTooLarge):
+        eng.add_request(prompt, SamplingParams(max_new_tokens=room + 1))

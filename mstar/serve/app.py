@@ -122,8 +122,7 @@ class Front:
     ) -> None:
         self.aengine, self.metrics, self.model_name = aengine, metrics, model_name
         self.retry_after = retry_after
-        mgr = aengine.engine.mgr
-        self.capacity = min(mgr.num_pages * mgr.page_size, aengine.engine.max_len or 1 << 62)
+        self.context = aengine.engine.max_len or 1 << 62  # tokens a request may span
 
     def check(self, body: Any) -> None:
         if body.model is not None and body.model != self.model_name:
@@ -136,8 +135,23 @@ class Front:
         body.check_supported()
 
     def room(self, prompt_len: int) -> int:
-        """Chat's default ``max_tokens``: what the context and the pool leave."""
-        return max(1, self.capacity - prompt_len)
+        """Chat's default ``max_tokens``: the most new tokens the context
+        leaves whose peak fits the pool alone (``Engine.peak_pages``: a
+        windowed model's pages stop growing, a hybrid's groups add up), at
+        least 1 (``add_request`` then refuses what cannot fit)."""
+        engine = self.aengine.engine
+
+        def fits(n: int) -> bool:
+            need = engine.peak_pages(prompt_len, SamplingParams(max_new_tokens=n))
+            return need <= engine.mgr.num_pages
+
+        lo, hi = 1, max(1, self.context - prompt_len)
+        if fits(hi):
+            return hi
+        while lo < hi - 1:  # fits(lo) or lo == 1; not fits(hi)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
 
     def call(self, kind: Any, prefix: str, body: Any) -> Call:
         return Call(
