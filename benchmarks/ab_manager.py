@@ -17,8 +17,8 @@ step; 256 x 32k decode beside one np.copyto of its step's indices (timed alone);
 512-token prefill row); steady, churn and mixed cold (48 MiB written before each);
 churn anywhere at 32 and 256 rows, warm and cold (batch // 32 rows leave at random
 places, untimed, and as many newcomers join with a 64-token prompt prefilled in the
-decode step); the steady decode with the prefix cache on and off, fresh steps each
-time: on with the new tokens one array on the step (``KVStep.tokens``, as the engine
+decode step); the steady decode with the prefix cache on and off, in turns, fresh
+steps each time: on with the new tokens one array on the step (``KVStep.tokens``, as the engine
 makes its steps; a checkout without it gets them on its Segments) and with each
 Segment carrying its token, off with neither (medians, and ``runs_mean``: the
 recording of decode steps, batched ``PS`` at a time, spread over them); and
@@ -189,12 +189,13 @@ def mixed(cold: bool = False) -> Case:
 
 
 def prefix_decode(tokens: str) -> Case:
-    """The steady 256 x 4k decode on fresh steps: the prefix cache on with
-    the tokens on the step (``tokens="step"``) or on each Segment
-    (``"segment"``), or off (``"off"``: no tokens)."""
+    """The steady 256 x 4k decode on fresh steps, the prefix cache on (the
+    tokens on the step, ``tokens="step"``, or on each Segment, ``"segment"``)
+    and off (no tokens), a step of each in turn: parts (on, off)."""
 
     def case(api: Api, n: int) -> Iteration:
-        return _prefix_decode(api, tokens)
+        on, off = _prefix_decode(api, tokens), _prefix_decode(api, "off")
+        return lambda i: on(i) + off(i)
 
     return case
 
@@ -286,12 +287,13 @@ def main() -> None:
         rows["churn anywhere 32"] = compare(churn_anywhere(32), apis, 200, warm)[:, 0]
         rows["churn anywhere 256"] = compare(churn_anywhere(256), apis, 200, warm)[:, 0]
         rows["churn anywhere 256 cold"] = compare(churn_anywhere(256, True), apis, 200, cold)[:, 0]
-        for tokens in ("step", "segment", "off"):
-            name = "prefix off" if tokens == "off" else f"prefix on, {tokens} tokens,"
-            stats = compare(prefix_decode(tokens), apis, 12 * PS, warm, (np.median, runs_mean))
-            rows[f"{name} 256 x 4k"], rows[f"{name} 256 x 4k, mean of 16"] = (
-                b[:, 0] for b in stats
-            )
+        prefix = {}  # (tokens, stat) -> [checkout, (on, off)]
+        for tokens in ("step", "segment"):
+            cases = compare(prefix_decode(tokens), apis, 12 * PS, warm, (np.median, runs_mean))
+            for stat, parts in zip(("median", "mean of 16"), cases):
+                prefix[tokens, stat] = parts
+                rows[f"prefix on, {tokens} tokens, {stat}"] = parts[:, 0]
+                rows[f"prefix off, beside {tokens} tokens, {stat}"] = parts[:, 1]
         rows["match_prefix 4k"] = compare(match_prefix, apis, 200, warm)[:, 0]
     print("| step | before µs | after µs | after/before |\n|---|---:|---:|---:|")
     for name, (b, a) in rows.items():
@@ -301,13 +303,12 @@ def main() -> None:
     for name, ref in (
         ("churn anywhere 256", "steady 256 x 4k, fresh Segments"),
         ("churn anywhere 256 cold", "steady cold"),
-        ("prefix on, step tokens, 256 x 4k", "prefix off 256 x 4k"),
-        ("prefix on, segment tokens, 256 x 4k", "prefix off 256 x 4k"),
-        ("prefix on, step tokens, 256 x 4k, mean of 16", "prefix off 256 x 4k, mean of 16"),
-        ("prefix on, segment tokens, 256 x 4k, mean of 16", "prefix off 256 x 4k, mean of 16"),
     ):
         r = rows[name] / rows[ref]
         print(f"{name} / {ref}: before {r[0]:.2f}x, after {r[1]:.2f}x")
+    for (tokens, stat), parts in prefix.items():
+        r = parts[:, 0] / parts[:, 1]
+        print(f"prefix on/off, {tokens} tokens, {stat}: before {r[0]:.2f}x, after {r[1]:.2f}x")
 
 
 if __name__ == "__main__":
