@@ -229,9 +229,10 @@ class PrefixChains:
         slots, keyed, tokens = slots[chained], keyed[chained], tokens[chained]
         if not len(slots):
             return
-        rows = [(tables[s], k) for s, k in zip(slots.tolist(), keyed.tolist())]
-        parents = np.array([table.item(k - 1) for table, k in rows], dtype=np.int32)
-        pages = np.array([table.item(k) for table, k in rows], dtype=np.int32)
+        rows = list(map(tables.__getitem__, slots.tolist()))  # C-level passes, no frames
+        n = len(rows)
+        parents = np.fromiter(map(np.ndarray.item, rows, (keyed - 1).tolist()), np.int32, n)
+        pages = np.fromiter(map(np.ndarray.item, rows, keyed.tolist()), np.int32, n)
         self.last_key[slots] = self.pool.register_next(
             pages, tokens, self.last_key[slots], parents
         )[:]
