@@ -1,5 +1,6 @@
 """What one step computes: decode rows first, then chunked prefill, under a
-token budget. Pure: it reads requests and returns segments."""
+token budget. Pure: it reads requests and returns the step (segments, and
+their new tokens as one array)."""
 
 from __future__ import annotations
 
@@ -53,8 +54,9 @@ def kv_step(segments: Sequence[Segment], tokens: np.ndarray) -> KVStep:
 
 
 def requests_before(step: KVStep, request_id: str) -> KVStep | None:
-    """``step`` cut to the requests whose first segment comes before
-    ``request_id``'s (None when there are none)."""
+    """``step`` (segments and their tokens, as ``schedule`` makes it) cut to
+    the requests whose first segment comes before ``request_id``'s (None
+    when there are none)."""
     order = list(dict.fromkeys(s.request_id for s in step.segments))
     keep = set(order[: order.index(request_id)])
     kept = [s.request_id in keep for s in step.segments]

@@ -45,7 +45,8 @@ class KVStep:
     prefix cache, in place of each segment's ``tokens`` (both given is
     refused). Segments without tokens stay equal to the last step's, so a
     decode step takes the manager's fast path with the prefix cache on too.
-    The manager copies what it keeps.
+    Read (its count checked) only with the prefix cache on, as segment
+    tokens are; the manager copies what it keeps.
     """
 
     segments: tuple[Segment, ...]
