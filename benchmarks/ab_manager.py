@@ -17,9 +17,13 @@ step; 256 x 32k decode beside one np.copyto of its step's indices (timed alone);
 512-token prefill row); steady, churn and mixed cold (48 MiB written before each);
 churn anywhere at 32 and 256 rows, warm and cold (batch // 32 rows leave at random
 places, untimed, and as many newcomers join with a 64-token prompt prefilled in the
-decode step); the steady decode with the prefix cache on (fresh Segments carrying
-their token) and off, and ``match_prefix`` of 4096 tokens with 3504 cached. The
-last lines give the ratios the targets name, for each checkout.
+decode step); the steady decode with the prefix cache on and off, in turns, fresh
+steps each time: on with the new tokens one array on the step (``KVStep.tokens``, as the engine
+makes its steps; a checkout without it gets them on its Segments) and with each
+Segment carrying its token, off with neither (medians, and ``runs_mean``: the
+recording of decode steps, batched ``PS`` at a time, spread over them); and
+``match_prefix`` of 4096 tokens with 3504 cached. The last lines give the ratios the
+targets name, for each checkout.
 ``--quick`` runs ~5x fewer steps (~40 s; the full run ~3 min). Comparing a checkout
 with itself gives ratios within a few % of 1.
 """
@@ -72,7 +76,10 @@ def clock(fn: Callable[[], Any], cold: bool = False) -> tuple[float, Any]:
 
 
 def step(api: Api, m: Any, segs: tuple) -> Any:
-    s = api.KVStep(segs)
+    return run(m, api.KVStep(segs))
+
+
+def run(m: Any, s: Any) -> Any:
     m.admit(s)
     p = m.plan(s)
     m.commit(s)
@@ -181,18 +188,20 @@ def mixed(cold: bool = False) -> Case:
     return case
 
 
-def prefix_decode(on: bool) -> Case:
-    """The steady 256 x 4k decode on fresh Segments, with the prefix cache on
-    (each Segment carrying its token) or off (no tokens)."""
+def prefix_decode(tokens: str) -> Case:
+    """The steady 256 x 4k decode on fresh steps, the prefix cache on (the
+    tokens on the step, ``tokens="step"``, or on each Segment, ``"segment"``)
+    and off (no tokens), a step of each in turn: parts (on, off)."""
 
     def case(api: Api, n: int) -> Iteration:
-        return _prefix_decode(api, on)
+        on, off = _prefix_decode(api, tokens), _prefix_decode(api, "off")
+        return lambda i: on(i) + off(i)
 
     return case
 
 
-def _prefix_decode(api: Api, on: bool) -> Iteration:
-    m = api.KVManager(256 * (4096 // PS + 300), PS, prefix_cache=on)
+def _prefix_decode(api: Api, tokens: str) -> Iteration:
+    m = api.KVManager(256 * (4096 // PS + 300), PS, prefix_cache=tokens != "off")
     rng = np.random.default_rng(0)
     names = [f"r{i}" for i in range(256)]
     lens = [4096 + i % PS for i in range(256)]
@@ -201,10 +210,15 @@ def _prefix_decode(api: Api, on: bool) -> Iteration:
         m,
         tuple(api.Segment(r, "main", k, rng.integers(0, 50_000, k)) for r, k in zip(names, lens)),
     )
+    on_step = tokens == "step" and "tokens" in api.KVStep.__dataclass_fields__
 
     def it(i: int) -> tuple[float, ...]:
-        s = tuple(api.Segment(r, "main", 1, [i] if on else None) for r in names)
-        return (clock(lambda: step(api, m, s))[0],)
+        if on_step:
+            s = api.KVStep(tuple(api.Segment(r, "main", 1) for r in names), tokens=np.full(256, i))
+        else:
+            t = None if tokens == "off" else [i]
+            s = api.KVStep(tuple(api.Segment(r, "main", 1, t) for r in names))
+        return (clock(lambda: run(m, s))[0],)
 
     return it
 
@@ -223,15 +237,25 @@ def match_prefix(api: Api, n: int) -> Iteration:
     return it
 
 
-def compare(case: Case, apis: list[Api], n: int, rounds: int) -> np.ndarray:
-    """Medians, µs, [checkout, part]. Each round builds fresh managers (so rows stay near
-    their stated length) and alternates the checkouts' iterations in one loop."""
+def runs_mean(samples: np.ndarray, axis: int = 0) -> np.ndarray:
+    """The median over runs of ``PS`` steps (rounds hold whole runs) of each
+    run's mean: a decode step's prefix recording, done ``PS`` steps at a
+    time, spread over them; load spikes kept out."""
+    return np.median(samples.reshape(-1, PS, *samples.shape[1:]).mean(axis=1), axis=axis)
+
+
+def compare(case: Case, apis: list[Api], n: int, rounds: int, stat=np.median) -> np.ndarray:
+    """Medians (or ``stat``: several give one array each), µs, [checkout, part]. Each
+    round builds fresh managers (so rows stay near their stated length) and alternates
+    the checkouts' iterations in one loop."""
     samples = []
     for _ in range(rounds):
         gc.collect()
         its = [case(api, n) for api in apis]
         samples += [[it(i) for it in its] for i in range(n)]
-    return np.median(np.array(samples), axis=0) * 1e6
+    if isinstance(stat, tuple):
+        return tuple(f(np.array(samples), axis=0) * 1e6 for f in stat)
+    return stat(np.array(samples), axis=0) * 1e6
 
 
 def main() -> None:
@@ -263,8 +287,13 @@ def main() -> None:
         rows["churn anywhere 32"] = compare(churn_anywhere(32), apis, 200, warm)[:, 0]
         rows["churn anywhere 256"] = compare(churn_anywhere(256), apis, 200, warm)[:, 0]
         rows["churn anywhere 256 cold"] = compare(churn_anywhere(256, True), apis, 200, cold)[:, 0]
-        rows["prefix on 256 x 4k"] = compare(prefix_decode(True), apis, 200, warm)[:, 0]
-        rows["prefix off 256 x 4k"] = compare(prefix_decode(False), apis, 200, warm)[:, 0]
+        prefix = {}  # (tokens, stat) -> [checkout, (on, off)]
+        for tokens in ("step", "segment"):
+            cases = compare(prefix_decode(tokens), apis, 12 * PS, warm, (np.median, runs_mean))
+            for stat, parts in zip(("median", "mean of 16"), cases):
+                prefix[tokens, stat] = parts
+                rows[f"prefix on, {tokens} tokens, {stat}"] = parts[:, 0]
+                rows[f"prefix off, beside {tokens} tokens, {stat}"] = parts[:, 1]
         rows["match_prefix 4k"] = compare(match_prefix, apis, 200, warm)[:, 0]
     print("| step | before µs | after µs | after/before |\n|---|---:|---:|---:|")
     for name, (b, a) in rows.items():
@@ -274,10 +303,12 @@ def main() -> None:
     for name, ref in (
         ("churn anywhere 256", "steady 256 x 4k, fresh Segments"),
         ("churn anywhere 256 cold", "steady cold"),
-        ("prefix on 256 x 4k", "prefix off 256 x 4k"),
     ):
         r = rows[name] / rows[ref]
         print(f"{name} / {ref}: before {r[0]:.2f}x, after {r[1]:.2f}x")
+    for (tokens, stat), parts in prefix.items():
+        r = parts[:, 0] / parts[:, 1]
+        print(f"prefix on/off, {tokens} tokens, {stat}: before {r[0]:.2f}x, after {r[1]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -19,10 +19,16 @@ from mstar.engine.resources.kv.manager import AllocationFailed, InvalidStep, KVM
 from mstar.engine.resources.step import KVStep, Segment
 
 
-def serve(mgr, cache, rows, **kwargs):
-    """One step; ``rows`` is [(request, label, tokens)]; each view is checked
+def serve(mgr, cache, rows, flat=False, **kwargs):
+    """One step; ``rows`` is [(request, label, tokens)], the tokens on the
+    segments or (``flat``) one array on the step; each view is checked
     against nothing here, the tokens are written where the plan says."""
-    step = KVStep(tuple(Segment(r, lab, len(t), t) for r, lab, t in rows), **kwargs)
+    if flat:
+        ids = np.array([t for _, _, tokens in rows for t in tokens], dtype=np.int64)
+        segments = tuple(Segment(r, lab, len(t)) for r, lab, t in rows)
+        step = KVStep(segments, tokens=ids, **kwargs)
+    else:
+        step = KVStep(tuple(Segment(r, lab, len(t), t) for r, lab, t in rows), **kwargs)
     mgr.admit(step)
     plans = mgr.plan(step)
     views = {(v.request_id, v.label): v for out in plans.values() for v in out.views}
@@ -121,10 +127,11 @@ class PrefixMachine(RuleBasedStateMachine):
         self.hist: dict[tuple[str, str], list[int]] = {}
         self.count = 0
 
-    def run(self, rows, **kwargs):
+    def run(self, data, rows, **kwargs):
         free = self.mgr.num_free_pages
+        flat = data.draw(st.booleans())  # tokens on the step or on its segments: the same cache
         try:
-            views = serve(self.mgr, self.cache, rows, **kwargs)
+            views = serve(self.mgr, self.cache, rows, flat, **kwargs)
         except AllocationFailed:
             assert self.mgr.num_free_pages == free
             return
@@ -145,21 +152,23 @@ class PrefixMachine(RuleBasedStateMachine):
         stored = self.mgr.match_prefix(*key, tokens)
         assert stored % self.ps == 0 and stored < len(tokens)
         self.hist[key] = tokens[:stored]
-        self.run([(*key, tokens[stored:])])
+        self.run(data, [(*key, tokens[stored:])])
 
     @rule(data=st.data())
     def decode(self, data):
         if self.hist:
             keys = data.draw(st.lists(st.sampled_from(sorted(self.hist)), unique=True, min_size=1))
             rows = [(*k, [data.draw(st.integers(0, VOCAB - 1))]) for k in keys]
-            self.run(rows)
+            self.run(data, rows)
 
     @rule(data=st.data())
     def fork(self, data):
         mains = sorted(k for k in self.hist if k[1] == "a")
         if mains:
             key = data.draw(st.sampled_from(mains))
-            self.run([(*key, [data.draw(st.integers(0, VOCAB - 1))])], post_forks=(("a", "b"),))
+            self.run(
+                data, [(*key, [data.draw(st.integers(0, VOCAB - 1))])], post_forks=(("a", "b"),)
+            )
 
     @rule(data=st.data())
     def leave(self, data):
@@ -195,3 +204,89 @@ def test_pages_filled_by_decode_steps_are_cached(page_size):
     assert mgr.match_prefix("c", "main", tokens) == 13 // page_size * page_size
     assert mgr.match_prefix("d", "main", [5, *range(10, 20), 99]) == 11 // page_size * page_size
     mgr.check_invariants()
+
+
+def test_step_tokens_must_be_one_integer_array():
+    segments = (Segment("a", "main", 2),)
+    for bad, what in (
+        ([1, 2], "list"),
+        (np.array([1.0, 2.0]), "float64"),
+        (np.array([[1, 2]]), r"\(1, 2\)"),
+        (np.array([True, False]), "bool"),
+    ):
+        with pytest.raises(TypeError, match=f"1-D integer numpy array.*{what}.*'a', 'main'"):
+            KVStep(segments, tokens=bad)
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_step_tokens_must_number_the_spans_sum(count):
+    mgr = KVManager(8, 4, prefix_cache=True)
+    step = KVStep((Segment("a", "main", 2), Segment("b", "main", 1)), tokens=np.arange(count))
+    with pytest.raises(InvalidStep, match=f"3 ids \\(its spans' sum\\), got {count}.*'a'"):
+        mgr.admit(step)
+    assert mgr.num_free_pages == 8 and mgr.labels("a") == [] and mgr.labels("b") == []
+
+
+def test_tokens_on_the_step_and_its_segments_are_refused():
+    mgr = KVManager(8, 4, prefix_cache=True)
+    segments = (Segment("a", "main", 1), Segment("b", "main", 2, [5, 6]))
+    with pytest.raises(InvalidStep, match=r"got both.*request 'b', label 'main'"):
+        mgr.admit(KVStep(segments, tokens=np.arange(3)))
+    assert mgr.num_free_pages == 8 and mgr.labels("a") == [] and mgr.labels("b") == []
+
+
+def test_a_stream_extended_without_tokens_registers_nothing():
+    cache = TokenCache(16, 2)
+    mgr = KVManager(16, 2, cache=cache, prefix_cache=True)
+    step = KVStep((Segment("a", "main", 3),))  # no tokens anywhere
+    mgr.admit(step)
+    mgr.plan(step)
+    mgr.commit(step)
+    for t in range(4):  # later tokens on the step: the chain is broken for good
+        serve(mgr, cache, [("a", "main", [t])], flat=True)
+    assert mgr.prefix_stats()["pages_cached"] == 0
+    serve(mgr, cache, [("b", "main", [1, 2, 3, 4])], flat=True)
+    assert mgr.prefix_stats()["pages_cached"] == 2
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+def test_step_tokens_cache_what_segment_tokens_do(page_size):
+    """The same steps, tokens on the segments or on the step: the same pages
+    are cached under the same keys, the same prompts hit alike."""
+    rng = np.random.default_rng(page_size)
+    managers = []
+    for flat in (False, True):
+        cache = TokenCache(128, page_size)
+        mgr = KVManager(128, page_size, cache=cache, prefix_cache=True)
+        serve(mgr, cache, [("a", "main", [1, 2, 3]), ("b", "main", [1, 2, 3, 4, 5])], flat)
+        for t in range(9):  # decode steps, then a step of mixed spans (one of 0)
+            serve(mgr, cache, [("a", "main", [t]), ("b", "main", [t + 1])], flat)
+        rows = [("a", "main", [7, 8]), ("b", "main", []), ("c", "main", [1, 2, 3, 9])]
+        serve(mgr, cache, rows, flat)
+        managers.append(mgr)
+    prompts = [[1, 2, 3, *range(9), 7, 8, 0], [1, 2, 3, 4, 5, *range(1, 10), 0], [1, 2, 3, 9, 0]]
+    prompts.append(rng.integers(0, 10, 20).tolist())
+    hits = [[m.match_prefix(f"q{i}", "main", p) for i, p in enumerate(prompts)] for m in managers]
+    assert hits[0] == hits[1] and hits[0][:3] == [
+        14 // page_size * page_size,
+        14 // page_size * page_size,
+        4 // page_size * page_size,
+    ]
+    (a, b) = (m._pages.registry for m in managers)
+    assert (a.registered == b.registered).all() and (a.key == b.key).all()
+    assert managers[0].prefix_stats() == managers[1].prefix_stats()
+
+
+def test_the_manager_copies_the_step_tokens_it_keeps():
+    cache = TokenCache(16, 4)
+    mgr = KVManager(16, 4, cache=cache, prefix_cache=True)
+    serve(mgr, cache, [("a", "main", [1, 2, 3])])
+    ids = np.zeros(1, dtype=np.int64)
+    for t in (4, 5, 6, 7, 8):  # one array, refilled each step (decode steps wait to be recorded)
+        ids[0] = t
+        step = KVStep((Segment("a", "main", 1),), tokens=ids)
+        mgr.admit(step)
+        mgr.plan(step)
+        mgr.commit(step)
+    ids[0] = 99
+    assert mgr.match_prefix("b", "main", [1, 2, 3, 4, 5, 6, 7, 8, 0]) == 8

@@ -20,11 +20,15 @@ the indices by list extends and ``torch.tensor``.
   releases are untimed (the engine's previous step frees them). Timed in
   turns with the steady decode step of the same batch, at B=32 and B=256,
   warm and cold; the note compares the two.
-- ``prefix cache``: the steady decode step with the prefix cache on (in turns, fresh
-  segments each step, each carrying its new token) against it off (fresh
-  segments without tokens); ``match_prefix`` of a 4k-token
-  prompt whose first 3.5k tokens are cached, against a hashlib digest and a
-  dict lookup per page.
+- ``prefix cache``: the steady decode step with the prefix cache on against
+  it off, in turns, a fresh step each time as the engine makes it: segments
+  without tokens, the new tokens one array on the step (``KVStep.tokens``);
+  on also with each segment carrying its token (the older way). Medians, and
+  the median of means over runs of ``PAGE_SIZE`` steps (the decode steps'
+  recording is done that many at a time; a run's mean spreads it, the
+  median keeps out load spikes); ``match_prefix`` of a 4k-token prompt whose
+  first 3.5k tokens are cached, against a hashlib digest and a dict lookup
+  per page.
 """
 
 from __future__ import annotations
@@ -80,7 +84,10 @@ class ListManager:
 
 
 def _step(mgr: KVManager, segments: tuple[Segment, ...]):
-    step = KVStep(segments)
+    return _run(mgr, KVStep(segments))
+
+
+def _run(mgr: KVManager, step: KVStep):
     mgr.admit(step)
     plans = mgr.plan(step)
     mgr.commit(step)
@@ -215,8 +222,13 @@ def _churn_anywhere(mgr, names: list[str], tag: str, baseline: bool):
 
 
 def _medians_us(steps_by_kind: dict, steps: int, evict: _Evictor | None) -> dict[str, float]:
-    """``_median_us`` of several kinds of step, taken in turns (one step of
-    each kind, then the next), so a machine's drift moves them alike."""
+    """``_median_us`` of several kinds of step, taken in turns (see ``_times_us``)."""
+    return {kind: float(np.median(t)) for kind, t in _times_us(steps_by_kind, steps, evict).items()}
+
+
+def _times_us(steps_by_kind: dict, steps: int, evict: _Evictor | None) -> dict[str, np.ndarray]:
+    """µs of each step of several kinds, taken in turns (one step of each
+    kind, then the next), so a machine's drift moves them alike."""
     times: dict[str, list[float]] = {kind: [] for kind in steps_by_kind}
     for i in range(steps):
         for kind, step in steps_by_kind.items():
@@ -226,7 +238,7 @@ def _medians_us(steps_by_kind: dict, steps: int, evict: _Evictor | None) -> dict
             t0 = time.perf_counter()
             prepare()
             times[kind].append(time.perf_counter() - t0)
-    return {kind: float(np.median(t)) * 1e6 for kind, t in times.items()}
+    return {kind: np.array(t) * 1e6 for kind, t in times.items()}
 
 
 def _rows_in_turns(batch: int, context: int, spare: int, makers: dict, steps: int) -> list[Row]:
@@ -289,32 +301,53 @@ def churn_anywhere_rows(
     return out
 
 
+def _prefix_decode(mgr: KVManager, names: list[str], kind: str):
+    """Step ``i`` of decode, fresh as a scheduler makes it: the tokens on the
+    step (``step tokens``), on each segment (``segment tokens``) or none (``off``)."""
+
+    def prepare(i: int):
+        if kind == "step tokens":
+            step = KVStep(
+                tuple(Segment(r, "main", 1) for r in names), tokens=np.full(len(names), i)
+            )
+        else:
+            tokens = [i] if kind == "segment tokens" else None
+            step = KVStep(tuple(Segment(r, "main", 1, tokens) for r in names))
+        return lambda: _run(mgr, step)
+
+    return prepare
+
+
 def prefix_rows(batch: int = 256, context: int = 4096, steps: int = STEPS) -> list[Row]:
     """The prefix cache's cost on a decode step, and ``match_prefix``."""
     per_row = -(-context // PAGE_SIZE) + HEADROOM_PAGES
     kinds = {}
-    for on in (True, False):
-        mgr = KVManager(num_pages=batch * per_row, page_size=PAGE_SIZE, prefix_cache=on)
+    for kind in ("step tokens", "segment tokens", "off"):
+        mgr = KVManager(num_pages=batch * per_row, page_size=PAGE_SIZE, prefix_cache=kind != "off")
         rng = np.random.default_rng(0)
         rows = [(f"r{i}", rng.integers(0, 50_000, context + i % PAGE_SIZE)) for i in range(batch)]
         _step(mgr, tuple(Segment(r, "main", len(t), t) for r, t in rows))
-        names = [r for r, _ in rows]
-
-        def decode(i, m=mgr, on=on, names=names):  # fresh rows, as a scheduler makes them
-            s = tuple(Segment(r, "main", 1, [i] if on else None) for r in names)
-            return lambda: _step(m, s)
-
-        kinds[on] = decode
-    timed = list(_medians_us(kinds, steps, None).values())  # on and off in turns
-    out = [
-        Row(
-            "prefix cache",
-            f"decode step {batch}x{context}: on vs off",
-            *timed,
-            params={"batch": batch, "context": context},
-            note=f"{timed[0] / timed[1]:.2f}x off",
-        )
-    ]
+        kinds[kind] = _prefix_decode(mgr, [r for r, _ in rows], kind)
+    out = []
+    times = _times_us(kinds, steps - steps % PAGE_SIZE, None)  # on and off in turns
+    stats = {  # decode steps are recorded PAGE_SIZE at a time: their mean spreads it
+        "median": np.median,
+        f"mean of {PAGE_SIZE}": lambda t: np.median(t.reshape(-1, PAGE_SIZE).mean(axis=1)),
+    }
+    for name, stat in stats.items():
+        off = float(stat(times["off"]))
+        for kind in ("step tokens", "segment tokens"):
+            us = float(stat(times[kind]))
+            out.append(
+                Row(
+                    "prefix cache",
+                    f"decode {batch}x{context}, {kind}: on vs off, {name}",
+                    us,
+                    off,
+                    params={"batch": batch, "context": context, "mean": int(name != "median")},
+                    note=f"{us / off:.2f}x off",
+                )
+            )
     length, cached = 4096, 3504
     tokens = np.random.default_rng(1).integers(0, 50_000, length)
     mgr = KVManager(num_pages=2 * length // PAGE_SIZE, page_size=PAGE_SIZE, prefix_cache=True)

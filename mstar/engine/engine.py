@@ -33,7 +33,7 @@ from mstar.engine.resources.kv.manager import AllocationFailed, KVManager
 from mstar.engine.resources.kv.ring import PinnedIndexRing
 from mstar.engine.resources.step import KVStep, Segment
 from mstar.engine.sampling import SamplingParams, sample_token
-from mstar.engine.scheduler import kv_step, schedule
+from mstar.engine.scheduler import requests_before, schedule
 from mstar.engine.tp import TensorParallel, check_size, load_sharded, shard
 from mstar.integrations.hf import forward_step, kv_spec, register
 
@@ -453,13 +453,13 @@ class Engine:
         preempted: set[str] = set()
         try:
             while self._running:
-                segments = schedule(self._running.values(), self.budget)
-                while self._reuse_prefixes(segments, preempted):  # less to compute:
-                    segments = schedule(self._running.values(), self.budget)  # room for more
-                assert segments, "every running request has a token to feed"
-                owner = self._running[segments[0].request_id]
+                step = schedule(self._running.values(), self.budget)
+                while self._reuse_prefixes(step.segments, preempted):  # less to compute:
+                    step = schedule(self._running.values(), self.budget)  # room for more
+                assert step.segments, "every running request has a token to feed"
+                owner = self._running[step.segments[0].request_id]
                 try:
-                    step, victim = self._admit_or_preempt(kv_step(segments), owner)
+                    step, victim = self._admit_or_preempt(step, owner)
                 except RequestTooLarge as err:
                     raise StepFailed((owner.id,)) from err
                 if step is not None:
@@ -479,19 +479,15 @@ class Engine:
         preempted request)``. When no request but ``owner`` holds KV, it can
         never fit (it would hold as much again the next time it got here): it
         is dropped and ``RequestTooLarge`` raised, nothing else changed."""
-        segments = step.segments
         while True:
             try:
                 self.mgr.admit(step)
                 return step, None
             except AllocationFailed as err:
                 self.stats.refused += 1
-                order = list(dict.fromkeys(s.request_id for s in segments))
-                keep = set(order[: order.index(err.request_id)])
-                segments = tuple(s for s in segments if s.request_id in keep)
-                if not segments:
+                step = requests_before(step, err.request_id)
+                if step is None:
                     break
-                step = kv_step(list(segments))
         holding = [r for r in self._running.values() if r.holds_kv()]
         if not holding or holding == [owner]:
             self.abort(owner.id)
@@ -501,7 +497,7 @@ class Engine:
             )
         return None, self._preempt(holding[-1])
 
-    def _reuse_prefixes(self, segments: list[Segment], skip: set[str]) -> bool:
+    def _reuse_prefixes(self, segments: tuple[Segment, ...], skip: set[str]) -> bool:
         """Streams about to start (scheduled, nothing in the KV cache yet)
         take their longest cached prefix, the requests in ``skip`` excepted;
         True when one did. Matched only when scheduled: pages are registered

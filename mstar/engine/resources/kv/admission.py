@@ -312,7 +312,7 @@ class Admission:
         tokens = None
         if self.streams.prefix is not None and step.commit:
             try:
-                tokens = step_tokens(columns[3], spans, keys)
+                tokens = step_tokens(step.tokens, columns[3], spans, keys)
             except TokenError as err:
                 raise InvalidStep(str(err)) from err
         return Admitted(

@@ -33,10 +33,37 @@ class TokenError(ValueError):
     """Segment tokens that do not match their span or are not integer ids."""
 
 
-def step_tokens(tokens: list[Any], spans: np.ndarray, keys: list[tuple[str, str]]):
-    """A step's segment tokens, checked: an int64 ``[B]`` array when every row
-    carries one token (a decode step), else a list of int64 arrays (``None``
-    for a row without tokens). Raises ``TokenError`` naming the row."""
+def step_tokens(
+    flat: np.ndarray | None, tokens: tuple, spans: np.ndarray, keys: list[tuple[str, str]]
+):
+    """A step's new tokens, checked, from the step (``flat``, ``KVStep.tokens``)
+    or else its segments (``tokens``, their column): an int64 ``[B]`` array
+    when every row takes one token (a decode step), else a list of int64
+    arrays (``None`` for a row without tokens). Raises ``TokenError`` naming
+    the row (the step's first for a wrong count)."""
+    if flat is None:
+        return _segment_tokens(tokens, spans, keys)
+    if tokens.count(None) != len(tokens):
+        request_id, label = keys[next(i for i, t in enumerate(tokens) if t is not None)]
+        raise TokenError(
+            f"expected tokens on the step or on its segments, got both (segment tokens for"
+            f" request {request_id!r}, label {label!r})"
+        )
+    total = int(np.add.reduce(spans, dtype=np.int64))
+    if len(flat) != total:
+        where = f"request {keys[0][0]!r}, label {keys[0][1]!r}" if keys else "no rows"
+        raise TokenError(
+            f"expected the step's tokens {total} ids (its spans' sum), got {len(flat)}"
+            f" (first row: {where})"
+        )
+    ids = flat.astype(np.int64)  # a copy: kept past the step, the caller may reuse its array
+    if total and total == len(spans) and np.maximum.reduce(spans) == 1:
+        return ids  # one a row: a decode step
+    return np.split(ids, np.cumsum(spans[:-1])) if len(spans) else []
+
+
+def _segment_tokens(tokens: tuple, spans: np.ndarray, keys: list[tuple[str, str]]):
+    """``step_tokens`` from the segments' tokens."""
     n = len(tokens)
     if n and np.minimum.reduce(spans) == 1 == np.maximum.reduce(spans):
         try:  # a decode step: one id a row, taken with C-level passes
@@ -202,9 +229,10 @@ class PrefixChains:
         slots, keyed, tokens = slots[chained], keyed[chained], tokens[chained]
         if not len(slots):
             return
-        rows = [(tables[s], k) for s, k in zip(slots.tolist(), keyed.tolist())]
-        parents = np.array([table.item(k - 1) for table, k in rows], dtype=np.int32)
-        pages = np.array([table.item(k) for table, k in rows], dtype=np.int32)
+        rows = list(map(tables.__getitem__, slots.tolist()))  # C-level passes, no frames
+        n = len(rows)
+        parents = np.fromiter(map(np.ndarray.item, rows, (keyed - 1).tolist()), np.int32, n)
+        pages = np.fromiter(map(np.ndarray.item, rows, keyed.tolist()), np.int32, n)
         self.last_key[slots] = self.pool.register_next(
             pages, tokens, self.last_key[slots], parents
         )[:]
