@@ -183,18 +183,24 @@ class AttentionSchedule:
         return self._masks[key]
 
 
+# A batch takes a row while its padded ``queries x keys`` stays within
+# PAD_RATIO x its rows' own plus PAD_SLACK: padding is gathered and attended
+# like keys, and one batch more costs a few calls, about as much as PAD_SLACK
+# pairs on SmolLM2's attention shape.
+PAD_RATIO, PAD_SLACK = 1.1, 256
+
+
 def _batch_rows(rows: np.ndarray, qo_lens: np.ndarray, kv_lens: np.ndarray) -> list:
-    """Rows in batches, most queries (then keys) first: a batch takes the
-    next row while its padded ``queries x keys`` stays within 1.5x its rows'
-    own plus 4096, so decode rows of similar lengths share one batch and are
-    never padded to a prefill chunk's queries."""
+    """Rows in batches, most queries (then keys) first, padded within
+    ``PAD_RATIO`` and ``PAD_SLACK``, so decode rows of similar lengths share
+    one batch and are never padded to a prefill chunk's queries."""
     groups: list[list[int]] = []
     actual = widest = 0
     for row in rows[np.lexsort((kv_lens[rows], qo_lens[rows]))[::-1]].tolist():
         q_len, kv_len = int(qo_lens[row]), int(kv_lens[row])
         if groups:  # the batch's first row has its most queries
             padded = (len(groups[-1]) + 1) * int(qo_lens[groups[-1][0]]) * max(kv_len, widest)
-            if padded <= 1.5 * (actual + q_len * kv_len) + 4096:
+            if padded <= PAD_RATIO * (actual + q_len * kv_len) + PAD_SLACK:
                 groups[-1].append(row)
                 actual, widest = actual + q_len * kv_len, max(widest, kv_len)
                 continue
