@@ -316,6 +316,8 @@ def run_bench(args: argparse.Namespace) -> int:
         run, show = (run_mixed, format_mixed) if args.workload == "mixed" else (run_e2e, format_e2e)
         options = {}
         if args.workload == "mixed":
+            if args.prompts is not None and args.prompts < 2:
+                raise UsageError(f"--prompts {args.prompts}: expected at least 2")
             options = {"prompts": args.prompts, "arrivals": args.arrivals.replace("-", " ")}
         elif args.prompts is not None or args.arrivals != "both":
             raise UsageError("--prompts and --arrivals go with --workload mixed")
