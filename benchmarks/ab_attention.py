@@ -5,7 +5,8 @@
         /tmp/before/mstar/engine/resources/attn/paged.py [--quick] [--rounds N]
 
 The given ``paged.py`` loads beside the current one. Per layer call
-(``--layer``, SmolLM2's attention shape, ms, best of 7 rounds in turns):
+(``--layer``, SmolLM2's attention shape, ms, the median of 41 rounds in
+shuffled turns, ``turns_us``):
 before, after, and HF's sdpa path on the same rows (the new K/V
 concatenated onto a padded cache, then sdpa: grouped query heads for
 decode, repeated KV heads and a mask for prefill). End to end: ``Engine`` serves each
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from transformers import GenerationConfig
 
 import mstar.integrations.hf as hf
-from mstar.bench import time_us
+from mstar.bench import turns_us
 from mstar.bench.attention import HEAD_DIM, HEADS, KV_HEADS, PAGE_SIZE, Case
 from mstar.bench.serving import Job, mixed_jobs, serve_engine, serve_padded
 from mstar.demo import CHAT_QUESTIONS
@@ -44,6 +45,8 @@ from mstar.engine.resources.attn import paged as after
 LAYER_CASES = [
     ("decode 16 x ~300", [(290 + 2 * i, 1) for i in range(16)]),
     ("decode 64 x 40..400", [(40 + 6 * i, 1) for i in range(64)]),
+    # the mixed workload's spread: every other row behind the 175-token preamble
+    ("decode 48 x 60..480", [(60 + 5 * i + 175 * (i % 2), 1) for i in range(48)]),
     ("prefill 4 x 64", [(0, 64)] * 4),
     ("prefill 1 x 30", [(0, 30)]),
 ]
@@ -73,7 +76,7 @@ def hf_sdpa(rows: list[tuple[int, int]]) -> Callable[[], torch.Tensor]:
 
 
 def layer_calls(before: Any) -> None:
-    """ms per layer call: before, after, HF's sdpa path; best of 7 rounds in turns."""
+    """ms per layer call: before, after, HF's sdpa path; medians of rounds in turns."""
     print(
         f"{'step':22s} {'before':>8s} {'after':>8s} {'HF sdpa':>8s} {'before/after':>12s}"
         f" {'after/HF':>9s}"
@@ -83,11 +86,9 @@ def layer_calls(before: Any) -> None:
         sched = {m: m.AttentionSchedule(case.indptrs, PAGE_SIZE) for m in (before, after)}
         calls = {m: _layer_call(m, case, sched[m]) for m in (before, after)}
         torch.testing.assert_close(calls[before](), calls[after](), atol=1e-5, rtol=1e-5)
-        fns = [calls[before], calls[after], hf_sdpa(rows)]
-        best = [float("inf")] * 3
-        for _ in range(7):
-            for i, fn in enumerate(fns):
-                best[i] = min(best[i], time_us(fn, repeat=1, target_s=0.02) / 1e3)
+        best = [
+            us / 1e3 for us in turns_us([calls[before], calls[after], hf_sdpa(rows)], rounds=41)
+        ]
         print(
             f"{name:22s} {best[0]:8.3f} {best[1]:8.3f} {best[2]:8.3f} {best[0] / best[1]:11.2f}x"
             f" {best[1] / best[2]:8.2f}x"

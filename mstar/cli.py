@@ -79,6 +79,15 @@ def main(argv: list[str] | None = None) -> int:
         help="with --e2e: 16 equal chat prompts (default), or mixed serving traffic",
     )
     bench.add_argument(
+        "--prompts", type=int, metavar="N", help="with --workload mixed: its first N requests"
+    )
+    bench.add_argument(
+        "--arrivals",
+        choices=("both", "at-once", "staggered"),
+        default="both",
+        help="with --workload mixed: both arrival patterns (default) or one",
+    )
+    bench.add_argument(
         "--window", action="store_true", help="pages a long generation holds on windowed and"
         " hybrid models, with and without release",
     )  # fmt: skip
@@ -305,8 +314,15 @@ def run_bench(args: argparse.Namespace) -> int:
         from mstar.bench.serving import format_mixed, run_mixed
 
         run, show = (run_mixed, format_mixed) if args.workload == "mixed" else (run_e2e, format_e2e)
+        options = {}
+        if args.workload == "mixed":
+            if args.prompts is not None and args.prompts < 2:
+                raise UsageError(f"--prompts {args.prompts}: expected at least 2")
+            options = {"prompts": args.prompts, "arrivals": args.arrivals.replace("-", " ")}
+        elif args.prompts is not None or args.arrivals != "both":
+            raise UsageError("--prompts and --arrivals go with --workload mixed")
         with Console(stderr=True).status("starting") as status:
-            result = run(quick=args.quick, stage=status.update)
+            result = run(quick=args.quick, stage=status.update, **options)
         print(show(result))
         if args.json:
             with open(args.json, "w") as f:

@@ -242,6 +242,16 @@ def test_decode_rows_are_not_padded_to_a_chunk():
     assert shapes == [(1, 115), (15, 1)]
 
 
+def test_decode_rows_of_far_apart_lengths_are_batched_apart():
+    """A batch pads its rows to its longest: decode rows of 600 keys are not
+    padded to 2000 keys, nor a row of 40 keys to 600; rows of 600 and 602
+    keys share a batch."""
+    rows = [(600, 1), (40, 1), (602, 1), (2000, 1)]
+    schedule = AttentionSchedule(Scenario(rows, 16, 1, seed=0).step().cpu_indptrs, 16)
+    batched = sorted(b.tokens.flatten().tolist() for b in schedule.batches)
+    assert batched == [[0, 2], [1], [3]]
+
+
 def test_value_width_may_differ_from_key_width():
     """A (k, v) pair layer with a narrower V (MLA models such as DeepSeek-V3)."""
     gen = torch.Generator().manual_seed(0)

@@ -198,6 +198,33 @@ def test_e2e_table_compares_every_path_with_ours():
     assert table[4].split()[-3:] == ["25.0", "2.00x", "3/4"]
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompts", "3"], "--prompts and --arrivals go with --workload mixed"),
+        (["--arrivals", "at-once"], "--prompts and --arrivals go with --workload mixed"),
+        (["--workload", "mixed", "--prompts", "1"], "--prompts 1: expected at least 2"),
+    ],
+)
+def test_e2e_bench_rejects_bad_options_in_one_line(capsys, args, message):
+    assert main(["bench", "--e2e", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [({"prompts": 1}, "expected prompts >= 2"), ({"arrivals": "later"}, "expected arrivals")],
+)
+def test_mixed_bench_refuses_bad_options_before_loading(options, message):
+    from mstar.bench.serving import run_mixed
+
+    stages = []
+    with pytest.raises(ValueError, match=message):
+        run_mixed(quick=True, stage=stages.append, **options)
+    assert stages == []
+
+
 def test_mixed_jobs_vary_in_length_and_share_a_preamble(smollm2):
     """The mixed workload: seeded, limits in range, prompts of varied
     length, every other one behind the shared preamble, arrivals in order."""

@@ -69,6 +69,10 @@ class Served:
     seconds: float  # first arrival to last token
 
 
+def _quiet(_: int) -> None:
+    pass
+
+
 def mixed_jobs(
     tokenizer: Any, num: int, new_tokens: tuple[int, int], seed: int, mean_gap: float
 ) -> list[Job]:
@@ -90,8 +94,11 @@ def mixed_jobs(
     return jobs
 
 
-def serve_engine(engine_for: Callable[[], Any], jobs: list[Job]) -> Served:
-    """Jobs through ``Engine.step``, each added once its arrival has passed."""
+def serve_engine(
+    engine_for: Callable[[], Any], jobs: list[Job], finished: Callable[[int], None] = _quiet
+) -> Served:
+    """Jobs through ``Engine.step``, each added once its arrival has passed;
+    ``finished`` hears how many are done after each step that ends one."""
     from mstar.engine import SamplingParams
 
     engine = engine_for()
@@ -114,6 +121,7 @@ def serve_engine(engine_for: Callable[[], Any], jobs: list[Job]) -> Served:
                 first.setdefault(c.request_id, time.perf_counter() - start)
             if c.finished:
                 done[c.request_id] = c.outputs[0].token_ids
+                finished(len(done))
     end = time.perf_counter() - start
     return Served(
         [done[r] for r in ids],
@@ -137,10 +145,13 @@ class _FirstToken:
 
 
 @torch.no_grad()
-def serve_padded(model: Any, jobs: list[Job], config: Any, batch: int) -> Served:
+def serve_padded(
+    model: Any, jobs: list[Job], config: Any, batch: int, finished: Callable[[int], None] = _quiet
+) -> Served:
     """Jobs in arrival order, ``batch`` at a time, each batch started once
     its last job has arrived and the batch before has finished, left-padded,
-    run to its longest ``max_new_tokens``; each row cut to its own and at EOS."""
+    run to its longest ``max_new_tokens``; each row cut to its own and at EOS
+    (``finished`` hears how many are done after each batch)."""
     start = time.perf_counter()
     tokens: list[list[int]] = []
     ttft: list[float] = []
@@ -164,12 +175,20 @@ def serve_padded(model: Any, jobs: list[Job], config: Any, batch: int) -> Served
                 row[: row.index(config.eos_token_id) + 1] if config.eos_token_id in row else row
             )
             ttft.append(streamer.puts[1] - start - job.arrival)
+        finished(len(tokens))
     return Served(tokens, ttft, time.perf_counter() - start - jobs[0].arrival)
 
 
-def serve_hf_batching(model: Any, jobs: list[Job], config: Any, cb_config: Any) -> Served:
+def serve_hf_batching(
+    model: Any,
+    jobs: list[Job],
+    config: Any,
+    cb_config: Any,
+    finished: Callable[[int], None] = _quiet,
+) -> Served:
     """Jobs through HF's continuous batching manager, each added once its
-    arrival has passed, with its own ``max_new_tokens``."""
+    arrival has passed, with its own ``max_new_tokens`` (``finished`` hears
+    how many are done as each ends)."""
     manager = model.init_continuous_batching(
         generation_config=config, continuous_batching_config=cb_config
     )
@@ -191,6 +210,7 @@ def serve_hf_batching(model: Any, jobs: list[Job], config: Any, cb_config: Any) 
                 raise RuntimeError("HF continuous batching returned no result within 600 s")
             if out.is_finished():
                 results[out.request_id] = out
+                finished(len(results))
         end = max(r.timestamps[-1] for r in results.values()) - start
     finally:
         manager.stop(block=True)
@@ -202,20 +222,32 @@ def serve_hf_batching(model: Any, jobs: list[Job], config: Any, cb_config: Any) 
     )
 
 
+ARRIVALS = ("both", "at once", "staggered")
+
+
 def run_mixed(
     *,
     quick: bool = False,
     rounds: int | None = None,
+    prompts: int | None = None,
+    arrivals: str = "both",
     stage: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Figures as a dict: per arrival pattern and path, its best round's
     seconds, tokens/s and TTFT (mean, p90), exact matches in every round,
     and each round's tokens/s ratio to the engine's in that round.
     ``rounds`` (default 3 with ``quick``, else 1) of every pattern and
-    path, taken in turns."""
+    path, taken in turns. ``prompts`` serves the first that many of the
+    workload's jobs (default all: 12 with ``quick``, else 64); ``arrivals``
+    one pattern of ``ARRIVALS`` or both. ``stage`` hears what is running
+    and how many requests it has finished."""
     rounds = (3 if quick else 1) if rounds is None else rounds
     if rounds < 1:
         raise ValueError(f"expected rounds >= 1, got {rounds}")
+    if prompts is not None and prompts < 2:
+        raise ValueError(f"expected prompts >= 2 or None, got {prompts}")
+    if arrivals not in ARRIVALS:
+        raise ValueError(f"expected arrivals among {ARRIVALS}, got {arrivals!r}")
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     from mstar.engine import Engine, SamplingParams
@@ -224,11 +256,17 @@ def run_mixed(
     stage("loading SmolLM2")
     model, tokenizer = load("smollm2")
     num, new_tokens, gap, batch = (12, (8, 32), 0.4, 6) if quick else (64, (16, 256), 0.3, 16)
+    num = num if prompts is None else prompts
     eos = tokenizer.eos_token_id
     config = GenerationConfig(
         do_sample=False, eos_token_id=eos, pad_token_id=eos, max_new_tokens=new_tokens[1]
     )
-    patterns = {"all at once": 0.0, f"staggered (mean gap {gap} s)": gap}
+    every = {"all at once": 0.0, f"staggered (mean gap {gap} s)": gap}
+    patterns = {
+        name: g
+        for (name, g), which in zip(every.items(), ARRIVALS[1:])
+        if arrivals in (which, "both")
+    }
     workloads = {name: mixed_jobs(tokenizer, num, new_tokens, 0, g) for name, g in patterns.items()}
     jobs = next(iter(workloads.values()))  # the same prompts and limits in every pattern
     oracle = []
@@ -244,23 +282,27 @@ def run_mixed(
     cb_config = ContinuousBatchingConfig(  # sized like the engine's pool and budget
         page_size=probe.mgr.page_size, num_blocks=pages, max_batch_tokens=probe.budget
     )
-    paths: dict[str, Callable[[list[Job]], Served]] = {
-        "Engine.generate": lambda js: serve_engine(lambda: Engine(paged, tokenizer), js),
-        f"HF generate (left-padded batches of {batch})": lambda js: serve_padded(
-            model, js, config, batch
+    Serve = Callable[[list[Job], Callable[[int], None]], Served]
+    paths: dict[str, Serve] = {
+        "Engine.generate": lambda js, f: serve_engine(lambda: Engine(paged, tokenizer), js, f),
+        f"HF generate (left-padded batches of {batch})": lambda js, f: serve_padded(
+            model, js, config, batch, f
         ),
-        "HF continuous batching": lambda js: serve_hf_batching(model, js, config, cb_config),
+        "HF continuous batching": lambda js, f: serve_hf_batching(model, js, config, cb_config, f),
     }
     warm = [Job(j.prompt, 4, 0.0) for j in jobs[:4]]
     for name, serve in paths.items():
         stage(f"{name}: warm-up")
-        serve(warm)
+        serve(warm, _quiet)
     runs: dict[str, dict[str, list[Served]]] = {p: {n: [] for n in paths} for p in workloads}
     for r in range(rounds):  # in turns, so a change of load hits every path alike
         for pattern, pattern_jobs in workloads.items():
             for name, serve in paths.items():
-                stage(f"round {r + 1} of {rounds}, {pattern}: {name}")
-                runs[pattern][name].append(serve(pattern_jobs))
+                what = f"round {r + 1} of {rounds}, {pattern}: {name}"
+                stage(what)
+                runs[pattern][name].append(
+                    serve(pattern_jobs, lambda k, w=what: stage(f"{w}, {k} of {num} done"))
+                )
     result: dict[str, Any] = {"threads": torch.get_num_threads(), "rounds": rounds}
     result["patterns"] = {pattern: _rows(by_path, oracle) for pattern, by_path in runs.items()}
     prompt_lens = [len(j.prompt) for j in jobs]

@@ -80,7 +80,7 @@ def paged_attention(
     out = q.new_empty(shape) if schedule.writes_all else q.new_zeros(shape)
     masks = schedule.masks(causal, window_left, chunk_size)
     for i, (batch, (visible, blind)) in enumerate(zip(schedule.batches, masks)):
-        k, v = _gather(kv_layer, k_pages, v_pages, batch.page_ids, schedule.scratch(i, kv_layer))
+        k, v = _gather(kv_layer, k_pages, v_pages, batch, schedule.scratch(i, kv_layer))
         if batch.span is None:
             rows_q = q[batch.tokens]
         else:
@@ -109,6 +109,7 @@ class _Batch(NamedTuple):
     tokens: torch.Tensor  # int64 [R, max_q]: each query's token in q
     span: slice | None  # the same tokens when they are a run of q in order, unpadded
     page_ids: torch.Tensor  # int64 [R, max_pages]
+    kv_rows: torch.Tensor  # int64 [2 * R * max_pages]: the pages' K rows, then V rows (_gather)
     kv_lens: np.ndarray  # int64 [R]
     query_pos: np.ndarray  # int64 [R, max_q]: each query's key slot
 
@@ -141,11 +142,13 @@ class AttentionSchedule:
             tokens = qo_indptr[rows, None] + qi
             first = int(tokens[0, 0])
             in_order = np.array_equal(tokens.ravel(), np.arange(first, first + tokens.size))
+            kv_rows = np.concatenate([2 * page_ids.ravel(), 2 * page_ids.ravel() + 1])
             self.batches.append(
                 _Batch(
                     torch.from_numpy(tokens).to(self.device),
                     slice(first, first + tokens.size) if in_order else None,
                     torch.from_numpy(page_ids).to(self.device),
+                    torch.from_numpy(kv_rows).to(self.device),
                     kv_lens[rows],
                     (kv_lens - qo_lens)[rows, None] + qi,
                 )
@@ -180,18 +183,24 @@ class AttentionSchedule:
         return self._masks[key]
 
 
+# A batch takes a row while its padded ``queries x keys`` stays within
+# PAD_RATIO x its rows' own plus PAD_SLACK: padding is gathered and attended
+# like keys, and one batch more costs a few calls, about as much as PAD_SLACK
+# pairs on SmolLM2's attention shape.
+PAD_RATIO, PAD_SLACK = 1.1, 256
+
+
 def _batch_rows(rows: np.ndarray, qo_lens: np.ndarray, kv_lens: np.ndarray) -> list:
-    """Rows in batches, most queries (then keys) first: a batch takes the
-    next row while its padded ``queries x keys`` stays within 1.5x its rows'
-    own plus 4096, so decode rows of similar lengths share one batch and are
-    never padded to a prefill chunk's queries."""
+    """Rows in batches, most queries (then keys) first, padded within
+    ``PAD_RATIO`` and ``PAD_SLACK``, so decode rows of similar lengths share
+    one batch and are never padded to a prefill chunk's queries."""
     groups: list[list[int]] = []
     actual = widest = 0
     for row in rows[np.lexsort((kv_lens[rows], qo_lens[rows]))[::-1]].tolist():
         q_len, kv_len = int(qo_lens[row]), int(kv_lens[row])
         if groups:  # the batch's first row has its most queries
             padded = (len(groups[-1]) + 1) * int(qo_lens[groups[-1][0]]) * max(kv_len, widest)
-            if padded <= 1.5 * (actual + q_len * kv_len) + 4096:
+            if padded <= PAD_RATIO * (actual + q_len * kv_len) + PAD_SLACK:
                 groups[-1].append(row)
                 actual, widest = actual + q_len * kv_len, max(widest, kv_len)
                 continue
@@ -235,24 +244,24 @@ def _gather(
     kv_layer: KVLayer,
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
-    page_ids: torch.Tensor,
+    batch: _Batch,
     scratch: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's keys and values, ``[R, L, H_kv, dim]`` each, from pages
-    ``page_ids`` ``[R, max_pages]``. A page is one row of a ``[pages,
+    """Each row's keys and values, ``[R, L, H_kv, dim]`` each, from the
+    batch's pages ``[R, max_pages]``. A page is one row of a ``[pages,
     page_size * H_kv * dim]`` view, so gathering copies rows; a contiguous
     ``[num_pages, 2, ...]`` layer is one such view of ``2 * num_pages`` rows
-    (page ``p``'s keys row ``2p``, its values ``2p + 1``), read in one call
-    into ``scratch`` (given exactly for such a layer)."""
-    num_rows = page_ids.shape[0]
+    (page ``p``'s keys row ``2p``, its values ``2p + 1``: ``batch.kv_rows``),
+    read in one call into ``scratch`` (given exactly for such a layer)."""
+    num_rows = batch.page_ids.shape[0]
     _, page_size, num_kv_heads, _ = k_pages.shape
-    width = page_ids.shape[1] * page_size
-    ids = page_ids.flatten()
+    width = batch.page_ids.shape[1] * page_size
     if scratch is not None:
         rows = kv_layer.view(2 * kv_layer.shape[0], -1)
-        torch.index_select(rows, 0, torch.cat([2 * ids, 2 * ids + 1]), out=scratch)
+        torch.index_select(rows, 0, batch.kv_rows, out=scratch)
         k, v = scratch.view(2, num_rows, width, num_kv_heads, -1)
         return k, v
+    ids = batch.page_ids.flatten()
     k = k_pages.flatten(1).index_select(0, ids).view(num_rows, width, num_kv_heads, -1)
     v = v_pages.flatten(1).index_select(0, ids).view(num_rows, width, num_kv_heads, -1)
     return k, v
@@ -268,18 +277,28 @@ def _sdpa(
 ) -> torch.Tensor:
     """``_attend`` without softcap or sinks, as one
     ``scaled_dot_product_attention`` call on strided views (its fused
-    kernel reads each KV head for its group of query heads and softmaxes in
-    float32); queries in ``blind`` (``[R, max_q]``, seeing no key) give
-    zeros, whatever the backend makes of them. Returns ``[R, max_q, H,
-    v_dim]`` in q's dtype."""
-    rows_out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=None if visible is None else visible[:, None],
-        scale=scale,
-        enable_gqa=True,
-    ).transpose(1, 2)
+    kernel softmaxes in float32); queries in ``blind`` (``[R, max_q]``,
+    seeing no key) give zeros, whatever the backend makes of them. With one
+    query per row (decode) the query heads that share a KV head are that
+    head's queries, so the kernel reads each KV head once, not once per
+    query head. Returns ``[R, max_q, H, v_dim]`` in q's dtype."""
+    num_rows, max_q, num_heads, _ = q.shape
+    num_kv_heads = k.shape[2]
+    mask = None if visible is None else visible[:, None]
+    if max_q == 1:
+        grouped = q.reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, -1)
+        rows_out = F.scaled_dot_product_attention(
+            grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
+        ).reshape(num_rows, 1, num_heads, -1)
+    else:
+        rows_out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        ).transpose(1, 2)
     if blind is not None:
         rows_out = rows_out.masked_fill(blind[..., None, None], 0.0)
     return rows_out
