@@ -50,8 +50,10 @@ class KeyTable:
         while True:  # one more pass per spilled bucket a missing key's search crosses
             k = keys[:, None] if rows is None else keys[rows, None]
             hit = np.flatnonzero(self._keys.take(b, axis=0) == k)
-            found = hit >> WIDTH_BITS
-            got[found if rows is None else rows[found]] = self._pages.take(b, axis=0).flat[hit]
+            found = hit >> WIDTH_BITS  # the hits' pages alone: a miss reads no page row
+            got[found if rows is None else rows[found]] = self._pages.flat[
+                (b[found] << WIDTH_BITS) | (hit & (self.WIDTH - 1))
+            ]
             if not self._nspilled:
                 return got
             rows = np.arange(len(keys)) if rows is None else rows
@@ -65,8 +67,9 @@ class KeyTable:
         bucket's first free slot, at once; a key whose bucket is full, or
         whose slot an earlier key of the batch takes, then one at a time."""
         b = (keys >> self._shift).astype(np.intp)
-        flat = b * self.WIDTH + (self._pages.take(b, axis=0) < 0).argmax(axis=1)
-        fits = self._pages.flat[flat] < 0
+        empty = self._empty(b)  # the rows read are the keys' (warm after a ``find``)
+        flat = b * self.WIDTH + (self._keys.take(b, axis=0) == empty[:, None]).argmax(axis=1)
+        fits = self._keys.flat[flat] == empty
         if fits.all() and distinct(flat):  # the common case: a few array operations
             self._set(flat, keys, pages)
         else:
