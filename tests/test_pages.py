@@ -347,6 +347,47 @@ def test_the_key_table_spills_and_still_finds_every_key():
     assert pool.num_registered == 0 and (table._pages < 0).all()
 
 
+
+def test_a_batch_insert_shares_buckets_and_spills_and_finds_every_key():
+    """One insert of keys two to a bucket, one bucket filled past its width and
+    one already full: each key gets its own slot and is found."""
+    pool = PagePool(64, 1)
+    table = pool.registry.table
+    shift = int(table._shift)
+    old = np.array([(9 << shift) | i for i in range(8)], dtype=np.uint64)  # bucket 9: full
+    held = pool.alloc(8)
+    pool.register(held, PageKeys(old, np.arange(8).reshape(8, 1), ""))
+    buckets = [3, 3, 7, 7] + [5] * 10 + [9] * 4 + [11]
+    keys = np.array([(b << shift) | (100 + i) for i, b in enumerate(buckets)], dtype=np.uint64)
+    pages = pool.alloc(len(keys))
+    table.insert(keys, pages)
+    assert table.size == np.count_nonzero(table._pages >= 0) == 8 + len(keys)
+    assert table.find(keys).tolist() == pages.tolist()
+    assert table.find(old).tolist() == held.tolist()
+    assert table._nspilled >= 2  # bucket 5 (ten keys) and bucket 9
+    slots = table._slot[pages]
+    assert len(set(slots.tolist())) == len(keys) and (table._pages.flat[slots] == pages).all()
+
+
+
+def test_register_next_counts_two_children_of_one_parent():
+    """Forks' chains: two next pages after one shared page, in one batch."""
+    pool = PagePool(8, 2)
+    first = pool.alloc(1)
+    keys = pool.page_keys([1, 2])
+    pool.register(first, keys)
+    pages = pool.alloc(2)
+    tokens = np.array([[3, 4], [5, 6]])
+    parent_keys = np.repeat(keys.hashes, 2)
+    pool.register_next(pages, tokens, parent_keys, np.repeat(first, 2))
+    assert pool.registry._children[first].tolist() == [2]
+    pool.check()
+    pool.release(np.concatenate((first, pages)))
+    pool.alloc(8)  # evicts all three: the parent's count must reach zero, not below
+    assert pool.num_registered == 0
+    pool.check()
+
+
 # --- the pool against a model ------------------------------------------------------------
 
 

@@ -88,6 +88,23 @@ def test_a_fork_continues_its_sources_chain():
     assert mgr.match_prefix("b", "main", [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 8
 
 
+
+def test_decode_steps_extend_a_matched_chain_and_a_forks_chain():
+    """Pages that decode steps fill (recorded in batches) hang off the right
+    parent: after a stream started on cached pages, and after a fork."""
+    cache = TokenCache(32, 2)
+    mgr = KVManager(32, 2, cache=cache, prefix_cache=True)
+    serve(mgr, cache, [("a", "main", [1, 2, 3, 4, 9])])
+    assert mgr.match_prefix("b", "main", [1, 2, 3, 4, 5]) == 4  # starts on two cached pages
+    for t in (5, 6):
+        serve(mgr, cache, [("a", "main", [9]), ("b", "main", [t])], flat=True)
+    assert mgr.match_prefix("c", "main", [1, 2, 3, 4, 5, 6, 0]) == 6
+    serve(mgr, cache, [("b", "main", [7])], flat=True, post_forks=(("main", "f"),))
+    serve(mgr, cache, [("b", "f", [8])], flat=True)
+    assert mgr.match_prefix("d", "main", [1, 2, 3, 4, 5, 6, 7, 8, 0]) == 8
+    mgr.check_invariants()
+
+
 @pytest.mark.parametrize(
     "tokens, match",
     [([1, 2], "tokens 3 integer ids"), ([1.5, 2, 3], "integer ids"), ("abc", "integer ids")],

@@ -7,6 +7,12 @@ import numpy as np
 WIDTH_BITS = 3  # buckets hold 8 keys
 
 
+def distinct(a: np.ndarray) -> bool:
+    """Whether ``a``'s values are distinct (one sort; cheaper than ``np.unique``)."""
+    s = np.sort(a)
+    return bool((s[1:] != s[:-1]).all())
+
+
 class KeyTable:
     """Key -> page of the registered pages: a bucketed hash table in numpy,
     so finding a whole prompt's keys is a few array operations.
@@ -44,8 +50,10 @@ class KeyTable:
         while True:  # one more pass per spilled bucket a missing key's search crosses
             k = keys[:, None] if rows is None else keys[rows, None]
             hit = np.flatnonzero(self._keys.take(b, axis=0) == k)
-            found = hit >> WIDTH_BITS
-            got[found if rows is None else rows[found]] = self._pages.take(b, axis=0).flat[hit]
+            found = hit >> WIDTH_BITS  # the hits' pages alone: a miss reads no page row
+            got[found if rows is None else rows[found]] = self._pages.flat[
+                (b[found] << WIDTH_BITS) | (hit & (self.WIDTH - 1))
+            ]
             if not self._nspilled:
                 return got
             rows = np.arange(len(keys)) if rows is None else rows
@@ -55,23 +63,23 @@ class KeyTable:
             rows, b = rows[more], (b[more] + 1) & self._mask
 
     def insert(self, keys: np.ndarray, pages: np.ndarray) -> None:
-        """Add ``keys`` (absent) for ``pages`` (not in the table): in rounds of
-        one key a bucket, while their buckets have room; then one at a time."""
+        """Add ``keys`` (absent) for ``pages`` (not in the table): each in its
+        bucket's first free slot, at once; a key whose bucket is full, or
+        whose slot an earlier key of the batch takes, then one at a time."""
         b = (keys >> self._shift).astype(np.intp)
-        todo = np.arange(len(b))
-        while len(todo):
-            _, first = np.unique(b[todo], return_index=True)
-            rows = todo[first]
-            free = self._pages[b[rows]] < 0
-            col = free.argmax(axis=1)
-            if not free[np.arange(len(rows)), col].all():  # a full bucket: spill, one by one
-                for i in todo.tolist():
-                    self._put(int(b[i]), keys[i], pages[i])
-                break
-            self._set(b[rows] * self.WIDTH + col, keys[rows], pages[rows])
-            rest = np.ones(len(todo), dtype=bool)
+        empty = self._empty(b)  # the rows read are the keys' (warm after a ``find``)
+        flat = b * self.WIDTH + (self._keys.take(b, axis=0) == empty[:, None]).argmax(axis=1)
+        fits = self._keys.flat[flat] == empty
+        if fits.all() and distinct(flat):  # the common case: a few array operations
+            self._set(flat, keys, pages)
+        else:
+            _, first = np.unique(flat, return_index=True)
+            first = first[fits[first]]
+            self._set(flat[first], keys[first], pages[first])
+            rest = np.ones(len(b), dtype=bool)
             rest[first] = False
-            todo = todo[rest]
+            for i in np.flatnonzero(rest).tolist():
+                self._put(int(b[i]), keys[i], pages[i])
         self.size += len(keys)
 
     def _put(self, bucket: int, key: np.uint64, page: int) -> None:

@@ -90,7 +90,7 @@ def _segment_tokens(tokens: tuple, spans: np.ndarray, keys: list[tuple[str, str]
 
 class PrefixChains:
     """Per stream slot: recording on/off, the partial page's tokens, pages
-    keyed, the last key and the namespace. Slot arrays grow with the manager's."""
+    keyed, the last key and page, and the namespace. Slot arrays grow with the manager's."""
 
     def __init__(self, pool: PagePool, page_size: int, tables: list) -> None:
         self.pool = pool
@@ -101,6 +101,7 @@ class PrefixChains:
         self.tail = np.zeros((0, 2, page_size), dtype=np.int64)
         self.keyed = np.zeros(0, dtype=np.int64)  # full pages keyed (and registered)
         self.last_key = np.zeros(0, dtype=np.uint64)  # the last keyed page's (if keyed)
+        self.last_page = np.zeros(0, dtype=np.int32)  # that page: tables[slot][keyed - 1]
         self.namespace: list[str] = []
         self.queried = self.hit = 0  # tokens asked of match_prefix, tokens served
         self.waiting = np.zeros(0, dtype=bool)  # per slot: a full page not yet registered
@@ -113,14 +114,16 @@ class PrefixChains:
         self.tail = np.concatenate((self.tail, np.zeros((n - old, 2, self.page_size), np.int64)))
         self.keyed = np.concatenate((self.keyed, np.zeros(n - old, np.int64)))
         self.last_key = np.concatenate((self.last_key, np.zeros(n - old, np.uint64)))
+        self.last_page = np.concatenate((self.last_page, np.zeros(n - old, np.int32)))
         self.waiting = np.concatenate((self.waiting, np.zeros(n - old, bool)))
         self.namespace += [""] * (n - old)
 
     def start(self, slot: int, namespace: str = "", keyed: int = 0, last: int | None = None):
-        """A new stream whose first ``keyed`` pages are cached ones."""
+        """A new stream (its page table made) whose first ``keyed`` pages are cached ones."""
         self.on[slot] = True
         self.keyed[slot] = keyed
         self.last_key[slot] = last or 0
+        self.last_page[slot] = self.tables[slot][keyed - 1] if keyed else 0
         self.namespace[slot] = namespace
 
     def copy(self, src: int, dst: int) -> None:
@@ -130,6 +133,7 @@ class PrefixChains:
         self.tail[dst] = self.tail[src]
         self.keyed[dst] = self.keyed[src]
         self.last_key[dst] = self.last_key[src]
+        self.last_page[dst] = self.last_page[src]
         self.namespace[dst] = self.namespace[src]
 
     def match(self, tokens: np.ndarray, namespace: str) -> tuple[np.ndarray, int | None]:
@@ -198,6 +202,7 @@ class PrefixChains:
         self.pool.register(table[first : first + n], keys, int(table[first - 1]) if first else -1)
         self.keyed[slot] = first + n
         self.last_key[slot] = keys.last
+        self.last_page[slot] = table[first + n - 1]
 
     def flush(self) -> None:
         """Record the decode steps kept and register the full pages waiting."""
@@ -226,14 +231,14 @@ class PrefixChains:
         for i in (keyed == 0).nonzero()[0].tolist():
             self._register(int(slots[i]), tokens[i], tables[slots[i]])
         chained = keyed > 0
-        slots, keyed, tokens = slots[chained], keyed[chained], tokens[chained]
-        if not len(slots):
-            return
-        rows = list(map(tables.__getitem__, slots.tolist()))  # C-level passes, no frames
-        n = len(rows)
-        parents = np.fromiter(map(np.ndarray.item, rows, (keyed - 1).tolist()), np.int32, n)
-        pages = np.fromiter(map(np.ndarray.item, rows, keyed.tolist()), np.int32, n)
+        if not chained.all():
+            slots, keyed, tokens = slots[chained], keyed[chained], tokens[chained]
+            if not len(slots):
+                return
+        rows = map(tables.__getitem__, slots.tolist())  # C-level passes, no frames
+        pages = np.fromiter(map(np.ndarray.item, rows, keyed.tolist()), np.int32, len(slots))
         self.last_key[slots] = self.pool.register_next(
-            pages, tokens, self.last_key[slots], parents
-        )[:]
+            pages, tokens, self.last_key[slots], self.last_page[slots]
+        )
+        self.last_page[slots] = pages
         self.keyed[slots] += 1

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from mstar.engine.resources.kv.keys import PageKeys
-from mstar.engine.resources.kv.keytable import KeyTable
+from mstar.engine.resources.kv.keytable import KeyTable, distinct
 
 _NO_PAGES = np.zeros(0, dtype=np.int32)
 
@@ -78,7 +78,7 @@ class PrefixRegistry:
         if prev is None or not len(pages):
             return
         twins = self.table.find(keys.hashes)
-        fresh = (twins < 0).all() and np.unique(keys.hashes).size == len(pages)
+        fresh = (twins < 0).all() and distinct(keys.hashes)
         if fresh and not self.registered[pages].any():
             self._link(pages, keys, np.concatenate(([prev], pages[:-1])).astype(np.int32))
             return
@@ -108,7 +108,7 @@ class PrefixRegistry:
             self.registered[parents].all()
             and not self.registered[pages].any()
             and np.maximum.reduce(self.table.find(keys.hashes)) < 0
-            and np.unique(keys.hashes).size == len(pages)
+            and distinct(keys.hashes)
         ):
             self._link(pages, keys, parents)
             return
@@ -187,7 +187,11 @@ class PrefixRegistry:
         self.key[pages] = keys.hashes
         self.registered[pages] = True
         self.parent[pages] = parents
-        np.add.at(self._children, parents[parents >= 0], 1)
+        linked = parents[parents >= 0]
+        if distinct(linked):  # a fancy add counts a repeated parent once
+            self._children[linked] += 1
+        else:  # forks' chains: several pages after one parent
+            np.add.at(self._children, linked, 1)
         if parents[0] < 0:
             self._namespace[int(pages[0])] = keys.namespace
         self.table.insert(keys.hashes, pages)
