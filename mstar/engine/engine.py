@@ -27,7 +27,7 @@ from mstar.engine.device import check_pool_fits, checked_device, flashinfer_or_n
 from mstar.engine.intake import Intake, RequestTooLarge
 from mstar.engine.prompts import NOT_A_SEQUENCE, chat_ids, prompt_list
 from mstar.engine.request import GUIDED, Completion, Request, Sample
-from mstar.engine.resources.groups import KVGroups
+from mstar.engine.resources.groups import KVGroups, group_size
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.manager import AllocationFailed, KVManager
 from mstar.engine.resources.kv.ring import PinnedIndexRing
@@ -641,10 +641,9 @@ def _kv_managers(
     leave from pinned memory, so their copies are asynchronous."""
     cuda = param.device.type == "cuda"
     if not prefix_cache and len(spec.groups) > 1 and tp is None:
-        k = min(len(layers) for _, layers in spec.groups)  # KVGroups.size
         groups = KVGroups(
             spec.groups,
-            num_pages * spec.num_layers // k,
+            num_pages * spec.num_layers // group_size(spec.groups),
             page_size,
             cache=spec.cache_kwargs(),
             dtype=param.dtype,

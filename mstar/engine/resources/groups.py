@@ -37,7 +37,7 @@ from mstar.engine.resources.kv.plan import KVPlanOutput, KVPlanOutputs, PagedInd
 from mstar.engine.resources.kv.ring import PinnedIndexRing
 from mstar.engine.resources.step import KVStep
 
-__all__ = ["GroupPlans", "KVGroups", "block_groups"]
+__all__ = ["GroupPlans", "KVGroups", "block_groups", "group_size"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,12 @@ class GroupPlans:
         return self.plans[0].get_total_len()
 
 
+def group_size(groups: Sequence[tuple[int | None, Sequence[int]]]) -> int:
+    """The layers of a KV group on one pool: the fewest of any window in
+    ``groups`` (``(window, layers)`` each, as ``KVSpec.groups``)."""
+    return min(len(layers) for _, layers in groups)
+
+
 def block_groups(
     groups: Sequence[tuple[int | None, Sequence[int]]], size: int | None = None
 ) -> tuple[tuple[int | None, tuple[int, ...]], ...]:
@@ -68,7 +74,7 @@ def block_groups(
     each window's layers in order, windows in order."""
     if len(groups) < 1:
         raise ValueError(f"expected at least one KV group, got {groups!r}")
-    size = min(len(layers) for _, layers in groups) if size is None else size
+    size = group_size(groups) if size is None else size
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"expected size an int >= 1, got {size!r}")
     return tuple(
