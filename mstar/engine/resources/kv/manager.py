@@ -384,9 +384,9 @@ class KVManager:
         with self._lock:
             new = self._check_rewind(request_id, label, n)
             slot = self._slot(request_id, label)
-            if new != self._streams.stored[slot]:
-                if self._streams.shorten(np.array([slot]), np.array([new])):
-                    self._index.forget()
+            changed = new != self._streams.stored[slot]
+            if changed and self._streams.shorten(np.array([slot]), np.array([new])):
+                self._index.forget()
 
     def check_rewind(self, request_id: str, label: str, n: int) -> int:
         """Raise as ``rewind`` would, changing nothing; else the stream's
