@@ -79,6 +79,7 @@ class Speculator:
     min_n: int = 2
     max_n: int = 4
     max_batch: int = 8
+    adaptive: bool = True  # False: always ``k`` (tests)
     proposed: int = 0
     accepted: int = 0
     _rate: dict[tuple[str, str], float] = field(default_factory=dict)  # acceptance, averaged
@@ -127,7 +128,7 @@ class Speculator:
         fewer as they are not, and none (but every 8th step) when they never are."""
         key = (request_id, label)
         rate = self._rate.get(key, 1.0)
-        if rate >= 0.4:
+        if rate >= 0.4 or not self.adaptive:
             return self.k
         if rate >= 0.15:
             return max(1, self.k // 2)
