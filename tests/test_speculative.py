@@ -310,3 +310,13 @@ def test_smollm2_greedy_with_drafts_equals_without(smollm2):
         outs.append([c.outputs[0].token_ids for c in eng.chat(chats, params)])
     assert outs[0] == outs[1]
     assert eng.stats.spec_accepted > 10
+
+
+def test_cli_flags():
+    from mstar.cli import main
+
+    demo = ["demo", "--model", "random", "--quiet", "--requests", "2", "--max-new-tokens", "8"]
+    assert main([*demo, "--speculative", "--num-speculative-tokens", "3"]) == 0
+    assert main([*demo, "--speculative", "--num-speculative-tokens", "0"]) == 2
+    with pytest.raises(SystemExit):
+        main([*demo, "--speculative", "eagle"])

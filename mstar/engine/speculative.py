@@ -80,8 +80,9 @@ class Speculator:
     max_n: int = 4
     max_batch: int = 8
     adaptive: bool = True  # False: always ``k`` (tests)
-    proposed: int = 0
-    accepted: int = 0
+    proposed: int = 0  # draft tokens verified
+    accepted: int = 0  # of them, accepted
+    rows: int = 0  # verify rows
     _rate: dict[tuple[str, str], float] = field(default_factory=dict)  # acceptance, averaged
     _idle: dict[tuple[str, str], int] = field(default_factory=dict)  # steps since drafting
     _drafted: list[Request] = field(default_factory=list)
@@ -165,6 +166,7 @@ class Speculator:
                 req.fed[label] = fed + taken
             self._kept[(req.id, label)] = 1 + taken
             self.proposed += len(draft)
+            self.rows += 1
             self.accepted += taken
             key = (req.id, label)
             self._rate[key] = 0.7 * self._rate.get(key, 1.0) + 0.3 * taken / len(draft)
