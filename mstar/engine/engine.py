@@ -445,9 +445,11 @@ class Engine:
                 req = touched[rid] = self._running[rid]
                 tokens, choose = req.feed(label, end - start)
                 ids += tokens
-                if choose:  # a verify row's logits at each of its draft's positions too
-                    at.extend(range(end - 1 - len(req.draft.get(label, ())), end))
+                if choose:
+                    at.append(end - 1)
                     chosen.append((req, label))
+                    if label in req.draft:  # a verify row: logits at its draft's positions too
+                        at[-1:] = range(end - 1 - len(req.draft[label]), end)
             logits = self._logits(ids, plan, at)
             rows = (
                 zip(chosen, logits) if self.spec is None else self.spec.verify(self, chosen, logits)
