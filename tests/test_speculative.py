@@ -276,7 +276,9 @@ def test_sampling_with_drafts_keeps_the_model_distribution():
         eng = engine(model, token_budget=1024, num_pages=1024, page_size=4, **kwargs)
         if eng.spec is not None:
             eng.spec.max_batch, eng.spec.min_n, eng.spec.adaptive = n, 1, False  # drafts always
-        params = [SamplingParams(max_new_tokens=6, temperature=1.0, seed=seed0 + i) for i in range(n)]
+        params = [
+            SamplingParams(max_new_tokens=6, temperature=1.0, seed=seed0 + i) for i in range(n)
+        ]
         done = eng.generate([prompt] * n, params)
         tokens = np.concatenate([c.outputs[0].token_ids[1:] for c in done])
         return np.bincount(tokens, minlength=12) / len(tokens), eng
