@@ -410,7 +410,7 @@ class Engine:
                 raise StepFailed(failed) from err
             raise
         self._account(step, time.perf_counter() - t_step)
-        return [self._completion(req) for req in touched]
+        return [self._completion(req) for req in touched if req.has_news()]
 
     def _compute(self, step: KVStep) -> tuple[list[Request], list[tuple[Request, torch.Tensor]]]:
         """Plan, forward and sample ``step``: the requests it touched, and the

@@ -56,12 +56,14 @@ class Sample:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     shown: int = 0
+    handed: int = 0  # tokens handed out
 
     def output(self) -> CompletionOutput:
         """Its record now; what it carries as ``delta`` counts as handed out."""
         text = None if self.text is None else self.text.text
         delta = "" if text is None else text[self.shown :]
         self.shown += len(delta)
+        self.handed = len(self.token_ids)
         return CompletionOutput(self.index, list(self.token_ids), text, self.finish_reason, delta)
 
 
@@ -99,6 +101,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples)
+
+    def has_news(self) -> bool:
+        """True when a sample got tokens since the request was last handed out."""
+        return any(len(s.token_ids) > s.handed for s in self.samples)
 
     def holds_kv(self) -> bool:
         return any(self.fed.values())

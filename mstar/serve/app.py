@@ -198,9 +198,10 @@ class Front:
 
     async def tracked(self, stream: RequestStream) -> AsyncIterator[Completion]:
         """``stream``'s completions, counted in the metrics."""
-        generated = 0
+        generated, counted = 0, False
         async for c in stream:
-            if generated == 0 and stream.first_output is not None:
+            if not counted and stream.first_output is not None:  # once, at the first token
+                counted = True
                 self.metrics.ttft.observe(stream.first_output - stream.created)
                 self.metrics.prompt_tokens.inc(len(c.prompt_token_ids))
             now = sum(len(o.token_ids) for o in c.outputs)
