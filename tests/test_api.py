@@ -333,7 +333,7 @@ def test_text_stream_of_any_tokens_equals_the_decode(tok, ids):
     for token in ids:
         stream.add(token)
     stream.close()
-    assert stream.text == tok.decode(ids, skip_special_tokens=True)
+    assert stream.text == tok.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
@@ -369,6 +369,16 @@ def test_a_streamed_emoji_is_never_split(tiny, text_model, tok, monkeypatch):
     eng = text_engine(text_model, tok)
     deltas = [c.outputs[0].delta for c in eng.stream([1, 2], SamplingParams(max_new_tokens=9))]
     assert deltas == ["", "", "🌊"] * 3
+
+
+def test_a_cut_inside_a_character_leaves_it_out(text_model, tok, monkeypatch):
+    """max_new_tokens=4 of three 3-token waves: one wave, no U+FFFD."""
+    script = iter(tok.encode("🌊🌊🌊"))
+    monkeypatch.setattr("mstar.engine.engine.sample_token", lambda *args: next(script))
+    eng = text_engine(text_model, tok)
+    outs = [c.outputs[0] for c in eng.stream([1, 2], SamplingParams(max_new_tokens=4))]
+    assert [o.delta for o in outs] == ["", "", "🌊", ""]
+    assert outs[-1].text == "🌊" and outs[-1].finish_reason == "length"
 
 
 def test_step_hands_out_each_delta_once(text_model, tok):

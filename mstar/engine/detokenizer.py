@@ -14,6 +14,7 @@ from typing import Any
 from tokenizers.decoders import DecodeStream
 
 SKIP_SPECIAL_TOKENS = True  # as vLLM and the OpenAI API: no <|im_end|> in the text
+UNFINISHED = "\ufffd"  # what a decode shows for the bytes of a split character
 
 
 class TextStream:
@@ -44,13 +45,15 @@ class TextStream:
         return self._extend(piece)
 
     def close(self) -> bool:
-        """The sample ended: flush a split character (as the tokenizer's own
-        decode shows it) and the held text. True when that reached a stop string."""
+        """The sample ended: flush what the tokens still pending complete, an
+        unfinished character left out (as incremental detokenizers do: no
+        trailing U+FFFD), and the held text. True when that reached a stop string."""
         stopped = self.stopped
         if self._pending and not stopped:
             base = self._decode(self._context)
             full = self._decode(self._context + self._pending)
-            stopped = self._extend(full[len(base) :] if full.startswith(base) else full)
+            piece = full[len(base) :] if full.startswith(base) else full
+            stopped = self._extend(piece.rstrip(UNFINISHED))
             self._pending = []
         if not stopped:
             self.text += self._held
