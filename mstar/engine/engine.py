@@ -251,7 +251,9 @@ class Engine:
                 "expected a conversation (a list of messages) or a list of them,"
                 f" got {type(conversations).__name__}"
             )
-        one = bool(conversations) and isinstance(conversations[0], Mapping)
+        if not conversations:
+            raise ValueError("expected at least one message, got []")
+        one = isinstance(conversations[0], Mapping)
         batch = [conversations] if one else conversations
         return self.generate([self.encode_chat(c) for c in batch], params)
 
@@ -453,9 +455,9 @@ class Engine:
         preempted: set[str] = set()
         try:
             while self._running:
-                step = schedule(self._running.values(), self.budget)
+                step = schedule(self._running.values(), self.budget, self.intake.max_chunk)
                 while self._reuse_prefixes(step.segments, preempted):  # less to compute:
-                    step = schedule(self._running.values(), self.budget)  # room for more
+                    step = schedule(self._running.values(), self.budget, self.intake.max_chunk)
                 assert step.segments, "every running request has a token to feed"
                 owner = self._running[step.segments[0].request_id]
                 try:

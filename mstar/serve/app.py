@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -37,6 +38,7 @@ from mstar.serve.protocol import (
 from mstar.serve.responses import DONE, Call, event, events
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
 METRICS_WAIT_S = 1.0
 
@@ -192,22 +194,38 @@ class Front:
                 code="overloaded", headers={"Retry-After": str(self.retry_after)},
             ) from err  # fmt: skip
         except RequestTooLarge as err:
-            raise APIError(400, str(err), param="max_tokens", code="request_too_large") from err
+            named = param_named(str(err), param)  # the prompt, when it alone is too large
+            raise APIError(400, str(err), param=named, code="request_too_large") from err
         except (TypeError, ValueError) as err:
             raise APIError(400, str(err), param=param_named(str(err), param)) from err
 
     async def tracked(self, stream: RequestStream) -> AsyncIterator[Completion]:
-        """``stream``'s completions, counted in the metrics."""
-        generated, counted = 0, False
-        async for c in stream:
-            if not counted and stream.first_output is not None:  # once, at the first token
-                counted = True
-                self.metrics.ttft.observe(stream.first_output - stream.created)
-                self.metrics.prompt_tokens.inc(len(c.prompt_token_ids))
-            now = sum(len(o.token_ids) for o in c.outputs)
-            self.metrics.generation_tokens.inc(now - generated)
-            generated = now
-            yield c
+        """``stream``'s completions, counted in the metrics; one log line
+        when it ends (finished, failed or aborted)."""
+        generated, prompt, outcome = 0, 0, "aborted"
+        try:
+            async for c in stream:
+                if not prompt and stream.first_output is not None:  # once, at the first token
+                    prompt = len(c.prompt_token_ids)
+                    self.metrics.ttft.observe(stream.first_output - stream.created)
+                    self.metrics.prompt_tokens.inc(prompt)
+                now = sum(len(o.token_ids) for o in c.outputs)
+                self.metrics.generation_tokens.inc(now - generated)
+                generated = now
+                if c.finished:
+                    outcome = "finished " + ",".join(str(o.finish_reason) for o in c.outputs)
+                yield c
+        except RequestFailed:
+            outcome = "failed"
+            raise
+        finally:
+            first = stream.first_output
+            log.info(
+                "%s: %s; %d prompt + %d generated tokens; first token %s; %.3f s",
+                stream.request_id, outcome, prompt, generated,
+                "none" if first is None else f"{first - stream.created:.3f} s",
+                time.monotonic() - stream.created,
+            )  # fmt: skip
 
     async def collect(self, stream: RequestStream) -> Completion:
         last = None

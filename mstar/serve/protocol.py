@@ -126,7 +126,7 @@ def sampling_params(body: _Sampling, max_tokens: int) -> SamplingParams:
             seed=body.seed,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
-            stop=body.stop or (),
+            stop=() if body.stop is None else body.stop,  # "" refused as in Python
         )
     except (TypeError, ValueError) as err:
         raise ParamError(str(err), param_named(str(err), None)) from err
