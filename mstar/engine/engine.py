@@ -25,6 +25,8 @@ import torch
 
 from mstar.engine.device import check_pool_fits, checked_device, flashinfer_or_none, pool_pages
 from mstar.engine.intake import Intake, RequestTooLarge
+from mstar.engine.logprobs import TokenNames, record_prompt_logprobs, sampled_logprobs
+from mstar.engine.penalties import penalize, row_state
 from mstar.engine.prompts import NOT_A_SEQUENCE, chat_ids, prompt_list
 from mstar.engine.request import GUIDED, Completion, Request, Sample
 from mstar.engine.resources.groups import KVGroups, group_size
@@ -175,6 +177,7 @@ class Engine:
             token_budget,
         )
         self.stats = EngineStats()
+        self._names = None if tokenizer is None else TokenNames(tokenizer)  # logprobs' text
         self._running: dict[str, Request] = {}  # unfinished, oldest first
         self._ids = itertools.count()
 
@@ -427,15 +430,23 @@ class Engine:
             ids: list[int] = []
             at: list[int] = []
             chosen: list[tuple[Request, str]] = []
+            prompt_rows: list[tuple[Request, int]] = []  # logits at prompt positions
+            at_prompt: list[int] = []
             starts = plan.cpu_indptrs.qo_indptr.tolist()
             for (rid, label), start, end in zip(plan.rows, starts, starts[1:]):
                 req = touched[rid] = self._running[rid]
+                fed = req.fed[label]
+                for p in req.prompt_positions(label, fed, end - start):
+                    prompt_rows.append((req, p))
+                    at_prompt.append(start + p - fed)
                 tokens, choose = req.feed(label, end - start)
                 ids += tokens
                 if choose:
                     at.append(end - 1)
                     chosen.append((req, label))
-            logits = self._logits(ids, plan, at)
+            logits = self._logits(ids, plan, at_prompt + at)
+            record_prompt_logprobs(logits[: len(at_prompt)], prompt_rows, self._names)
+            logits = penalize(logits[len(at_prompt) :], [row_state(r, lb) for r, lb in chosen])
             for (req, label), row in zip(chosen, logits):
                 if label == "main" and not req.forked:
                     forks.append((req, row))  # forked after the commit
@@ -509,8 +520,8 @@ class Engine:
         matched = False
         for rid, label, _, _ in segments:
             req = self._running[rid]
-            if req.fed[label] or rid in skip:
-                continue
+            if req.fed[label] or rid in skip or req.prompt_logprobs is not None:
+                continue  # (prompt logprobs need every prompt position computed)
             if label in self.mgr.labels(rid):  # matched nothing before: match anew
                 self.mgr.release(rid, label)
             req.fed[label] = self.mgr.match_prefix(rid, label, req.streams[label])
@@ -534,7 +545,14 @@ class Engine:
             cond, uncond = req.pending.pop("cond"), req.pending.pop("uncond")
             logits = uncond + req.guidance_scale * (cond - uncond)
         sample = req.by_label[label]
-        self._emit(req, sample, sample_token(logits, req.params, sample.generator))
+        self._emit(req, sample, self._choose(req, sample, logits))
+
+    def _choose(self, req: Request, sample: Sample, logits: torch.Tensor) -> int:
+        """``sample``'s next token from ``logits``, its logprobs recorded when asked."""
+        token = sample_token(logits, req.params, sample.generator)
+        if sample.logprobs is not None:
+            sample.logprobs.append(sampled_logprobs(logits, req.params, token, self._names))
+        return token
 
     def _emit(self, req: Request, sample: Sample, token: int) -> None:
         """Append ``token`` to ``sample`` and its text; feed it next, unless it
@@ -584,7 +602,7 @@ class Engine:
             label = sample.labels[0]
             req.streams[label], req.fed[label] = req.prompt + sample.token_ids, len(req.prompt)
             if not sample.token_ids:
-                self._emit(req, sample, sample_token(logits, req.params, sample.generator))
+                self._emit(req, sample, self._choose(req, sample, logits))
         self._release_unused(req)
 
     def _release_unused(self, req: Request) -> None:
@@ -610,7 +628,9 @@ class Engine:
     # --- records -------------------------------------------------------------------------
 
     def _completion(self, req: Request) -> Completion:
-        return Completion(req.id, list(req.prompt), [s.output() for s in req.samples])
+        outputs = [s.output() for s in req.samples]
+        prompt_lp = None if req.prompt_logprobs is None else list(req.prompt_logprobs)
+        return Completion(req.id, list(req.prompt), outputs, prompt_lp)
 
     def _account(self, step: KVStep, seconds: float) -> None:
         s = self.stats

@@ -79,12 +79,23 @@ class Intake:
             raise ValueError(
                 f"request {rid!r}: expected no stop strings without a tokenizer, got {params.stop!r}"
             )
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"request {rid!r}: expected logit_bias ids in [0, {self.vocab_size}), got {bad[0]}"
+            )
         ids = token_ids(rid, prompt, self.tokenizer, self.vocab_size)
         uncond = None
         if uncond_prompt is not None:
             uncond = token_ids(rid, uncond_prompt, self.tokenizer, self.vocab_size)
             if params.n != 1:
                 raise ValueError(f"request {rid!r}: expected n == 1 when guided, got n={params.n}")
+            extras = params.penalized or params.logprobs is not None
+            if extras or params.prompt_logprobs is not None:
+                raise ValueError(
+                    f"request {rid!r}: expected no logprobs, biases or penalties"
+                    " when guided (not supported together)"
+                )
         self._check_fits(rid, ids, uncond, params)
         samples = [
             Sample(
