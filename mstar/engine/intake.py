@@ -128,7 +128,7 @@ class Intake:
                 f" exceeds the model's max_position_embeddings {self.max_len}"
             )
         uncond_len = None if uncond is None else len(uncond)
-        alone = self.peak_pages(len(ids), replace(params, max_new_tokens=1), uncond_len)
+        alone = self.peak_pages(len(ids), replace(params, max_new_tokens=1, n=1), uncond_len)
         if alone > self.num_pages:
             raise RequestTooLarge(
                 f"request {rid!r}: the prompt alone ({len(ids)} tokens) needs {alone} KV pages"

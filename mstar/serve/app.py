@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from mstar.engine import Completion, Engine, RequestTooLarge, SamplingParams
 from mstar.engine.async_engine import AsyncEngine, Overloaded, RequestFailed, RequestStream
+from mstar.engine.logprobs import TokenNames
 from mstar.serve import errors
 from mstar.serve.errors import APIError
 from mstar.serve.metrics import ServerMetrics
@@ -89,8 +90,12 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         front.check(body)
         max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        params = sampling_params(body, max_tokens)
+        nothing = body.echo and max_tokens == 0  # the prompt (and its logprobs) alone
+        params = sampling_params(body, 1 if nothing else max_tokens)
         call = front.call("text_completion", "cmpl", body)
+        call.nothing = nothing
+        if body.echo:
+            call.echo = front.prompt_text(body.prompt)
         return await front.respond(
             request, call, body.prompt, params, param="prompt", streamed=body.stream
         )
@@ -125,6 +130,8 @@ class Front:
         self.aengine, self.metrics, self.model_name = aengine, metrics, model_name
         self.retry_after = retry_after
         self.context = aengine.engine.max_len or 1 << 62  # tokens a request may span
+        tokenizer = aengine.engine.tokenizer
+        self.names = None if tokenizer is None else TokenNames(tokenizer)
 
     def check(self, body: Any) -> None:
         if body.model is not None and body.model != self.model_name:
@@ -162,7 +169,15 @@ class Front:
             self.model_name,
             include_usage=body.include_usage,
             return_token_ids=body.return_token_ids,
+            names=self.names,
         )
+
+    def prompt_text(self, prompt: str | list[int]) -> str:
+        """A prompt's text to echo: itself, or its ids decoded ("" without a tokenizer)."""
+        tokenizer = self.aengine.engine.tokenizer
+        if isinstance(prompt, str) or tokenizer is None:
+            return prompt if isinstance(prompt, str) else ""
+        return tokenizer.decode(prompt)
 
     async def respond(
         self,

@@ -17,15 +17,7 @@ from mstar.engine import SamplingParams
 
 # fields with no effect at these values; any other value is refused
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "min_p": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
@@ -41,6 +33,13 @@ PARAM_FIELDS = {
     "stop_token_ids": "stop_token_ids",
     "ignore_eos": "ignore_eos",
     "stop": "stop",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "min_p": "min_p",
+    "logit_bias": "logit_bias",
+    "prompt_logprobs": "logprobs",
+    "logprobs": "logprobs",
 }
 _FIELD_NAMES = re.compile(r"\b(" + "|".join(sorted(PARAM_FIELDS, key=len, reverse=True)) + r")\b")
 Number = StrictFloat | StrictInt
@@ -77,6 +76,15 @@ class _Sampling(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     return_token_ids: StrictBool = False
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
+    repetition_penalty: Number = 1.0
+    min_p: Number = 0.0
+    logit_bias: dict[StrictStr, Number] | None = None
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """``(logprobs, prompt_logprobs)`` of ``SamplingParams`` this body asks for."""
+        return None, None
 
     def check_supported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -89,7 +97,16 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
+    """The legacy completions body: ``logprobs=k`` (the ``k`` most likely
+    per token) and ``echo`` (the prompt first; its tokens' logprobs too with
+    ``logprobs``; ``max_tokens=0`` then generates nothing)."""
+
     prompt: StrictStr | list[StrictInt]
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
 
 
 class TextPart(BaseModel):
@@ -109,15 +126,34 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
+    """The chat body: ``logprobs`` (a bool) and ``top_logprobs`` (how many
+    alternatives, with ``logprobs`` only)."""
+
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ParamError("top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
 
 def sampling_params(body: _Sampling, max_tokens: int) -> SamplingParams:
     """``SamplingParams`` from ``body`` (``max_tokens`` when it sets none);
     ``ParamError`` naming the request field when they refuse a value."""
+    logprobs, prompt_logprobs = body.logprob_counts()
     try:
+        bias = {_token_id(k): v for k, v in (body.logit_bias or {}).items()}
         return SamplingParams(
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            min_p=body.min_p,
+            logit_bias=bias,
             max_new_tokens=max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
@@ -130,6 +166,13 @@ def sampling_params(body: _Sampling, max_tokens: int) -> SamplingParams:
         )
     except (TypeError, ValueError) as err:
         raise ParamError(str(err), param_named(str(err), None)) from err
+
+
+def _token_id(key: str) -> int:
+    """A ``logit_bias`` key: a token id written as a JSON object key."""
+    if not key.lstrip("-").isdigit():
+        raise ValueError(f"expected logit_bias keys token ids, got {key!r}")
+    return int(key)
 
 
 def param_named(message: str, default: str | None) -> str | None:
