@@ -25,8 +25,7 @@ import torch
 
 from mstar.engine.device import check_pool_fits, checked_device, flashinfer_or_none, pool_pages
 from mstar.engine.intake import Intake, RequestTooLarge
-from mstar.engine.logprobs import TokenNames, record_prompt_logprobs, sampled_logprobs
-from mstar.engine.penalties import penalize, row_state
+from mstar.engine.logits import LogitsPipeline
 from mstar.engine.prompts import NOT_A_SEQUENCE, chat_ids, prompt_list
 from mstar.engine.request import GUIDED, Completion, Request, Sample
 from mstar.engine.resources.groups import KVGroups, group_size
@@ -165,6 +164,7 @@ class Engine:
         windows = self.mgr.windows if isinstance(self.mgr, KVGroups) else (self.mgr.window,)
         self.prefix_cache = prefix_cache
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.pipeline = LogitsPipeline(tokenizer, model.config.vocab_size, self.eos_token_ids)
         self.max_len = getattr(model.config, "max_position_embeddings", None)
         self.intake = Intake(
             tokenizer,
@@ -175,9 +175,9 @@ class Engine:
             self.device,
             windows,  # what admission counts
             token_budget,
+            grammars=self.pipeline.grammars,
         )
         self.stats = EngineStats()
-        self._names = None if tokenizer is None else TokenNames(tokenizer)  # logprobs' text
         self._running: dict[str, Request] = {}  # unfinished, oldest first
         self._ids = itertools.count()
 
@@ -445,8 +445,8 @@ class Engine:
                     at.append(end - 1)
                     chosen.append((req, label))
             logits = self._logits(ids, plan, at_prompt + at)
-            record_prompt_logprobs(logits[: len(at_prompt)], prompt_rows, self._names)
-            logits = penalize(logits[len(at_prompt) :], [row_state(r, lb) for r, lb in chosen])
+            self.pipeline.prompt(logits[: len(at_prompt)], prompt_rows)
+            logits = self.pipeline.rows(logits[len(at_prompt) :], chosen)
             for (req, label), row in zip(chosen, logits):
                 if label == "main" and not req.forked:
                     forks.append((req, row))  # forked after the commit
@@ -548,10 +548,8 @@ class Engine:
         self._emit(req, sample, self._choose(req, sample, logits))
 
     def _choose(self, req: Request, sample: Sample, logits: torch.Tensor) -> int:
-        """``sample``'s next token from ``logits``, its logprobs recorded when asked."""
         token = sample_token(logits, req.params, sample.generator)
-        if sample.logprobs is not None:
-            sample.logprobs.append(sampled_logprobs(logits, req.params, token, self._names))
+        self.pipeline.chose(req, sample, logits, token)
         return token
 
     def _emit(self, req: Request, sample: Sample, token: int) -> None:

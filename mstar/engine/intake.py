@@ -14,6 +14,7 @@ from mstar.engine.detokenizer import TextStream
 from mstar.engine.prompts import token_ids
 from mstar.engine.request import GUIDED, Request, Sample
 from mstar.engine.sampling import SamplingParams, make_generator
+from mstar.engine.structured import Grammars
 
 
 class RequestTooLarge(ValueError):
@@ -39,6 +40,7 @@ class Intake:
     device: torch.device
     windows: tuple[int | None, ...] = (None,)
     budget: int | None = None
+    grammars: Grammars | None = None  # structured outputs (None: no tokenizer)
 
     @property
     def max_chunk(self) -> int | None:
@@ -90,10 +92,11 @@ class Intake:
             uncond = token_ids(rid, uncond_prompt, self.tokenizer, self.vocab_size)
             if params.n != 1:
                 raise ValueError(f"request {rid!r}: expected n == 1 when guided, got n={params.n}")
-            extras = params.penalized or params.logprobs is not None
+            extras = params.penalized or params.logprobs is not None or params.structured_outputs
             if extras or params.prompt_logprobs is not None:
                 raise ValueError(
-                    f"request {rid!r}: expected no logprobs, biases or penalties"
+                    f"request {rid!r}: expected no logprobs, biases, penalties or"
+                    " structured_outputs"
                     " when guided (not supported together)"
                 )
         self._check_fits(rid, ids, uncond, params)
@@ -106,6 +109,14 @@ class Intake:
             )
             for i in range(params.n)
         ]
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError(f"request {rid!r}: expected a tokenizer for structured_outputs")
+            try:
+                for s in samples:
+                    s.matcher = self.grammars.matcher(params.structured_outputs)
+            except ValueError as err:
+                raise ValueError(f"request {rid!r}: {err}") from None
         req = Request(rid, ids, params, samples, uncond=uncond, guidance_scale=guidance_scale)
         req.restart()
         return req

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -64,6 +64,7 @@ class Sample:
     shown: int = 0
     handed: int = 0  # tokens handed out
     logprobs: list[TokenLogprobs] | None = None
+    matcher: Any = None  # the grammar's matcher with structured outputs
 
     def output(self) -> CompletionOutput:
         """Its record now; what it carries as ``delta`` counts as handed out."""

@@ -9,6 +9,8 @@ from numbers import Integral, Real
 
 import torch
 
+from mstar.engine.structured import StructuredOutputs
+
 SEED_LIMIT = 2**63  # seed + sample index must fit a generator's 64-bit seed
 MAX_LOGPROBS = 20  # as the OpenAI API's top_logprobs
 LOGPROBS = f"None or in [0, {MAX_LOGPROBS}]"
@@ -41,6 +43,8 @@ class SamplingParams:
     (after temperature). ``logprobs=k`` records each sampled token's
     log-probability and the ``k`` most likely (``mstar.engine.logprobs``),
     ``prompt_logprobs=k`` those of every prompt token but the first.
+    ``structured_outputs`` constrains each sample's text to a JSON schema, a
+    regex, a choice or a grammar (``mstar.engine.structured``; needs a tokenizer).
     """
 
     max_new_tokens: int = 16
@@ -59,6 +63,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "top_k", "n"):
@@ -68,6 +73,13 @@ class SamplingParams:
             if value is not None:
                 object.__setattr__(self, name, _int(name, value))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputs):
+            raise TypeError(f"expected structured_outputs a StructuredOutputs, got {so!r:.60}")
+        if so is not None and self.ignore_eos:
+            raise ValueError(
+                "expected ignore_eos False with structured_outputs (a match ends at EOS)"
+            )
         reals = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
         for name in (*reals, "repetition_penalty", "min_p"):
             value = getattr(self, name)

@@ -26,7 +26,6 @@ from starlette.types import Receive, Scope, Send
 
 from mstar.engine import Completion, Engine, RequestTooLarge, SamplingParams
 from mstar.engine.async_engine import AsyncEngine, Overloaded, RequestFailed, RequestStream
-from mstar.engine.logprobs import TokenNames
 from mstar.serve import errors
 from mstar.serve.errors import APIError
 from mstar.serve.metrics import ServerMetrics
@@ -130,8 +129,7 @@ class Front:
         self.aengine, self.metrics, self.model_name = aengine, metrics, model_name
         self.retry_after = retry_after
         self.context = aengine.engine.max_len or 1 << 62  # tokens a request may span
-        tokenizer = aengine.engine.tokenizer
-        self.names = None if tokenizer is None else TokenNames(tokenizer)
+        self.names = aengine.engine.pipeline.names
 
     def check(self, body: Any) -> None:
         if body.model is not None and body.model != self.model_name:

@@ -14,13 +14,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from mstar.engine import SamplingParams
+from mstar.engine.structured import StructuredOutputs
 
 # fields with no effect at these values; any other value is refused
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
 # SamplingParams field -> the request field it comes from
 PARAM_FIELDS = {
@@ -40,6 +40,7 @@ PARAM_FIELDS = {
     "logit_bias": "logit_bias",
     "prompt_logprobs": "logprobs",
     "logprobs": "logprobs",
+    "structured_outputs": "response_format",
 }
 _FIELD_NAMES = re.compile(r"\b(" + "|".join(sorted(PARAM_FIELDS, key=len, reverse=True)) + r")\b")
 Number = StrictFloat | StrictInt
@@ -81,6 +82,39 @@ class _Sampling(BaseModel):
     repetition_penalty: Number = 1.0
     min_p: Number = 0.0
     logit_bias: dict[StrictStr, Number] | None = None
+    response_format: dict[StrictStr, Any] | None = None
+    structured_outputs: dict[StrictStr, Any] | None = None  # vLLM's
+
+    def structured(self) -> StructuredOutputs | None:
+        """What the output must match: OpenAI's ``response_format`` (``text``,
+        ``json_object``, ``json_schema``) or vLLM's ``structured_outputs``
+        (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``)."""
+        fmt, vllm = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.get("type") != "text" and vllm is not None:
+            raise ParamError(
+                "expected response_format or structured_outputs, got both", "response_format"
+            )
+        if vllm is not None:
+            try:
+                return StructuredOutputs(**vllm)
+            except (TypeError, ValueError) as err:
+                raise ParamError(f"structured_outputs: {err}", "structured_outputs") from None
+        if fmt is None or fmt.get("type") == "text":
+            return None
+        if fmt.get("type") == "json_object":
+            return StructuredOutputs(json_object=True)
+        schema = (
+            (fmt.get("json_schema") or {}).get("schema")
+            if fmt.get("type") == "json_schema"
+            else None
+        )
+        if not isinstance(schema, dict):
+            raise ParamError(
+                "expected response_format {'type': 'text' | 'json_object'} or {'type':"
+                f" 'json_schema', 'json_schema': {{'name': ..., 'schema': {{...}}}}}}, got {fmt!r:.80}",
+                "response_format",
+            )
+        return StructuredOutputs(json=schema)
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """``(logprobs, prompt_logprobs)`` of ``SamplingParams`` this body asks for."""
@@ -144,6 +178,7 @@ def sampling_params(body: _Sampling, max_tokens: int) -> SamplingParams:
     """``SamplingParams`` from ``body`` (``max_tokens`` when it sets none);
     ``ParamError`` naming the request field when they refuse a value."""
     logprobs, prompt_logprobs = body.logprob_counts()
+    structured = body.structured()
     try:
         bias = {_token_id(k): v for k, v in (body.logit_bias or {}).items()}
         return SamplingParams(
@@ -154,6 +189,7 @@ def sampling_params(body: _Sampling, max_tokens: int) -> SamplingParams:
             repetition_penalty=body.repetition_penalty,
             min_p=body.min_p,
             logit_bias=bias,
+            structured_outputs=structured,
             max_new_tokens=max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
