@@ -185,3 +185,24 @@ def test_bad_structured_requests_get_400_naming_the_problem(server, body, param,
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and message in error["message"]
+
+
+def test_bench_serve_measures_structured_output_beside_plain(server):
+    import asyncio
+
+    from mstar.bench.serve import (
+        BURST,
+        JSON_SCHEMA_BODY,
+        STRUCTURED,
+        format_serve,
+        run_load,
+        summarize,
+    )
+
+    samples, seconds = asyncio.run(
+        run_load(server.url, "smollm2", 2, BURST, 8, lambda: None, JSON_SCHEMA_BODY)
+    )
+    assert all(s.error is None and s.tokens > 0 for s in samples)
+    rows = [summarize(STRUCTURED, BURST, samples, seconds)]
+    result = {"requests": 2, "max_tokens": 8, "threads": 2, "rows": rows, "peak_rss_bytes": {}}
+    assert STRUCTURED in format_serve(result)
