@@ -206,3 +206,23 @@ def test_bench_serve_measures_structured_output_beside_plain(server):
     rows = [summarize(STRUCTURED, BURST, samples, seconds)]
     result = {"requests": 2, "max_tokens": 8, "threads": 2, "rows": rows, "peak_rss_bytes": {}}
     assert STRUCTURED in format_serve(result)
+
+
+def test_a_preempted_constrained_request_keeps_its_matcher(smollm2):
+    """A pool too small for three: requests are preempted and recomputed,
+    their matchers untouched (accepted tokens are not chosen again)."""
+    import re
+
+    tokenizer = smollm2[1]
+    model = build_model(0, vocab_size=len(tokenizer))[1]
+    engine = Engine(model, tokenizer, num_pages=12, page_size=8, token_budget=16)
+    params = SamplingParams(
+        max_new_tokens=40,
+        temperature=1.0,
+        seed=2,
+        structured_outputs=StructuredOutputs(regex="[0-9]{12}-[a-z]{4}"),
+    )
+    done = engine.generate([[5 + i] * 20 for i in range(3)], params)
+    assert engine.stats.preemptions > 0
+    for c in done:
+        assert re.fullmatch("[0-9]{12}-[a-z]{4}", c.outputs[0].text), c.outputs[0].text
