@@ -227,7 +227,8 @@ BAD = [
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": [1.5]}, 400, "prompt"),
     ({}, 400, "prompt"),
-    ({"prompt": PROMPTS[0], "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": PROMPTS[0], "suffix": "x"}, 400, "suffix"),
+    ({"prompt": PROMPTS[0], "logprobs": 21}, 400, "logprobs"),
     ({"prompt": PROMPTS[0], "max_tokens": 600}, 400, "max_tokens"),
 ]
 
