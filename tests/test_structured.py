@@ -226,3 +226,19 @@ def test_a_preempted_constrained_request_keeps_its_matcher(smollm2):
     assert engine.stats.preemptions > 0
     for c in done:
         assert re.fullmatch("[0-9]{12}-[a-z]{4}", c.outputs[0].text), c.outputs[0].text
+
+
+def test_logprobs_under_a_grammar_leave_out_masked_tokens(server):
+    """Top logprobs past what the grammar allows would be -inf (not JSON)."""
+    body = {
+        "messages": ASK,
+        "max_tokens": 4,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 20,
+    }
+    body["structured_outputs"] = {"choice": ["yes", "no"]}
+    r = httpx.post(f"{server.url}/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert content and all(1 <= len(e["top_logprobs"]) < 20 for e in content)

@@ -8,6 +8,7 @@ token's come from the model's own logits at the position before it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -94,7 +95,8 @@ def position_logprobs(
     scores: torch.Tensor, tokens: Sequence[int], ks: Sequence[int], names: TokenNames | None
 ) -> list[TokenLogprobs]:
     """The record of ``tokens[i]`` at row ``i`` of ``scores`` ``[R, vocab]``
-    (log-softmax in float32) with the ``ks[i]`` most likely tokens of its row."""
+    (log-softmax in float32) with the ``ks[i]`` most likely tokens of its row
+    (fewer when fewer are possible: masked tokens, at -inf, are left out)."""
     lp = torch.log_softmax(scores.float(), dim=-1)
     ids = torch.as_tensor(list(tokens), dtype=torch.int64, device=lp.device)
     chosen = lp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
@@ -107,11 +109,15 @@ def position_logprobs(
         return Logprob(token_id, value, None if names is None else names.text(token_id))
 
     return [
-        TokenLogprobs(record(t, c), tuple(record(i, v) for i, v in zip(ti[:kr], tv[:kr])))
+        TokenLogprobs(
+            record(t, c),
+            tuple(record(i, v) for i, v in zip(ti[:kr], tv[:kr]) if v != float("-inf")),
+        )
         for t, c, ti, tv, kr in zip(tokens, chosen, top_ids, top_lps, ks)
     ]
 
 
+@functools.cache
 def _byte_level_alphabet() -> dict[str, int]:
     """Byte-level BPE's printable stand-in for each byte, mapped back to the byte:
     printable Latin-1 bytes stand for themselves, the others for 256 + i in order."""
