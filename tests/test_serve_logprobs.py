@@ -142,3 +142,25 @@ def test_bad_logprobs_and_penalty_fields_get_400_naming_them(server, path, body,
     r = httpx.post(f"{server.url}/{path}", json={"max_tokens": 2, **body}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_several_prompts_in_one_call_as_lm_eval_sends_them(api, server, tok):
+    """lm-eval's local-completions: a list of token-id prompts, echo +
+    logprobs + max_tokens 0; each choice equals that prompt's own call."""
+    prompts = [tok.encode("The sky is blue"), tok.encode("Two plus two is four")]
+    body = {"model": "m", "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+    got = api.completions.create(prompt=prompts, **body)
+    assert [c.index for c in got.choices] == [0, 1]
+    for prompt, choice in zip(prompts, got.choices):
+        alone = api.completions.create(prompt=prompt, **body).choices[0]
+        assert choice.text == alone.text == tok.decode(prompt)
+        assert choice.logprobs.token_logprobs == alone.logprobs.token_logprobs
+    assert got.usage.prompt_tokens == sum(map(len, prompts)) and got.usage.completion_tokens == 0
+    texts = api.completions.create(
+        model="m", prompt=["Hello", "Bye"], max_tokens=2, n=2, temperature=0
+    )
+    assert [c.index for c in texts.choices] == [0, 1, 2, 3]
+    r = httpx.post(
+        f"{server.url}/completions", json={"prompt": ["a", "b"], "stream": True}, timeout=30
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import anyio
@@ -35,7 +36,7 @@ from mstar.serve.protocol import (
     param_named,
     sampling_params,
 )
-from mstar.serve.responses import DONE, Call, event, events
+from mstar.serve.responses import DONE, Call, event, events, merged
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -93,11 +94,15 @@ def create_app(
         params = sampling_params(body, 1 if nothing else max_tokens)
         call = front.call("text_completion", "cmpl", body)
         call.nothing = nothing
-        if body.echo:
-            call.echo = front.prompt_text(body.prompt)
-        return await front.respond(
-            request, call, body.prompt, params, param="prompt", streamed=body.stream
-        )
+        prompts = body.prompts()
+        calls = [replace(call, echo=front.prompt_text(p) if body.echo else None) for p in prompts]
+        if len(prompts) == 1:
+            return await front.respond(
+                request, calls[0], prompts[0], params, param="prompt", streamed=body.stream
+            )
+        if body.stream:
+            raise APIError(400, "stream with several prompts is not supported", param="stream")
+        return await front.respond_many(request, calls, prompts, params)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -195,6 +200,33 @@ class Front:
         if done is None:
             return Response(status_code=499)  # nobody reads it
         return JSONResponse(call.whole(done))
+
+    async def respond_many(
+        self, request: Request, calls: list[Call], prompts: list[Any], params: SamplingParams
+    ) -> Response:
+        """Serve several prompts of one call (not streamed): a request each,
+        their choices in prompt order, ``index`` running over them all."""
+        streams: list[RequestStream] = []
+        try:
+            for i, (call, prompt) in enumerate(zip(calls, prompts)):
+                streams.append(await self.submit(f"{call.id}-{i}", prompt, params, "prompt"))
+        except BaseException:
+            for stream in streams:
+                self.aengine.abort(stream.request_id)
+            raise
+
+        async def all_of_them() -> list[Completion]:
+            try:
+                async with asyncio.TaskGroup() as group:  # one fails: the others are cancelled
+                    tasks = [group.create_task(self.collect(s)) for s in streams]
+            except ExceptionGroup as failed:
+                raise failed.exceptions[0] from None  # (an APIError: the response)
+            return [t.result() for t in tasks]
+
+        done = await until_disconnect(request.receive, all_of_them)
+        if done is None:
+            return Response(status_code=499)
+        return JSONResponse(merged([call.whole(c) for call, c in zip(calls, done)]))
 
     async def submit(
         self, rid: str, prompt: Any, params: SamplingParams, param: str

@@ -133,11 +133,19 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     """The legacy completions body: ``logprobs=k`` (the ``k`` most likely
     per token) and ``echo`` (the prompt first; its tokens' logprobs too with
-    ``logprobs``; ``max_tokens=0`` then generates nothing)."""
+    ``logprobs``; ``max_tokens=0`` then generates nothing). ``prompt``: a
+    string, token ids, or a list of either (one request each, not streamed:
+    what lm-eval's ``local-completions`` sends)."""
 
-    prompt: StrictStr | list[StrictInt]
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     logprobs: StrictInt | None = None
     echo: StrictBool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts this body asks for: one, or each of a list."""
+        p = self.prompt
+        several = isinstance(p, list) and p and not isinstance(p[0], int)
+        return list(p) if several else [p]
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         return self.logprobs, self.logprobs if self.echo else None

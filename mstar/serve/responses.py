@@ -124,6 +124,19 @@ class Call:
         }
 
 
+def merged(wholes: list[dict]) -> dict:
+    """One response of the responses of a call's prompts: their choices in
+    order (``index`` running over them all), their usage summed."""
+    first, choices, usage = wholes[0], [], dict.fromkeys(wholes[0]["usage"], 0)
+    for whole in wholes:
+        for choice in whole["choices"]:
+            choices.append({**choice, "index": len(choices)})
+        for key, value in whole["usage"].items():
+            usage[key] += value
+    rest = {k: v for k, v in first.items() if k not in ("choices", "usage", "prompt_token_ids")}
+    return {**rest, "choices": choices, "usage": usage}
+
+
 def count(c: Completion) -> dict[str, int]:
     """The ``usage`` object of a completion."""
     prompt, generated = len(c.prompt_token_ids), sum(len(o.token_ids) for o in c.outputs)
