@@ -132,7 +132,11 @@ def test_penalties_and_biases_over_http_equal_the_engine(api, offline, tok, fiel
     "path, body, param",
     [
         ("chat/completions", {"messages": ASK, "top_logprobs": 2}, "top_logprobs"),
-        ("chat/completions", {"messages": ASK, "logprobs": True, "top_logprobs": 21}, "logprobs"),
+        (
+            "chat/completions",
+            {"messages": ASK, "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
         ("completions", {"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
         ("completions", {"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
         ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),

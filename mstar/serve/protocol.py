@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from mstar.engine import SamplingParams
+from mstar.engine.sampling import MAX_LOGPROBS
 from mstar.engine.structured import StructuredOutputs
 
 # fields with no effect at these values; any other value is refused
@@ -179,6 +180,11 @@ class ChatCompletionRequest(_Sampling):
     def logprob_counts(self) -> tuple[int | None, int | None]:
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ParamError(
+                f"expected top_logprobs in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                "top_logprobs",
+            )
         return (self.top_logprobs or 0) if self.logprobs else None, None
 
 
