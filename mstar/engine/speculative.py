@@ -7,7 +7,8 @@ stream's row (a verify row: ``to_compute = 1 + len(draft)``, through the same
 plan and forward), with logits at every one of its positions.
 
 Verification goes position by position through the engine's own token choice
-(``Engine._on_logits``: the sampler, its generator, ``_emit``'s stops): the
+(``Engine.pipeline.rows``' penalties and grammar masks, then
+``Engine._on_logits``: the sampler, its generator, ``_emit``'s stops): the
 token chosen at a position is emitted; when it equals the draft's token there
 the next position's logits hold (they saw exactly the emitted tokens), else
 the row ends. For a deterministic draft this is rejection sampling: the draft
@@ -144,18 +145,19 @@ class Speculator:
         yield ``((request, label), logits)`` of the other rows."""
         sizes = [1 + len(req.draft.get(label, ())) for req, label in chosen]
         if len(sizes) == len(logits):
-            yield from zip(chosen, logits)
+            yield from zip(chosen, engine.pipeline.rows(logits, chosen))
             return
         for (req, label), block in zip(chosen, logits.split(sizes)):
             draft = req.draft.pop(label, None)
             if draft is None:
-                yield (req, label), block[0]
+                yield (req, label), engine.pipeline.rows(block, [(req, label)])[0]
                 continue
             toks = req.streams[label]
             del toks[-len(draft) :]
             req.fed[label] = fed = len(toks)
             sample, taken = req.by_label[label], 0
-            for i, row in enumerate(block):
+            for i, row in enumerate(block):  # each position's penalties and grammar mask
+                row = engine.pipeline.rows(row[None], [(req, label)])[0]  # see the tokens before it
                 engine._on_logits(req, label, row)
                 if sample.finish_reason is not None or i == len(draft):
                     break
