@@ -322,3 +322,23 @@ def test_cli_flags():
     assert main([*demo, "--speculative", "--num-speculative-tokens", "0"]) == 2
     with pytest.raises(SystemExit):
         main([*demo, "--speculative", "eagle"])
+
+
+def test_penalties_and_a_grammar_see_each_verify_position(models, smollm2):
+    """Logits processing (penalties, a grammar's mask) runs per verify
+    position on the tokens before it: outputs equal one-token decoding."""
+    from mstar.engine import StructuredOutputs
+
+    prompts, penalty = copy_prompts(), SamplingParams(max_new_tokens=30, frequency_penalty=0.5)
+    want = outputs(engine(models[1]), prompts, penalty)
+    assert outputs(engine(models[1], speculative="ngram"), prompts, penalty) == want
+    model, tokenizer = smollm2
+    chat = [{"role": "user", "content": "Write the list 1, 2, 3, 1, 2, 3, 1, 2, 3 as JSON."}]
+    params = SamplingParams(
+        max_new_tokens=40, structured_outputs=StructuredOutputs(json={"type": "array"})
+    )
+    outs = []
+    for spec in (None, "ngram"):
+        eng = Engine(copy.deepcopy(model), tokenizer, num_pages=64, speculative=spec)
+        outs.append([c.outputs[0].token_ids for c in eng.chat([chat], params)])
+    assert outs[0] == outs[1]
