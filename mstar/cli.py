@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         " served keeping every page and releasing those behind the window",
     )  # fmt: skip
     add_tensor_parallel_option(demo)
+    add_speculative_options(demo)
     gen = sub.add_parser("generate", help="answer one prompt, streaming the text")
     gen.add_argument("prompt")
     gen.add_argument("--model", default="smollm2", help="smollm2 (default), a GGUF file or folder")
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-new-tokens", type=int, default=64, help="default 64")
     gen.add_argument("--device", default="cpu")
     add_tensor_parallel_option(gen)
+    add_speculative_options(gen)
     bench = sub.add_parser("bench", help="plan and manager benchmarks, or --e2e on SmolLM2")
     bench.add_argument("--e2e", action="store_true", help="Engine vs HF generate on chat prompts")
     bench.add_argument(
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--plot", metavar="PATH.png", help="plot plan latency (needs matplotlib)")
     bench.add_argument("--quick", action="store_true", help="fewer configurations")
     serve_cli.add_bench_options(bench)
+    add_speculative_options(bench, "with no other mode: n-gram drafts against none on SmolLM2")
     serve_cli.add_parser(sub)
     args = parser.parse_args(argv)
     try:
@@ -124,6 +127,24 @@ def add_tensor_parallel_option(parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size", type=int, default=1, metavar="N",
         help="shard the model over N processes (gloo on the CPU, NCCL on N GPUs; default 1)",
     )  # fmt: skip
+
+
+def add_speculative_options(parser: argparse.ArgumentParser, what: str = "") -> None:
+    parser.add_argument(
+        "--speculative", nargs="?", const="ngram", choices=("ngram",),
+        help=what or "speculative decoding: n-gram drafts from the prompt and output",
+    )  # fmt: skip
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, default=4, metavar="K",
+        help="with --speculative: most draft tokens a step (default 4)",
+    )  # fmt: skip
+
+
+def speculative_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``Engine`` keywords of ``--speculative``/``--num-speculative-tokens``."""
+    if args.speculative is None:
+        return {}
+    return {"speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
 
 
 def checked_device(device: str) -> Any:
@@ -207,6 +228,7 @@ def run_demo(args: argparse.Namespace) -> int:
         model, tokenizer, args.device,
         num_pages=args.pages, page_size=args.page_size, token_budget=args.budget,
         prefix_cache=False if args.no_prefix_cache else None, tensor_parallel_size=args.tensor_parallel_size,
+        **speculative_options(args),
     )  # fmt: skip
     need = {
         r.id: engine.peak_pages(
@@ -262,7 +284,10 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from err
     size = args.tensor_parallel_size
     model, tokenizer = load_model(args.model, args.device, size)
-    engine = make_engine(model, tokenizer, args.device, page_size=16, tensor_parallel_size=size)
+    engine = make_engine(
+        model, tokenizer, args.device, page_size=16, tensor_parallel_size=size,
+        **speculative_options(args),
+    )  # fmt: skip
     chat = not args.raw and tokenizer.chat_template is not None
     if (args.chat or args.system) and not chat:
         raise UsageError(f"--model {args.model} has no chat template: use --raw")
@@ -307,6 +332,15 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     if args.tp:
         return run_bench_tp(args)
+    if args.speculative and not args.e2e:
+        from mstar.bench.speculative import format_speculative, run_speculative
+
+        result = run_speculative(k=args.num_speculative_tokens, quick=args.quick)
+        print(format_speculative(result))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return 0
     if args.e2e:
         from rich.console import Console
 

@@ -615,6 +615,26 @@ class ManagerMachine(RuleBasedStateMachine):
         for lab in labels if label is None else [label]:
             del self.hist[(request, lab)], self.pages[(request, lab)]
 
+    @rule(data=st.data())
+    def rewind(self, data):
+        if not self.hist:
+            return
+        key = data.draw(st.sampled_from(sorted(self.hist)))
+        n = data.draw(st.integers(0, len(self.hist[key])))
+        before, new = self.state(), len(self.hist[key]) - n
+        tail = self.mgr.page_ids(*key)[new // self.ps :][:1]
+        shared = n and new % self.ps and self.mgr._pages.refcount[tail].item() > 1
+        if shared:  # it would write over a page another stream reads
+            with pytest.raises(InvalidStep, match="shared"):
+                self.mgr.rewind(*key, n)
+            assert self.state() == before
+            return
+        self.mgr.rewind(*key, n)
+        del self.hist[key][new:]
+        if n:  # a rewind of nothing changes nothing
+            self.pages[key] = min(self.pages[key], -(-new // self.ps))
+        assert self.mgr.held_pages(*key) == self.pages[key]
+
     # -- running one step against the model ------------------------------------------------
 
     def state(self):
@@ -696,8 +716,11 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.state() == before
             return
         self.cache.fail = data.draw(st.integers(0, 3)) == 0
+        keep = None  # a verify step: each row commits a prefix of its span
+        if step.commit and not step.post_forks and data.draw(st.integers(0, 2)) == 0:
+            keep = [data.draw(st.integers(0, s.span)) for s in step.segments]
         try:
-            self.mgr.commit(step)
+            self.mgr.commit(step, keep)
         except CopyFailed:  # a post-fork's copy: nothing committed; then abandoned
             self.mgr.check_invariants()
             self.mgr.abort(step)
@@ -708,6 +731,11 @@ class ManagerMachine(RuleBasedStateMachine):
         if step.commit:
             for key, tokens in new_tokens.items():
                 self.hist[key].extend(tokens)
+        if keep is not None and any(k < s.span for k, s in zip(keep, step.segments)):
+            for seg, k in zip(step.segments, keep):  # a short commit trims every row
+                key = (seg.request_id, seg.label)
+                del self.hist[key][len(self.hist[key]) - seg.span + k :]
+                self.pages[key] = -(-len(self.hist[key]) // self.ps)
         for src, dst in step.post_forks:
             for request in requests:
                 self.apply_fork(request, src, dst)

@@ -112,6 +112,22 @@ def test_greedy_tokens_equal_over_chunks_forks_and_preemption(engines):
     assert two.mgr.num_free_pages == two.mgr.num_pages
 
 
+def test_speculative_drafts_under_tensor_parallelism(engines):
+    from mstar.engine.speculative import speculator
+
+    one, two = engines
+    copies = [p[:8] * 3 for p in prompts()]  # drafts found in the prompt
+    params = SamplingParams(max_new_tokens=12)
+    want = [c.outputs[0].token_ids for c in one.generate(copies, params)]
+    two.spec = speculator("ngram", 4)  # the same workers, drafting
+    try:
+        got = [c.outputs[0].token_ids for c in two.generate(copies, params)]
+        assert got == want and two.spec.accepted > 0
+    finally:
+        two.spec = None
+    assert two.mgr.num_free_pages == two.mgr.num_pages
+
+
 def test_abort_under_tensor_parallelism_spares_the_others(engines):
     one, two = engines
     params = SamplingParams(max_new_tokens=8)

@@ -35,6 +35,7 @@ from mstar.engine.resources.kv.ring import PinnedIndexRing
 from mstar.engine.resources.step import KVStep, Segment
 from mstar.engine.sampling import SamplingParams, sample_token
 from mstar.engine.scheduler import requests_before, schedule
+from mstar.engine.speculative import speculator
 from mstar.engine.tp import TensorParallel, check_size, load_sharded, shard
 from mstar.integrations.hf import forward_step, kv_spec, register
 
@@ -64,6 +65,8 @@ class EngineStats:
     refused: int = 0
     peak_pages: int = 0
     peak_shared: int = 0
+    spec_proposed: int = 0  # speculative draft tokens verified
+    spec_accepted: int = 0  # of them, accepted
     plan_s: float = 0.0  # admit + plan + commit (and forks), the plan layer
     step_s: float = 0.0  # whole steps
     # KVManager.plan per step, the latest PLAN_SAMPLES steps
@@ -129,6 +132,8 @@ class Engine:
         flashinfer: Any = None,
         prefix_cache: bool | None = None,
         tensor_parallel_size: int = 1,
+        speculative: str | None = None,
+        num_speculative_tokens: int = 4,
     ) -> None:
         options = {"page_size": page_size, "token_budget": token_budget, "num_pages": num_pages}
         for name, value in options.items():
@@ -145,6 +150,7 @@ class Engine:
                 "expected tokenizer a Hugging Face fast tokenizer (with .backend_tokenizer)"
                 f" or None, got {type(tokenizer).__name__}"
             )
+        self.spec = speculator(speculative, num_speculative_tokens)  # see speculative.py
         self.tp = shard(model, tensor_parallel_size)  # refuses before starting workers
         model = model if self.tp is None else self.tp.model
         self._forward_step = forward_step if self.tp is None else self.tp.forward_step
@@ -389,6 +395,15 @@ class Engine:
         fails, the requests the step scheduled are aborted (pages freed) and
         ``StepFailed`` is raised (a ``KeyboardInterrupt`` passes as it is)."""
         t_step = time.perf_counter()
+        if self.spec is None:
+            return self._step(t_step)
+        self.spec.propose(self._running.values(), self.budget, self.eos_token_ids)
+        try:
+            return self._step(t_step)
+        finally:  # drafts it did not verify come off, whatever happened
+            self.spec.settle(self.stats)
+
+    def _step(self, t_step: float) -> list[Completion]:
         step = self._admit()
         if step is None:
             return []
@@ -396,7 +411,7 @@ class Engine:
         try:
             touched, forks = self._compute(step)
             t0 = time.perf_counter()
-            self.mgr.commit(step)
+            self.mgr.commit(step, None if self.spec is None else self.spec.kept(step))
             committed = True
             for req in touched:
                 self._release_unused(req)
@@ -444,10 +459,17 @@ class Engine:
                 if choose:
                     at.append(end - 1)
                     chosen.append((req, label))
+                    if label in req.draft:  # a verify row: logits at its draft's positions too
+                        at[-1:] = range(end - 1 - len(req.draft[label]), end)
             logits = self._logits(ids, plan, at_prompt + at)
             self.pipeline.prompt(logits[: len(at_prompt)], prompt_rows)
-            logits = self.pipeline.rows(logits[len(at_prompt) :], chosen)
-            for (req, label), row in zip(chosen, logits):
+            logits = logits[len(at_prompt) :]
+            rows = (
+                zip(chosen, self.pipeline.rows(logits, chosen))
+                if self.spec is None
+                else self.spec.verify(self, chosen, logits)
+            )
+            for (req, label), row in rows:
                 if label == "main" and not req.forked:
                     forks.append((req, row))  # forked after the commit
                 else:

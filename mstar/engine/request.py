@@ -87,6 +87,7 @@ class Request:
     cache. A plain request has ``main``; with ``n > 1``, ``main`` until its
     prompt is in, then ``s0..s{n-1}``; a guided one ``cond``/``uncond``.
     ``pending`` holds a guided stream's last logits until its twin's arrive;
+    ``draft`` the speculative tokens a stream ends with this step;
     ``by_label`` maps a sample's stream labels to it.
     """
 
@@ -99,6 +100,7 @@ class Request:
     streams: dict[str, list[int]] = field(default_factory=dict)
     fed: dict[str, int] = field(default_factory=dict)
     pending: dict[str, torch.Tensor] = field(default_factory=dict)
+    draft: dict[str, list[int]] = field(default_factory=dict)  # speculative tokens ending streams
     by_label: dict[str, Sample] = field(init=False)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
@@ -158,3 +160,4 @@ class Request:
             self.streams = {"main": list(self.prompt)}
         self.fed = dict.fromkeys(self.streams, 0)
         self.pending = {}
+        self.draft = {}

@@ -17,10 +17,12 @@ PLAN_LABEL = "step"
 
 def schedule(requests: Iterable[Request], budget: int, max_chunk: int | None = None) -> KVStep:
     """The step for ``requests`` (oldest first): streams with one token left
-    to feed decode, then streams with more left take prefill chunks (of at
-    most ``max_chunk`` tokens), in order until ``budget`` tokens are spent. The segments carry no tokens; the
-    step carries them all (``KVStep.tokens``), so a decode step's segments
-    equal the last step's and the KV manager reuses their rows. (A guided
+    to feed decode (one with a speculative draft after it, ``req.draft``, is
+    a verify row of both, whole or not at all), then streams with more left
+    take prefill chunks (of at most ``max_chunk`` tokens), in order until
+    ``budget`` tokens are spent. The segments carry no tokens; the step
+    carries them all (``KVStep.tokens``), so a decode step's segments equal
+    the last step's and the KV manager reuses their rows. (A guided
     request's two streams need not decode in the same step: the first one's
     logits wait for its twin's.)"""
     requests = list(requests)
@@ -28,15 +30,20 @@ def schedule(requests: Iterable[Request], budget: int, max_chunk: int | None = N
     ids: list[int] = []
     for req in requests:
         for label, toks in req.streams.items():
-            if budget and len(toks) - req.fed[label] == 1:
+            left = len(toks) - req.fed[label]
+            if left == 1 and budget:
                 segments.append(Segment(req.id, label, 1))
                 ids.append(toks[-1])
                 budget -= 1
+            elif req.draft and left == 1 + len(req.draft.get(label, ())) <= budget:
+                segments.append(Segment(req.id, label, left))  # a verify row: token + draft
+                ids += toks[-left:]
+                budget -= left
     for req in requests:
         for label, toks in req.streams.items():
             fed = req.fed[label]
             span = min(len(toks) - fed, budget, max_chunk or budget)
-            if len(toks) - fed > 1 and span > 0:
+            if len(toks) - fed > 1 and span > 0 and label not in req.draft:
                 segments.append(Segment(req.id, label, span))
                 ids += toks[fed : fed + span]
                 budget -= span

@@ -36,9 +36,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="the random model's seed")
     p.add_argument("--grace", type=float, default=10.0, help="seconds to finish at shutdown")
     p.add_argument("--served-model-name", help="the model's name in the API (default: --model's)")
-    from mstar.cli import add_tensor_parallel_option
+    from mstar.cli import add_speculative_options, add_tensor_parallel_option
 
     add_tensor_parallel_option(p)
+    add_speculative_options(p)
 
 
 def add_bench_options(bench: argparse.ArgumentParser) -> None:
@@ -119,7 +120,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _engine(args: argparse.Namespace) -> Any:
-    from mstar.cli import checked_device, load_model, make_engine
+    from mstar.cli import checked_device, load_model, make_engine, speculative_options
 
     if args.model == "random":
         from mstar.demo import build_model
@@ -130,7 +131,7 @@ def _engine(args: argparse.Namespace) -> Any:
     return make_engine(
         model, tokenizer, args.device, num_pages=args.pages, page_size=args.page_size,
         token_budget=args.budget, prefix_cache=False if args.no_prefix_cache else None,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, **speculative_options(args),
     )  # fmt: skip
 
 

@@ -40,6 +40,9 @@ class ServerMetrics:
             "mstar_plan_seconds", "KVManager.plan latency per step", buckets=LATENCY_BUCKETS,
             registry=r,
         )  # fmt: skip
+        self.drafts = Counter("mstar_spec_draft_tokens", "Draft tokens verified", registry=r)
+        self.accepted = Counter("mstar_spec_accepted_tokens", "Draft tokens accepted", registry=r)
+        self._spec_seen = (0, 0)  # the engine's counts at the last read
         self.ttft = Histogram(
             "mstar_time_to_first_token_seconds", "From request to its first output",
             buckets=LATENCY_BUCKETS, registry=r,
@@ -57,6 +60,12 @@ class ServerMetrics:
         self.pages.labels("used").set(mgr.num_pages - free)
         self.pages.labels("free").set(free)
         self.pages.labels("cached").set(cached)
+        seen, self._spec_seen = (
+            self._spec_seen,
+            (engine.stats.spec_proposed, engine.stats.spec_accepted),
+        )
+        self.drafts.inc(self._spec_seen[0] - seen[0])
+        self.accepted.inc(self._spec_seen[1] - seen[1])
         stats = mgr.prefix_stats()
         self.hit_rate.set(stats["tokens_hit"] / max(1, stats["tokens_queried"]))
 

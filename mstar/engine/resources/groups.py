@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -196,13 +197,15 @@ class KVGroups:
         plans = {label: GroupPlans(tuple(o[label] for o in outs)) for label in outs[0]}
         return KVPlanOutputs(plans, step.pre_forks, step.post_forks)
 
-    def commit(self, step: KVStep) -> None:
-        """Commit ``step`` in every group. If one raises after others
-        committed (a cache copy of a fork), ``abort`` then aborts the rest and
-        the step's requests must be released (the engine's ``step`` does)."""
+    def commit(self, step: KVStep, kept: Any = None) -> None:
+        """Commit ``step`` in every group (``kept``: see ``KVManager.commit``;
+        a bad one raises from the first group, before any change). If one
+        raises after others committed (a cache copy of a fork), ``abort`` then
+        aborts the rest and the step's requests must be released (the
+        engine's ``step`` does)."""
         for i, mgr in enumerate(self.managers):
             try:
-                mgr.commit(step)
+                mgr.commit(step, kept)
             except BaseException:
                 if i:
                     self._partial[step] = i
@@ -211,6 +214,14 @@ class KVGroups:
     def abort(self, step: KVStep) -> None:
         for mgr in self.managers[self._partial.pop(step, 0) :]:
             mgr.abort(step)
+
+    def rewind(self, request_id: str, label: str, n: int) -> None:
+        """``KVManager.rewind`` in every group: a rewind one group refuses (a
+        windowed group's released pages) is checked in all before any takes it."""
+        for mgr in self.managers:
+            mgr.check_rewind(request_id, label, n)
+        for mgr in self.managers:
+            mgr.rewind(request_id, label, n)
 
     def release(self, request_id: str, label: str | None = None) -> None:
         """Free the request's streams (or ``label``'s) in every group; a bad

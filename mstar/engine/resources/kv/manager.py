@@ -60,6 +60,7 @@ from mstar.engine.resources.kv.journal import Advanced, Grew, Journal, Made
 from mstar.engine.resources.kv.lengths import INT32_MAX
 from mstar.engine.resources.kv.pages import PagePool
 from mstar.engine.resources.kv.plan import KVPlanOutputs, PinnedIndexRing
+from mstar.engine.resources.kv.rewind import check_kept, check_rewind, kept_tokens
 from mstar.engine.resources.kv.streams import StreamTable
 from mstar.engine.resources.step import KVStep
 
@@ -293,19 +294,28 @@ class KVManager:
             rec.planned = True
             return KVPlanOutputs(dict(zip(rec.groups, outs)), step.pre_forks, step.post_forks)
 
-    def commit(self, step: KVStep) -> None:
+    def commit(self, step: KVStep, kept: Any = None) -> None:
         """Advance each stream by its span (unless ``step.commit`` is False:
         then the reservation stays), then apply the post-forks. If it raises,
-        the step is as before the call (commit it again, or abort it)."""
+        the step is as before the call (commit it again, or abort it).
+
+        ``kept`` (ints, one a row in segment order, each in ``[0, span]``):
+        each row commits only its first ``kept`` tokens (a verify row's
+        accepted ones), its pages wholly past them back to the pool, its
+        prefix pages registered by those tokens alone; a step with
+        post-forks or ``commit=False`` commits every token or none. A bad
+        ``kept`` raises ``InvalidStep`` naming the row, changing nothing."""
         with self._lock:
             rec = self._get_admitted(step)
+            cut = None if kept is None else check_kept(step, rec, kept)
             journal = rec.journal
             mark = journal.mark()
             try:
                 if not rec.planned:
                     self._apply(step, rec)
+                ends = rec.ends if cut is None else np.subtract(rec.ends, cut)
                 if step.commit:
-                    self._streams.advance(rec.slots, rec.ends)
+                    self._streams.advance(rec.slots, ends)
                 if step.post_forks:  # they may fail: the lengths are journaled first
                     if step.commit:
                         journal.add(Advanced(rec.slots, rec.spans))
@@ -314,7 +324,9 @@ class KVManager:
                 self._undo(rec, mark)
                 raise
             assert journal.taken == len(journal.reserved), "a step uses exactly its reserved pages"
-            if rec.tokens is not None:  # only now is the step's KV final
+            if cut is not None:
+                self._cut(rec, ends, cut)
+            elif rec.tokens is not None:  # only now is the step's KV final
                 self._prefix.record(rec.slots, rec.ends, rec.spans, rec.tokens)
                 if step.post_forks:  # (request ids are built only when asked)
                     self._forks.copy_chains(step.post_forks, rec.requests)
@@ -361,6 +373,40 @@ class KVManager:
             for name in names:
                 self._streams.free(self._streams.unmap(request_id, name))
 
+    def rewind(self, request_id: str, label: str, n: int) -> None:
+        """Take back the last ``n`` committed tokens of the stream: its length
+        goes back by ``n``, its pages wholly past the new length return to the
+        pool, a partially kept page stays (the next tokens overwrite its stale
+        slots). Refused (``InvalidStep``, nothing changed) while the request is
+        in a step, past what it holds or what its window kept, into a page it
+        shares, or behind a page the prefix cache registered (commit fewer
+        tokens instead: ``commit(step, kept)``)."""
+        with self._lock:
+            new = self._check_rewind(request_id, label, n)
+            slot = self._slot(request_id, label)
+            changed = new != self._streams.stored[slot]
+            if changed and self._streams.shorten(np.array([slot]), np.array([new])):
+                self._index.forget()
+
+    def check_rewind(self, request_id: str, label: str, n: int) -> int:
+        """Raise as ``rewind`` would, changing nothing; else the stream's
+        length after it (in the pages it holds, behind a window)."""
+        with self._lock:
+            return self._check_rewind(request_id, label, n)
+
+    def _check_rewind(self, request_id: str, label: str, n: int) -> int:
+        check_key(request_id, label)
+        slot = self._slot(request_id, label)
+        if self._admission.in_flight({request_id: None}):
+            raise InvalidStep(
+                f"request {request_id!r} is in an admitted step: commit or abort it first",
+                request_id,
+                label,
+            )
+        if self._prefix is not None:
+            self._prefix.flush()  # its full pages registered: what it may not rewind
+        return check_rewind(self._streams, slot, request_id, label, n, self.window)
+
     # --- invariants --------------------------------------------------------------------
 
     def check_invariants(self) -> None:
@@ -402,6 +448,19 @@ class KVManager:
             slots, grow = rec.slots[growing], grow[growing]
             pages = journal.take(int(np.add.reduce(grow)))
             journal.add(Grew(slots, streams.extend(slots, grow, pages)))
+
+    def _cut(self, rec: Admitted, ends: np.ndarray, cut: np.ndarray) -> None:
+        """A short commit's last part, once nothing can fail: the pages past
+        each row's kept tokens go back, and only kept tokens are recorded."""
+        if self._streams.shorten(rec.slots, ends):
+            self._index.forget()  # its arrays name pages that went back
+        if rec.tokens is not None:
+            tokens, keep = kept_tokens(rec.tokens, cut, rec.spans)
+            kept = rec.spans - cut
+            if keep is None:
+                self._prefix.record(rec.slots, ends, kept, tokens)
+            elif len(tokens):
+                self._prefix.record(rec.slots[keep], ends[keep], kept[keep], tokens)
 
     def _release_behind(self, rec: Admitted) -> None:
         """Release the full pages of the step's streams (its fork targets

@@ -166,6 +166,20 @@ class StreamTable:
         self.stored[slots] = ends
         self.touch(slots)
 
+    def shorten(self, slots: np.ndarray, stored: np.ndarray) -> bool:
+        """Streams ``slots`` (distinct) now hold ``stored`` tokens each, no
+        more than they held: the pages wholly past go back to the pool (a
+        shared one only loses this owner), a partially kept last page stays.
+        Whether any page went."""
+        self.stored[slots] = stored
+        keep = -(-np.asarray(stored, np.int64) // self.page_size)
+        over = (self.npages[slots] > keep).nonzero()[0]
+        for slot, k in zip(slots[over].tolist(), keep[over].tolist()):
+            self.pool.release(self.tables[slot][k : self.npages[slot]].copy())
+            self.npages[slot] = k
+        self.touch(slots)
+        return bool(len(over))
+
     def drop(self, slot: int, n: int, page_size: int) -> None:
         """Release the stream's first ``n`` pages (full, behind its window):
         its table, pages and length then count from the next one."""
