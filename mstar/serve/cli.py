@@ -65,12 +65,13 @@ def run(args: argparse.Namespace) -> int:
         least, value = int(name != "port"), getattr(args, name)
         if value is not None and value < least:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
-    engine = _engine(args)
+    engine, mode = _engine(args)
     name = args.served_model_name or ("random" if args.model == "random" else Path(args.model).stem)
     app = create_app(engine, model_name=name, max_waiting=args.max_waiting)
     mgr = engine.mgr
     print(
         f"mstar-kv serve: {name} on http://{args.host}:{args.port}/v1 ({args.device}, "
+        f"{mode}, "
         f"{mgr.num_pages} KV pages of {mgr.page_size} tokens, {engine.budget} tokens/step, "
         f"prefix cache {'on' if engine.prefix_cache else 'off'}, max waiting {args.max_waiting})",
         flush=True,
@@ -96,19 +97,24 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _engine(args: argparse.Namespace) -> Any:
-    from mstar.cli import checked_device, load_model, make_engine
+    """The engine ``serve`` runs, and its dtype and forward (``mode_line``)."""
+    from mstar.cli import checked_device, load_model, make_engine, mode_line, resolved_dtype
 
+    choice = resolved_dtype(args.dtype, args.device)
+    dtype = choice.dtype
     if args.model == "random":
         from mstar.demo import build_model
 
-        model, tokenizer = build_model(args.seed, str(checked_device(args.device)))[1], None
+        model = build_model(args.seed, str(checked_device(args.device)))[1].to(dtype)
+        tokenizer = None
     else:
-        model, tokenizer = load_model(args.model, args.device, args.tensor_parallel_size)
-    return make_engine(
+        model, tokenizer = load_model(args.model, args.device, args.tensor_parallel_size, dtype)
+    engine = make_engine(
         model, tokenizer, args.device, num_pages=args.pages, page_size=args.page_size,
         token_budget=args.budget, prefix_cache=False if args.no_prefix_cache else None,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
     )  # fmt: skip
+    return engine, mode_line(choice, engine)
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -1,0 +1,122 @@
+"""A compiled forward: the model's forward under ``torch.compile``.
+
+Paged attention and the cache write are one custom op per layer
+(``torch.ops.mstar.paged_attention``, see ``mstar.integrations.hf``), opaque
+to the graph, which holds everything else: embeddings, norms, rotary, the
+linear layers (their weights frozen into the graph on the CPU, prepacked for
+oneDNN) and the head. Token counts are dynamic: a step of one token is
+padded to two (and one kept logit row to two) so every step runs one graph,
+never recompiled mid-run; ``warm_up`` compiles it at start-up. Inductor's
+caches live under ``cache_root() / "inductor"``, so a later process loads
+the compiled graph instead of compiling it again.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["compile_forward", "compile_refusal", "compiled_or_why"]
+
+# Smallest token count (and kept-logit count) a compiled step runs: shapes of 1
+# would be specialized into graphs of their own.
+MIN_TOKENS = 2
+WARM_UP_ID = "mstar-compile-warm-up"
+
+
+def configure_caches() -> None:
+    """Point inductor's on-disk caches at mstar-kv's cache folder, unless
+    ``TORCHINDUCTOR_CACHE_DIR`` names another (inductor fills it in with its
+    default on first use)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from mstar.engine.loader import cache_root
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or current == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
+
+
+def compile_refusal(model: Any, tensor_parallel: bool) -> str | None:
+    """Why ``model`` runs eager (None: it compiles)."""
+    if tensor_parallel:
+        return "tensor parallelism runs eager"
+    if not hasattr(model, "forward"):
+        return f"{type(model).__name__} has no forward"
+    return None
+
+
+def compile_forward(model: Any, *, freezing: bool = True, mode: str | None = None) -> None:
+    """Replace ``model.forward`` with a compiled one taking the same
+    arguments (``input_ids [1, T]``, ``position_ids [1, T]``,
+    ``logits_to_keep`` an index tensor or absent). ``freezing`` folds the
+    weights into the graph as constants (oneDNN-prepacked on the CPU): the
+    model's parameters must not change afterwards."""
+    configure_caches()
+    import torch._inductor.config as inductor_config
+
+    inductor_config.freezing = freezing
+    eager = model.forward
+    compiled = torch.compile(eager, dynamic=True, mode=mode)
+    model.forward = _padded(compiled)
+    model._mstar_eager_forward = eager
+
+
+def _padded(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` with its token axis (and kept logits) padded to at least
+    ``MIN_TOKENS``, the output cut back."""
+
+    def forward(input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        # fresh tensors: a view's guards would also check its base, which a padded input lacks
+        input_ids, kwargs["position_ids"] = input_ids.clone(), kwargs["position_ids"].clone()
+        tokens = input_ids.shape[1]
+        if tokens < MIN_TOKENS:
+            extra = MIN_TOKENS - tokens
+            input_ids = torch.nn.functional.pad(input_ids, (0, extra))
+            kwargs["position_ids"] = torch.nn.functional.pad(kwargs["position_ids"], (0, extra))
+        keep = kwargs.get("logits_to_keep")
+        kept = None if keep is None else keep.shape[0]
+        if kept is not None and kept < MIN_TOKENS:
+            kwargs["logits_to_keep"] = torch.cat([keep, keep.new_zeros(MIN_TOKENS - kept)])
+        output = compiled(input_ids, **kwargs)
+        rows = tokens if kept is None else kept
+        if output.logits.shape[1] != rows:
+            output.logits = output.logits[:, :rows]
+        return output
+
+    return forward
+
+
+def compiled_or_why(engine: Any) -> str:
+    """Compile ``engine``'s forward and run a warm-up request through it
+    (the compile happens there), leaving the engine's counters as they were.
+    Returns ``"compiled (N s)"``, or ``"eager: why"`` when the model cannot be
+    compiled (its eager forward restored, nothing else changed)."""
+    from mstar.engine.sampling import SamplingParams
+
+    model = engine.model
+    reason = compile_refusal(model, engine.tp is not None)
+    if reason is not None:
+        return f"eager: {reason}"
+    start = time.perf_counter()
+    stats = copy.deepcopy(engine.stats)
+    compile_forward(model, freezing=True)
+    try:
+        # three prompt tokens: the step's token and logit counts differ at the first trace
+        engine.add_request([0, 1, 2], SamplingParams(max_new_tokens=2, ignore_eos=True),
+                           request_id=WARM_UP_ID)  # fmt: skip
+        while engine.has_unfinished():
+            engine.step()
+    except Exception as failed:  # any failure to compile: serve eager, never wrong
+        del model.forward, model._mstar_eager_forward
+        err = failed.__cause__ or failed  # the engine's StepFailed names the step's error
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        return f"eager: the forward does not compile ({type(err).__name__}: {first})"
+    finally:
+        engine.stats = stats
+    return f"compiled ({time.perf_counter() - start:.0f} s)"
