@@ -97,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     bench.add_argument("--plot", metavar="PATH.png", help="plot plan latency (needs matplotlib)")
     bench.add_argument("--quick", action="store_true", help="fewer configurations")
+    bench.add_argument(
+        "--roofline", action="store_true", help="decode steps at batch 1-128 against the"
+        " machine's floor, float32 and bfloat16, eager and compiled",
+    )  # fmt: skip
+    add_speed_options(bench, dtype=None)
     serve_cli.add_bench_options(bench)
     serve_cli.add_parser(sub)
     args = parser.parse_args(argv)
@@ -130,11 +135,12 @@ def add_tensor_parallel_option(parser: argparse.ArgumentParser) -> None:
     add_speed_options(parser)
 
 
-def add_speed_options(parser: argparse.ArgumentParser) -> None:
+def add_speed_options(parser: argparse.ArgumentParser, dtype: str | None = "auto") -> None:
     """``--dtype`` and ``--enforce-eager`` (see docs/performance.md)."""
     parser.add_argument(
-        "--dtype", default="auto", help="auto (default: bfloat16 on CUDA and on CPUs with a native"
-        " bfloat16 matmul, else float32), float32 (exact against HF), bfloat16 or float16",
+        "--dtype", default=dtype, help="auto (bfloat16 on CUDA and on CPUs with a native bfloat16"
+        " matmul, else float32), float32 (exact against HF), bfloat16 or float16"
+        + (f"; default {dtype}" if dtype else "; default: bench --roofline both, --serve auto"),
     )  # fmt: skip
     parser.add_argument(
         "--enforce-eager", action="store_true", default=bool(os.environ.get(EAGER_ENV)),
@@ -371,6 +377,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     if args.tp:
         return run_bench_tp(args)
+    if args.roofline:
+        return run_bench_roofline(args)
     if args.e2e:
         from rich.console import Console
 
@@ -419,6 +427,27 @@ def run_bench(args: argparse.Namespace) -> int:
         from mstar.report import plot_latency
 
         plot_latency(rows, args.plot)
+    return 0
+
+
+def run_bench_roofline(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from mstar.bench.roofline import format_roofline, run_roofline
+
+    dtypes = (resolved_dtype(args.dtype, "cpu").dtype,) if args.dtype else None
+    options = {"dtypes": dtypes} if dtypes else {}
+    with Console(stderr=True).status("starting") as status:
+        result = run_roofline(
+            batches=(1, 32) if args.quick else (1, 8, 32, 128),
+            modes=(False,) if args.enforce_eager else (False, True),
+            stage=status.update,
+            **options,
+        )
+    Console().print(format_roofline(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
     return 0
 
 

@@ -17,6 +17,12 @@ from mstar.engine import compiled as compiled_module
 OPTIONS = {"num_pages": 64, "page_size": 8, "token_budget": 32}
 
 
+def test_token_counts_pad_to_a_few_buckets():
+    assert [compiled_module.cpu_bucket(n) for n in (1, 2, 3, 37)] == [2, 2, 3, 37]
+    want = [2, 2, 4, 4, 8, 32, 32, 64]
+    assert [compiled_module.cuda_bucket(n) for n in (1, 2, 3, 4, 5, 31, 32, 33)] == want
+
+
 @pytest.fixture(scope="module")
 def models():
     return build_model(seed=0)

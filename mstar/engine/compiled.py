@@ -6,9 +6,15 @@ to the graph, which holds everything else: embeddings, norms, rotary, the
 linear layers (their weights frozen into the graph on the CPU, prepacked for
 oneDNN) and the head. Token counts are dynamic: a step of one token is
 padded to two (and one kept logit row to two) so every step runs one graph,
-never recompiled mid-run; ``warm_up`` compiles it at start-up. Inductor's
-caches live under ``cache_root() / "inductor"``, so a later process loads
-the compiled graph instead of compiling it again.
+never recompiled mid-run; ``compiled_or_why`` compiles it at start-up, on a
+warm-up request. Inductor's caches live under ``cache_root() / "inductor"``,
+so a later process reuses the generated kernels.
+
+On CUDA the forward compiles with ``mode="reduce-overhead"``: CUDA graphs,
+captured around the attention op (tagged ``cudagraph_unsafe``, so inductor
+partitions the graph there, as vLLM's piecewise graphs do), one per token
+count, which is padded to a power of two (``cuda_bucket``) so a handful of
+graphs serve every decode batch.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ def compile_refusal(model: Any, tensor_parallel: bool) -> str | None:
     return None
 
 
-def compile_forward(model: Any, *, freezing: bool = True, mode: str | None = None) -> None:
+def compile_forward(model: Any, *, freezing: bool = True) -> None:
     """Replace ``model.forward`` with a compiled one taking the same
     arguments (``input_ids [1, T]``, ``position_ids [1, T]``,
     ``logits_to_keep`` an index tensor or absent). ``freezing`` folds the
@@ -61,28 +67,39 @@ def compile_forward(model: Any, *, freezing: bool = True, mode: str | None = Non
     import torch._inductor.config as inductor_config
 
     inductor_config.freezing = freezing
+    cuda = next(model.parameters()).device.type == "cuda"
     eager = model.forward
-    compiled = torch.compile(eager, dynamic=True, mode=mode)
-    model.forward = _padded(compiled)
+    compiled = torch.compile(eager, dynamic=True, mode="reduce-overhead" if cuda else None)
+    model.forward = _padded(compiled, cuda_bucket if cuda else cpu_bucket)
     model._mstar_eager_forward = eager
 
 
-def _padded(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """``compiled`` with its token axis (and kept logits) padded to at least
-    ``MIN_TOKENS``, the output cut back."""
+def cpu_bucket(n: int) -> int:
+    return max(n, MIN_TOKENS)
+
+
+def cuda_bucket(n: int) -> int:
+    """The next power of two (at least ``MIN_TOKENS``): one CUDA graph each."""
+    return max(MIN_TOKENS, 1 << (n - 1).bit_length())
+
+
+def _padded(compiled: Callable[..., Any], bucket: Callable[[int], int]) -> Callable[..., Any]:
+    """``compiled`` with its token axis (and kept logits) padded to
+    ``bucket(n)``, the output cut back. Padding tokens are id 0 at position
+    0; the attention op computes only the step's own."""
 
     def forward(input_ids: torch.Tensor, **kwargs: Any) -> Any:
         # fresh tensors: a view's guards would also check its base, which a padded input lacks
         input_ids, kwargs["position_ids"] = input_ids.clone(), kwargs["position_ids"].clone()
         tokens = input_ids.shape[1]
-        if tokens < MIN_TOKENS:
-            extra = MIN_TOKENS - tokens
+        if bucket(tokens) != tokens:
+            extra = bucket(tokens) - tokens
             input_ids = torch.nn.functional.pad(input_ids, (0, extra))
             kwargs["position_ids"] = torch.nn.functional.pad(kwargs["position_ids"], (0, extra))
         keep = kwargs.get("logits_to_keep")
         kept = None if keep is None else keep.shape[0]
-        if kept is not None and kept < MIN_TOKENS:
-            kwargs["logits_to_keep"] = torch.cat([keep, keep.new_zeros(MIN_TOKENS - kept)])
+        if kept is not None and bucket(kept) != kept:
+            kwargs["logits_to_keep"] = torch.cat([keep, keep.new_zeros(bucket(kept) - kept)])
         output = compiled(input_ids, **kwargs)
         rows = tokens if kept is None else kept
         if output.logits.shape[1] != rows:

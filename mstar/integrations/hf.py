@@ -536,7 +536,10 @@ def _paged_attention_forward(
     return out, None
 
 
-@torch.library.custom_op("mstar::paged_attention", mutates_args=())
+# Host work each call (the plan's index arrays): CUDA graphs capture around it.
+@torch.library.custom_op(
+    "mstar::paged_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,)
+)
 def _paged_attention_op(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -49,7 +49,8 @@ def add_bench_options(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--requests", type=int, default=32, help="--serve: requests per rate")
     bench.add_argument("--max-tokens", type=int, default=64, help="--serve: per request")
     bench.add_argument(
-        "--rates", default="burst,0.5", help="--serve: requests/s, comma-separated; burst: all at once"
+        "--rates", default="burst,0.5",
+        help="--serve: requests/s, comma-separated; burst: all at once, serial: one at a time"
     )  # fmt: skip
 
 
@@ -140,6 +141,8 @@ def run_bench(args: argparse.Namespace) -> int:
     result = run_serve_bench(
         args.url, rates, requests=8 if args.quick else args.requests,
         max_tokens=16 if args.quick else args.max_tokens, self_server=not args.no_self,
+        server_args=[*(["--dtype", args.dtype] if args.dtype else []),
+                     *(["--enforce-eager"] if args.enforce_eager else [])],
     )  # fmt: skip
     print(format_serve(result))
     if args.json:
