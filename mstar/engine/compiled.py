@@ -4,7 +4,8 @@ Paged attention and the cache write are one custom op per layer
 (``torch.ops.mstar.paged_attention``, see ``mstar.integrations.hf``), opaque
 to the graph, which holds everything else: embeddings, norms, rotary, the
 linear layers (their weights frozen into the graph on the CPU, prepacked for
-oneDNN) and the head. Token counts are dynamic: a step of one token is
+oneDNN; in bfloat16 q/k/v and gate/up concatenated into one GEMM each) and
+the head. Token counts are dynamic: a step of one token is
 padded to two (and one kept logit row to two) so every step runs one graph,
 never recompiled mid-run; ``compiled_or_why`` compiles it at start-up, on a
 warm-up request. Inductor's caches live under ``cache_root() / "inductor"``,
@@ -67,7 +68,11 @@ def compile_forward(model: Any, *, freezing: bool = True) -> None:
     import torch._inductor.config as inductor_config
 
     inductor_config.freezing = freezing
-    cuda = next(model.parameters()).device.type == "cuda"
+    param = next(model.parameters())
+    # q/k/v and gate/up as one GEMM each (7% of a bfloat16 decode step here); float32
+    # keeps one GEMM per layer, as its exactness against HF was checked
+    inductor_config.cpp.enable_concat_linear = param.dtype != torch.float32
+    cuda = param.device.type == "cuda"
     eager = model.forward
     compiled = torch.compile(eager, dynamic=True, mode="reduce-overhead" if cuda else None)
     model.forward = _padded(compiled, cuda_bucket if cuda else cpu_bucket)
