@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -13,6 +15,7 @@ from typing import Any
 from mstar.serve import cli as serve_cli
 
 USAGE_ERROR = 2
+EAGER_ENV = "MSTAR_KV_ENFORCE_EAGER"  # set: the CLI's forward runs eager unless asked (tests)
 # (page size, pages, token budget, requests) when not given: the real model's
 # pool is small enough to force preemption; the random model's as well
 DEMO_DEFAULTS = {"random": (8, 20, 32, 16), "real": (16, 24, 128, 8), "window": (4, 48, 32, 4)}
@@ -96,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     bench.add_argument("--plot", metavar="PATH.png", help="plot plan latency (needs matplotlib)")
     bench.add_argument("--quick", action="store_true", help="fewer configurations")
+    bench.add_argument(
+        "--roofline", action="store_true", help="decode steps at batch 1-128 against the"
+        " machine's floor, float32 and bfloat16, eager and compiled",
+    )  # fmt: skip
+    add_speed_options(bench, dtype=None)
     serve_cli.add_bench_options(bench)
     add_speculative_options(bench, "with no other mode: n-gram drafts against none on SmolLM2")
     serve_cli.add_parser(sub)
@@ -127,6 +135,41 @@ def add_tensor_parallel_option(parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size", type=int, default=1, metavar="N",
         help="shard the model over N processes (gloo on the CPU, NCCL on N GPUs; default 1)",
     )  # fmt: skip
+    add_speed_options(parser)
+
+
+def add_speed_options(parser: argparse.ArgumentParser, dtype: str | None = "auto") -> None:
+    """``--dtype`` and ``--enforce-eager`` (see docs/performance.md)."""
+    parser.add_argument(
+        "--dtype", default=dtype, help="auto (bfloat16 on CUDA and on CPUs with a native bfloat16"
+        " matmul, else float32), float32 (exact against HF), bfloat16 or float16"
+        + (f"; default {dtype}" if dtype else "; default: bench --roofline both, --serve auto"),
+    )  # fmt: skip
+    parser.add_argument(
+        "--enforce-eager", action="store_true", default=bool(os.environ.get(EAGER_ENV)),
+        help=f"run the forward eager, not compiled (default when ${EAGER_ENV} is set)",
+    )  # fmt: skip
+
+
+def resolved_dtype(value: str, device: str, exact: bool = False) -> Any:
+    """``--dtype`` as a ``DtypeChoice``; ``auto`` is float32 when ``exact``
+    (a check against HF that claims exactness)."""
+    from mstar.engine.dtypes import resolve_dtype
+
+    try:
+        choice = resolve_dtype(
+            "float32" if exact and value == "auto" else value, checked_device(device)
+        )
+    except ValueError as err:
+        raise UsageError(f"--dtype {value}: {err}") from err
+    if exact and value == "auto":
+        choice = dataclasses.replace(choice, reason="auto: --check is exact in float32")
+    return choice
+
+
+def mode_line(choice: Any, engine: Any) -> str:
+    """What the start-up line says of the dtype and the forward."""
+    return f"{choice.describe()} weights, forward {engine.compiled or 'eager (--enforce-eager)'}"
 
 
 def add_speculative_options(parser: argparse.ArgumentParser, what: str = "") -> None:
@@ -157,37 +200,54 @@ def checked_device(device: str) -> Any:
         raise UsageError(f"--device {device}: {err}") from err
 
 
-def load_model(name: str, device: str, tensor_parallel_size: int = 1) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` on ``device``, or a usage error naming what is
-    missing; with ``tensor_parallel_size > 1`` this rank's shard of a group
-    started for it (``make_engine`` serves it with the same size)."""
+def load_model(
+    name: str, device: str, tensor_parallel_size: int = 1, dtype: Any = None
+) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` on ``device`` in ``dtype`` (a torch dtype; None:
+    float32), or a usage error naming what is missing; with
+    ``tensor_parallel_size > 1`` this rank's shard of a group started for it
+    (``make_engine`` serves it with the same size)."""
     import torch
 
     from mstar.engine.loader import load
     from mstar.engine.tp import load_sharded
 
     where = checked_device(device)
+    dtype = torch.float32 if dtype is None else dtype
     if tensor_parallel_size < 1:
         raise UsageError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
     try:
         if tensor_parallel_size > 1:
-            return load_sharded(name, tensor_parallel_size, where, torch.float32)
-        model, tokenizer = load(name)
+            return load_sharded(name, tensor_parallel_size, where, dtype)
+        model, tokenizer = load(name, dtype=dtype)
     except (FileNotFoundError, OSError, ValueError) as err:
         raise UsageError(f"--model {name}: {str(err).splitlines()[0]}") from err
     return model.to(where), tokenizer
 
 
-def make_engine(model: Any, tokenizer: Any, device: str, **kwargs: Any) -> Any:
-    """An ``Engine``, or a usage error for options it refuses (a pool too big for memory)."""
+def make_engine(
+    model: Any, tokenizer: Any, device: str, *, enforce_eager: bool = True, **kwargs: Any
+) -> Any:
+    """An ``Engine``, compiled unless ``enforce_eager`` (with a progress line
+    on stderr), or a usage error for options it refuses (a pool too big for memory)."""
     from mstar.engine import Engine
     from mstar.engine.device import flashinfer_or_none
 
     flashinfer = flashinfer_or_none(device, model) if device.startswith("cuda") else None
+    if not enforce_eager:
+        say("compiling the forward (cached for later runs)...")
     try:
-        return Engine(model, tokenizer, flashinfer=flashinfer, **kwargs)
+        engine = Engine(
+            model, tokenizer, flashinfer=flashinfer, compile=not enforce_eager, **kwargs
+        )
     except (TypeError, ValueError) as err:
         raise UsageError(str(err)) from err
+    return engine
+
+
+def say(line: str) -> None:
+    """A start-up line on stderr."""
+    print(f"mstar-kv: {line}", file=sys.stderr, flush=True)
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -216,12 +276,15 @@ def run_demo(args: argparse.Namespace) -> int:
             pages=args.pages, page_size=args.page_size, budget=args.budget, seed=args.seed,
             device=checked_device(args.device), verify=args.check,
         )  # fmt: skip
+    choice = resolved_dtype(args.dtype, args.device, exact=args.check)
+    dtype = choice.dtype
     if args.model == "random":
         reference, model = build_model(args.seed, checked_device(args.device))
+        reference, model = reference.to(dtype), model.to(dtype)
         tokenizer = None
         workload = random_workload(model.config.vocab_size, args.requests, args.seed)
     else:
-        model, tokenizer = load_model(args.model, args.device)
+        model, tokenizer = load_model(args.model, args.device, dtype=dtype)
         reference = copy.deepcopy(model) if args.check else None
         workload = chat_workload(tokenizer, args.requests, args.max_new_tokens, args.seed)
     engine = make_engine(
@@ -229,6 +292,7 @@ def run_demo(args: argparse.Namespace) -> int:
         num_pages=args.pages, page_size=args.page_size, token_budget=args.budget,
         prefix_cache=False if args.no_prefix_cache else None, tensor_parallel_size=args.tensor_parallel_size,
         **speculative_options(args),
+        enforce_eager=args.enforce_eager,
     )  # fmt: skip
     need = {
         r.id: engine.peak_pages(
@@ -242,6 +306,7 @@ def run_demo(args: argparse.Namespace) -> int:
             f"--pages {args.pages} is too small: {biggest} alone needs {need[biggest]} pages"
         )
     total = sum(len(r.prompt) + r.params.max_new_tokens * r.params.n for r in workload)
+    say(mode_line(choice, engine))
     with progress_bar(engine, total, disable=args.quiet) as update:
         done = serve(engine, workload, update)
     print_answers(workload, done)
@@ -283,9 +348,11 @@ def run_generate(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(str(err)) from err
     size = args.tensor_parallel_size
-    model, tokenizer = load_model(args.model, args.device, size)
+    choice = resolved_dtype(args.dtype, args.device)
+    model, tokenizer = load_model(args.model, args.device, size, choice.dtype)
     engine = make_engine(
         model, tokenizer, args.device, page_size=16, tensor_parallel_size=size,
+        enforce_eager=args.enforce_eager,
         **speculative_options(args),
     )  # fmt: skip
     chat = not args.raw and tokenizer.chat_template is not None
@@ -301,6 +368,7 @@ def run_generate(args: argparse.Namespace) -> int:
         completions = engine.stream(prompt, params)
     except ValueError as err:
         raise UsageError(str(err)) from err
+    say(mode_line(choice, engine))
     start, last = time.perf_counter(), None
     for last in completions:
         if params.n == 1:  # the one sample's text as it grows
@@ -332,6 +400,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     if args.tp:
         return run_bench_tp(args)
+    if args.roofline:
+        return run_bench_roofline(args)
     if args.speculative and not args.e2e:
         from mstar.bench.speculative import format_speculative, run_speculative
 
@@ -389,6 +459,27 @@ def run_bench(args: argparse.Namespace) -> int:
         from mstar.report import plot_latency
 
         plot_latency(rows, args.plot)
+    return 0
+
+
+def run_bench_roofline(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from mstar.bench.roofline import format_roofline, run_roofline
+
+    dtypes = (resolved_dtype(args.dtype, "cpu").dtype,) if args.dtype else None
+    options = {"dtypes": dtypes} if dtypes else {}
+    with Console(stderr=True).status("starting") as status:
+        result = run_roofline(
+            batches=(1, 32) if args.quick else (1, 8, 32, 128),
+            modes=(False,) if args.enforce_eager else (False, True),
+            stage=status.update,
+            **options,
+        )
+    Console(width=120).print(format_roofline(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
     return 0
 
 

@@ -4,7 +4,8 @@ Stages, in an order that gives answers even when FlashInfer cannot build:
 wheels (install ``.whl/*.whl`` with ``--no-index``), probe (torch, CUDA,
 FlashInfer), paged_attention on CUDA against the CPU, the pinned index ring,
 the engine on CUDA against the CPU engine, FlashInfer against
-paged_attention, tensor parallelism over 2 GPUs (skipped with fewer), then
+paged_attention, the compiled forward with CUDA graphs against the eager
+engine, tensor parallelism over 2 GPUs (skipped with fewer), then
 a timing table. Each stage runs in its own process
 group under its own timeout, all within one overall budget; a skipped stage
 says why in one line. The last line is "N passed, M failed". Everything is
@@ -38,6 +39,7 @@ TEST_STAGES = (
     ("ring", "tests/test_cuda_ring.py", 60),
     ("engine", "tests/test_cuda_engine.py", 120),
     ("flashinfer", "tests/test_flashinfer_cuda.py", 300),
+    ("compiled", "tests/test_cuda_compiled.py", 240),  # torch.compile + CUDA graphs
     ("tensor_parallel", "tests/test_cuda_tp.py", 120),  # NCCL, TP=2: with 2 GPUs only
 )
 WHEELS_TIMEOUT_S, PROBE_TIMEOUT_S, TIMING_TIMEOUT_S = 120, 120, 90

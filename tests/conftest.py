@@ -3,6 +3,7 @@ adapter's wiring runs on the CPU."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -14,6 +15,9 @@ import torch
 from mstar.engine.resources.attn.flashinfer import FlashInferPagedAttention
 from mstar.engine.resources.attn.paged import paged_attention
 from mstar.engine.resources.kv.plan import PagedIndptrs
+
+# The CLI compiles the forward by default: tests run it eager (test_compiled.py compiles).
+os.environ.setdefault("MSTAR_KV_ENFORCE_EAGER", "1")
 
 
 def _fake_flashinfer(log: list, decode_seq_lens: str) -> SimpleNamespace:

@@ -150,8 +150,8 @@ def test_a_slow_tokenizer_is_refused(tiny):
     [
         ({"device": "foo"}, ValueError, "'foo'"),
         ({"device": "tpu"}, ValueError, "'tpu'"),
-        ({"dtype": torch.int8}, TypeError, "dtype"),
-        ({"dtype": "float32"}, TypeError, "dtype"),
+        ({"dtype": torch.int8}, ValueError, "dtype"),
+        ({"dtype": "fp32"}, ValueError, "'fp32'"),
     ],
 )
 def test_from_pretrained_checks_its_arguments_before_loading(kwargs, error, match):

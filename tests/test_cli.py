@@ -144,15 +144,17 @@ def test_generate_streams_a_chat_answer_on_smollm2(smollm2, capsys):
     assert main(["generate", *args]) == 0
     out, err = capsys.readouterr()
     assert out == "The capital of France is Paris.\n"
+    mode, err = err.split("\n", 1)  # the start-up line first: dtype and forward
+    assert mode.startswith("mstar-kv: ") and " weights, forward " in mode
     assert err.startswith("(stop: 8 tokens, ") and err.endswith(" tokens/s)\n")
     default = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
     system = ["--system", default, "--stop", " of France", "--max-new-tokens", "12"]
     assert main(["generate", *system, "What is the capital of France?"]) == 0
     out, err = capsys.readouterr()
-    assert out == "The capital\n" and err.startswith("(stop: 4 tokens")
+    assert out == "The capital\n" and err.split("\n", 1)[1].startswith("(stop: 4 tokens")
     assert main(["generate", "--raw", "--max-new-tokens", "3", "The capital of France is"]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith(" Paris") and err.startswith("(length: 3 tokens")
+    assert out.startswith(" Paris") and err.split("\n", 1)[1].startswith("(length: 3 tokens")
 
 
 def test_demo_on_smollm2_checks_against_hf_generate(smollm2, capsys):

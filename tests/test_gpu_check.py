@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CUDA_STAGES = ("paged_attention", "ring", "engine", "flashinfer", "tensor_parallel")
+CUDA_STAGES = ("paged_attention", "ring", "engine", "flashinfer", "compiled", "tensor_parallel")
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_dry_run_offline_installs_the_wheels_and_says_what_it_skips(tmp_path):
     )
     lines = done.stdout.splitlines()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert lines[-1] == "7 passed, 0 failed"  # wheels, 5 collected stages, timing on the CPU
+    assert lines[-1] == "8 passed, 0 failed"  # wheels, 6 collected stages, timing on the CPU
     assert any(ln.startswith("ok wheels: gpu_check_probe-0.0.0") for ln in lines)
     for stage in CUDA_STAGES:
         (skip,) = [ln for ln in lines if ln.startswith(f"skip {stage}: ")]
@@ -75,7 +75,7 @@ def test_dry_run_offline_installs_the_wheels_and_says_what_it_skips(tmp_path):
     assert not [ln for ln in lines if ln.startswith("FAIL")]
     out = tmp_path / "out"
     assert "plan layer µs" in (out / "gpu_timing.txt").read_text()
-    assert "7 passed, 0 failed" in (out / "gpu_check.log").read_text()
+    assert "8 passed, 0 failed" in (out / "gpu_check.log").read_text()
     print(f"dry run: {time.monotonic() - t0:.0f} s")
 
 

@@ -3,7 +3,8 @@ spirit of vLLM's serving benchmark.
 
 Each target gets, per rate, the same N streamed chat requests (the demo's
 questions in turn, greedy, ``max_tokens`` each) arriving all at once
-("burst") or as a Poisson process; reported: output tokens/s, time to first
+("burst"), one after another ("serial": each sent when the one before
+ends) or as a Poisson process; reported: output tokens/s, time to first
 token and time per output token (p50/p90/p99). Our own server runs as a
 ``mstar-kv serve`` process (its peak resident memory is read from /proc);
 ``urls`` add other servers (``http://host:port/v1``), measured in the same run.
@@ -30,6 +31,7 @@ import httpx
 from mstar.demo import CHAT_QUESTIONS
 
 BURST = math.inf
+SERIAL = 0.0  # one request at a time
 START_TIMEOUT_S = 600
 REQUEST_TIMEOUT_S = 1800
 SEED = 0
@@ -52,14 +54,19 @@ class Sample:
 
 
 def parse_rates(text: str) -> list[float]:
-    """``"burst,0.5"`` -> ``[inf, 0.5]``; ValueError for anything else."""
+    """``"burst,serial,0.5"`` -> ``[inf, 0.0, 0.5]``; ValueError for anything else."""
     rates = []
     for part in text.split(","):
-        rate = BURST if part.strip() == "burst" else float(part)
-        if not rate > 0:
-            raise ValueError(f"expected 'burst' or a rate > 0, got {part!r}")
+        named = {"burst": BURST, "serial": SERIAL}
+        rate = named[part.strip()] if part.strip() in named else float(part)
+        if not (rate > 0 or part.strip() == "serial"):
+            raise ValueError(f"expected 'burst', 'serial' or a rate > 0, got {part!r}")
         rates.append(rate)
     return rates
+
+
+def rate_name(rate: float) -> str | float:
+    return "burst" if rate == BURST else "serial" if rate == SERIAL else rate
 
 
 def arrivals(n: int, rate: float, seed: int = SEED) -> list[float]:
@@ -128,7 +135,10 @@ async def run_load(
             tick()
             return sample
 
-        samples = await asyncio.gather(*(at(w, b) for w, b in zip(arrivals(n, rate), bodies)))
+        if rate == SERIAL:
+            samples = [await at(0.0, b) for b in bodies]
+        else:
+            samples = await asyncio.gather(*(at(w, b) for w, b in zip(arrivals(n, rate), bodies)))
     return list(samples), time.perf_counter() - start
 
 
@@ -144,7 +154,7 @@ def summarize(target: str, rate: float, samples: list[Sample], seconds: float) -
     tokens = sum(s.tokens for s in ok)
     return {
         "target": target,
-        "rate": "burst" if rate == BURST else rate,
+        "rate": rate_name(rate),
         "requests": len(samples),
         "completed": len(ok),
         "errors": sorted({s.error for s in samples if s.error})[:3],
@@ -157,15 +167,15 @@ def summarize(target: str, rate: float, samples: list[Sample], seconds: float) -
 
 
 class OwnServer:
-    """``mstar-kv serve --model smollm2`` as a child process on a free port."""
+    """``mstar-kv serve --model smollm2 [ARGS]`` as a child process on a free port."""
 
-    def __init__(self) -> None:
+    def __init__(self, args: Sequence[str] = ()) -> None:
         from mstar.serve.cli import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         cmd = [sys.executable, "-m", "mstar.cli", "serve", "--model", "smollm2",
-               "--port", str(self.port)]  # fmt: skip
+               "--port", str(self.port), *args]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def __enter__(self) -> OwnServer:
@@ -224,7 +234,7 @@ JSON_SCHEMA_BODY = {
 
 def run_serve_bench(
     urls: Sequence[str], rates: Sequence[float], *, requests: int, max_tokens: int,
-    self_server: bool = True,
+    self_server: bool = True, server_args: Sequence[str] = (),
 ) -> dict:  # fmt: skip
     """Every target at every rate; the rows and each target's peak memory."""
     from rich.progress import Progress
@@ -233,7 +243,7 @@ def run_serve_bench(
     rows, memory = [], {}
     with Progress(transient=True) as progress:
         for target in targets:
-            own = OwnServer() if target == "mstar-kv serve" else None
+            own = OwnServer(server_args) if target == "mstar-kv serve" else None
             with own or contextlib.nullcontext():
                 url = own.url if own else target.rstrip("/")
                 model = model_of(url)
@@ -309,7 +319,8 @@ def plot_serve(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rates = sorted(
-        {r["rate"] for r in result["rows"]}, key=lambda x: math.inf if x == "burst" else x
+        {r["rate"] for r in result["rows"]},
+        key=lambda x: math.inf if x == "burst" else -1.0 if x == "serial" else x,
     )
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, title in zip(
@@ -321,7 +332,7 @@ def plot_serve(result: dict, path: str) -> None:
             for q, style in ((0, "-o"), (1, "--")):
                 ys = [rows[rates[i]][key][q] for i in xs]
                 ax.plot(xs, ys, style, color=f"C{color}", label=f"{target} p{(50, 90)[q]}")
-        ax.set_xticks(range(len(rates)), [f"{r}/s" if r != "burst" else "burst" for r in rates])
+        ax.set_xticks(range(len(rates)), [r if isinstance(r, str) else f"{r}/s" for r in rates])
         ax.set_xlabel("request rate")
         ax.set_ylabel("seconds")
         ax.set_yscale("log")

@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
+from mstar.engine.compiled import compiled_or_why
 from mstar.engine.device import check_pool_fits, checked_device, flashinfer_or_none, pool_pages
+from mstar.engine.dtypes import resolve_dtype
 from mstar.engine.intake import Intake, RequestTooLarge
 from mstar.engine.logits import LogitsPipeline
 from mstar.engine.prompts import NOT_A_SEQUENCE, chat_ids, prompt_list
@@ -116,6 +118,11 @@ class Engine:
     N - 1 worker processes run the other shards, each with a ``KVCache`` of
     its own KV heads. ``close()`` (or ``with Engine(...)``) stops them.
 
+    ``compile=True`` runs the model's forward under ``torch.compile``
+    (compiled at once, on a warm-up request; ``engine.compiled`` says
+    ``"compiled (N s)"`` or why it fell back to eager): see
+    ``mstar.engine.compiled``.
+
     A call that raises leaves the engine as it found it: nothing of that call
     stays queued, no page leaks.
     """
@@ -134,6 +141,7 @@ class Engine:
         tensor_parallel_size: int = 1,
         speculative: str | None = None,
         num_speculative_tokens: int = 4,
+        compile: bool = False,
     ) -> None:
         options = {"page_size": page_size, "token_budget": token_budget, "num_pages": num_pages}
         for name, value in options.items():
@@ -186,6 +194,8 @@ class Engine:
         self.stats = EngineStats()
         self._running: dict[str, Request] = {}  # unfinished, oldest first
         self._ids = itertools.count()
+        # None: eager as asked; else "compiled" or why it runs eager (mstar.engine.compiled)
+        self.compiled = compiled_or_why(self) if compile else None
 
     @classmethod
     def from_pretrained(
@@ -193,10 +203,15 @@ class Engine:
         name: str | os.PathLike[str],
         *,
         device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: str | torch.dtype = torch.float32,
         **kwargs: Any,
     ) -> Engine:
         """``name``: ``"smollm2"``, a GGUF file or a Hugging Face model folder.
+        ``dtype``: ``"auto"`` (bfloat16 on CUDA and on CPUs with a native
+        bfloat16 matmul, else float32), ``"float32"`` (the default: exact
+        against HF), ``"bfloat16"``, ``"float16"`` or a torch dtype; see
+        ``mstar.engine.dtypes``. ``compile=True`` compiles the forward
+        (``mstar.engine.compiled``).
         ``device="cuda"`` uses FlashInfer when it is installed and serves the
         model (fp16/bf16 weights, head width 64/128/256); else ``paged_attention``.
         With ``tensor_parallel_size=N > 1`` each rank loads only its shard."""
@@ -204,9 +219,8 @@ class Engine:
 
         if not isinstance(name, str | os.PathLike):
             raise TypeError(f"expected name a str or a path, got {name!r}")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"expected dtype a floating torch.dtype, got {dtype!r}")
         device = checked_device(device)
+        dtype = resolve_dtype(dtype, device).dtype
         size = check_size(kwargs.get("tensor_parallel_size", 1))
         if size > 1:
             model, tokenizer = load_sharded(os.fspath(name), size, device, dtype)

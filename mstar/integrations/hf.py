@@ -510,14 +510,10 @@ def _paged_attention_forward(
     ``key``/``value`` ``[1, H_kv, T, D]`` / ``[..., D_v]`` (RoPE applied) in,
     ``[1, T, H, D_v]`` out. ``attention_mask`` is ignored: the plan says what
     each token sees."""
-    context = _CONTEXT.get()
-    if isinstance(context, _Probe):
-        return _record(context, module, query, key, value, attention_mask, kwargs)
-    if context is None:
-        raise ValueError(
-            "expected a plan and a cache for paged attention, got none: run the model"
-            " through mstar.integrations.hf.forward_step(model, input_ids, plan, cache)"
-        )
+    if not torch.compiler.is_compiling():
+        context = _CONTEXT.get()
+        if isinstance(context, _Probe):
+            return _record(context, module, query, key, value, attention_mask, kwargs)
     unknown = kwargs.keys() - KNOWN_KEYWORDS
     if unknown:
         raise ValueError(
@@ -527,7 +523,65 @@ def _paged_attention_forward(
         raise ValueError(f"expected a packed batch of 1, got batch {query.shape[0]}")
     if kwargs.get("dropout"):
         raise ValueError(f"expected attention dropout 0 (model.eval()), got {kwargs['dropout']}")
-    layer = module.layer_idx
+    sliding_window = kwargs.get("sliding_window")
+    scaling, softcap, sinks = kwargs.get("scaling"), kwargs.get("softcap"), kwargs.get("s_aux")
+    if torch.compiler.is_compiling():  # one opaque op in the graph: it never breaks there
+        out = torch.ops.mstar.paged_attention(
+            query, key, value, module.layer_idx, scaling, sliding_window, softcap, sinks
+        )
+        return out, None
+    out = _attend_layer(
+        query, key, value, module.layer_idx, scaling, sliding_window, softcap, sinks
+    )
+    return out, None
+
+
+# Host work each call (the plan's index arrays): CUDA graphs capture around it.
+@torch.library.custom_op(
+    "mstar::paged_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,)
+)
+def _paged_attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """One layer's cache write and paged attention as a custom op, for a
+    compiled forward: the step's plan and cache come from the context
+    ``forward_step`` sets (they are no tensors of the graph), the cache is
+    written in place. ``query`` ``[1, H, T', D]`` may be padded past the
+    step's tokens (a compiled forward's bucket): the extra queries give zeros."""
+    return _attend_layer(query, key, value, layer, scaling, sliding_window, softcap, sinks)
+
+
+@_paged_attention_op.register_fake
+def _(query, key, value, layer, scaling, sliding_window, softcap, sinks):
+    return query.new_empty((1, query.shape[2], query.shape[1], value.shape[3]))
+
+
+def _attend_layer(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Write layer ``layer``'s keys and values into the step's cache and
+    attend over its plan: ``[1, T', H, D_v]`` (T' >= the step's tokens; the
+    queries past them give zeros)."""
+    context = _CONTEXT.get()
+    if not isinstance(context, _Step):
+        raise ValueError(
+            "expected a plan and a cache for paged attention, got none: run the model"
+            " through mstar.integrations.hf.forward_step(model, input_ids, plan, cache)"
+        )
     if layer in context.layers_seen:
         raise ValueError(
             f"expected one attention call per layer and step, got a second in layer {layer}"
@@ -535,15 +589,17 @@ def _paged_attention_forward(
     context.layers_seen.add(layer)
     group, local = (0, layer) if context.where is None else context.where[layer]
     plan, cache = context.plans[group], context.caches[group]
+    total, padded = plan.get_total_len(), query.shape[2]
+    if padded != total:
+        query, key, value = query[:, :, :total], key[:, :, :total], value[:, :, :total]
     q = query[0].transpose(0, 1)
     cache.write(local, plan, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    sliding_window = kwargs.get("sliding_window")
     options = {
         "causal": True,
-        "sm_scale": kwargs.get("scaling"),
+        "sm_scale": scaling,
         "window_left": -1 if sliding_window is None else sliding_window - 1,
-        "softcap": kwargs.get("softcap"),
-        "sinks": kwargs.get("s_aux"),
+        "softcap": softcap,
+        "sinks": sinks,
         "chunk_size": context.chunk_sizes[layer],
     }
     if context.flashinfer is None:
@@ -565,7 +621,9 @@ def _paged_attention_forward(
             **options,
         )
         out = context.flashinfer.run(q, cache.layer(local))
-    return out[None], None
+    if padded != total:
+        out = torch.cat([out, out.new_zeros((padded - total, *out.shape[1:]))])
+    return out[None]
 
 
 def _record(

@@ -53,7 +53,8 @@ def add_bench_options(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--requests", type=int, default=32, help="--serve: requests per rate")
     bench.add_argument("--max-tokens", type=int, default=64, help="--serve: per request")
     bench.add_argument(
-        "--rates", default="burst,0.5", help="--serve: requests/s, comma-separated; burst: all at once"
+        "--rates", default="burst,0.5",
+        help="--serve: requests/s, comma-separated; burst: all at once, serial: one at a time"
     )  # fmt: skip
 
 
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         least, value = int(name != "port"), getattr(args, name)
         if value is not None and value < least:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
-    engine = _engine(args)
+    engine, mode = _engine(args)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("mstar").setLevel(logging.INFO)  # a line per request
     name = args.served_model_name or ("random" if args.model == "random" else Path(args.model).stem)
@@ -79,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     mgr = engine.mgr
     print(
         f"mstar-kv serve: {name} on http://{args.host}:{args.port}/v1 ({args.device}, "
+        f"{mode}, "
         f"{mgr.num_pages} KV pages of {mgr.page_size} tokens, {engine.budget} tokens/step, "
         f"prefix cache {'on' if engine.prefix_cache else 'off'}, max waiting {args.max_waiting})",
         flush=True,
@@ -120,19 +122,32 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _engine(args: argparse.Namespace) -> Any:
-    from mstar.cli import checked_device, load_model, make_engine, speculative_options
+    """The engine ``serve`` runs, and its dtype and forward (``mode_line``)."""
+    from mstar.cli import (
+        checked_device,
+        load_model,
+        make_engine,
+        mode_line,
+        resolved_dtype,
+        speculative_options,
+    )
 
+    choice = resolved_dtype(args.dtype, args.device)
+    dtype = choice.dtype
     if args.model == "random":
         from mstar.demo import build_model
 
-        model, tokenizer = build_model(args.seed, str(checked_device(args.device)))[1], None
+        model = build_model(args.seed, str(checked_device(args.device)))[1].to(dtype)
+        tokenizer = None
     else:
-        model, tokenizer = load_model(args.model, args.device, args.tensor_parallel_size)
-    return make_engine(
+        model, tokenizer = load_model(args.model, args.device, args.tensor_parallel_size, dtype)
+    engine = make_engine(
         model, tokenizer, args.device, num_pages=args.pages, page_size=args.page_size,
         token_budget=args.budget, prefix_cache=False if args.no_prefix_cache else None,
-        tensor_parallel_size=args.tensor_parallel_size, **speculative_options(args),
+        tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+        **speculative_options(args),
     )  # fmt: skip
+    return engine, mode_line(choice, engine)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -160,6 +175,8 @@ def run_bench(args: argparse.Namespace) -> int:
     result = run_serve_bench(
         args.url, rates, requests=8 if args.quick else args.requests,
         max_tokens=16 if args.quick else args.max_tokens, self_server=not args.no_self,
+        server_args=[*(["--dtype", args.dtype] if args.dtype else []),
+                     *(["--enforce-eager"] if args.enforce_eager else [])],
     )  # fmt: skip
     print(format_serve(result))
     if args.json:

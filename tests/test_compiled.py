@@ -1,0 +1,90 @@
+"""The compiled forward (``Engine(..., compile=True)``): exact in float32
+against HF, one graph for every step, and eager when it cannot compile."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from mstar.cli import main
+from mstar.demo import build_model
+from mstar.engine import Engine, SamplingParams
+from mstar.engine import compiled as compiled_module
+
+OPTIONS = {"num_pages": 64, "page_size": 8, "token_budget": 32}
+
+
+def test_token_counts_pad_to_a_few_buckets():
+    assert [compiled_module.cpu_bucket(n) for n in (1, 2, 3, 37)] == [2, 2, 3, 37]
+    want = [2, 2, 4, 4, 8, 32, 32, 64]
+    assert [compiled_module.cuda_bucket(n) for n in (1, 2, 3, 4, 5, 31, 32, 33)] == want
+
+
+@pytest.fixture(scope="module")
+def models():
+    return build_model(seed=0)
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 256) for _ in range(rng.randint(3, 40))] for _ in range(count)]
+
+
+def _hf(reference, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = reference.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_compiled_float32_is_exact_against_hf_in_one_graph(models):
+    from torch._dynamo.utils import counters
+
+    reference, paged = models
+    engine = Engine(copy.deepcopy(paged), compile=True, **OPTIONS)
+    assert engine.compiled.startswith("compiled"), engine.compiled
+    assert engine.stats.steps == 0 and not engine.has_unfinished()
+    graphs = counters["stats"]["unique_graphs"]
+    prompts = _prompts(7, seed=3)  # chunked prefills, mixed and decode steps of 1..7 rows
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    done = engine.generate(prompts, params)
+    assert [d.outputs[0].token_ids for d in done] == [_hf(reference, p, 12) for p in prompts]
+    (one,) = engine.generate([prompts[0][:5]], params)  # a lone request: 1-token steps
+    assert one.outputs[0].token_ids == _hf(reference, prompts[0][:5], 12)
+    assert counters["stats"]["unique_graphs"] == graphs, "a step recompiled"
+
+
+def test_a_forward_that_does_not_compile_runs_eager_and_exact(models, monkeypatch):
+    def failing(fn, **options):
+        def run(*args, **kwargs):
+            raise RuntimeError("no backend here\nsecond line")
+
+        return run
+
+    monkeypatch.setattr(compiled_module.torch, "compile", failing)
+    reference, paged = models
+    engine = Engine(copy.deepcopy(paged), compile=True, **OPTIONS)
+    assert engine.compiled == "eager: the forward does not compile (RuntimeError: no backend here)"
+    assert "forward" not in vars(engine.model) and engine.stats.steps == 0
+    prompt = _prompts(1, seed=5)[0]
+    (done,) = engine.generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert done.outputs[0].token_ids == _hf(reference, prompt, 6)
+
+
+@pytest.mark.parametrize("flag, compiles", [([], True), (["--enforce-eager"], False)])
+def test_the_cli_compiles_unless_told_not_to(flag, compiles, monkeypatch, capsys):
+    asked = []
+
+    def record(engine):
+        asked.append(True)
+        return "compiled (0 s)"
+
+    monkeypatch.delenv("MSTAR_KV_ENFORCE_EAGER", raising=False)
+    monkeypatch.setattr("mstar.engine.engine.compiled_or_why", record)
+    args = ["demo", "--model", "random", "--quiet", "--requests", "2", "--max-new-tokens", "2"]
+    assert main([*args, *flag]) == 0
+    err = capsys.readouterr().err
+    assert bool(asked) == compiles
+    assert ("weights, forward compiled (0 s)\n" in err) == compiles

@@ -1,0 +1,28 @@
+"""``bench --roofline``'s arithmetic: the linear parameters a decode step
+reads and the floor it cannot beat (no timing here)."""
+
+from __future__ import annotations
+
+import torch
+
+from mstar.bench.roofline import floor_s, linear_parameters
+from mstar.demo import build_model
+
+
+def test_linear_parameters_count_a_tied_head_once():
+    model = build_model(seed=0)[1]
+    config = model.config
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    kv = config.num_key_value_heads * (h // config.num_attention_heads)
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i
+    head = config.vocab_size * h
+    assert linear_parameters(model) == layers * per_layer + head
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied: one read
+    assert linear_parameters(model) == layers * per_layer + head
+
+
+def test_the_floor_is_the_slower_of_reading_the_weights_and_multiplying():
+    rates = {"read_bytes_s": 1e9, "gemm_flop_s_float32": 1e9, "gemm_flop_s_bfloat16": 4e9}
+    assert floor_s(rates, 1000, torch.bfloat16, 1) == 2000 / 1e9  # bytes bound
+    assert floor_s(rates, 1000, torch.float32, 1) == 4000 / 1e9
+    assert floor_s(rates, 1000, torch.bfloat16, 100) == 2 * 100 * 1000 / 4e9  # compute bound
