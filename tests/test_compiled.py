@@ -88,3 +88,20 @@ def test_the_cli_compiles_unless_told_not_to(flag, compiles, monkeypatch, capsys
     err = capsys.readouterr().err
     assert bool(asked) == compiles
     assert ("weights, forward compiled (0 s)\n" in err) == compiles
+
+
+def test_compiled_verify_rows_are_exact_against_hf(models):
+    """Speculative verify rows (several logits a row) through the compiled
+    forward: greedy equals HF, drafts accepted, still one graph."""
+    from torch._dynamo.utils import counters
+
+    reference, paged = models
+    engine = Engine(copy.deepcopy(paged), compile=True, speculative="ngram", **OPTIONS)
+    graphs = counters["stats"]["unique_graphs"]
+    base = _prompts(3, seed=5)
+    prompts = [p + p[:12] + p for p in base]  # text that repeats itself: drafts match
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    done = engine.generate(prompts, params)
+    assert [d.outputs[0].token_ids for d in done] == [_hf(reference, p, 16) for p in prompts]
+    assert engine.stats.spec_accepted > 0, engine.stats
+    assert counters["stats"]["unique_graphs"] == graphs, "a verify step recompiled"
