@@ -60,7 +60,7 @@ class Subscriber:
         """Receive every message waiting (within ``timeout_ms`` for the first)."""
         n = 0
         while self.sub.poll(timeout_ms if n == 0 else 50):
-            topic, seq, payload = self.sub.recv_multipart()
+            _topic, seq, payload = self.sub.recv_multipart()
             self.batches.append((int.from_bytes(seq, "big"), self.decoder.decode(payload)))
             n += 1
         return n
