@@ -36,6 +36,34 @@ def add_parser(subparsers: Any) -> None:
     from mstar.cli import add_tensor_parallel_option
 
     add_tensor_parallel_option(p)
+    add_replica_options(p)
+
+
+def add_replica_options(p: argparse.ArgumentParser) -> None:
+    """``serve --replicas N`` and the options of replicas on Ray Serve."""
+    g = p.add_argument_group("replicas on Ray Serve (pip install 'mstar-kv[replicas]')")
+    g.add_argument("--replicas", type=int, help="serve N engine replicas through Ray Serve")
+    g.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
+    g.add_argument(
+        "--router", default="prefix", choices=("prefix", "round-robin", "least-loaded"),
+        help="how requests pick a replica (default prefix: the longest cached prefix)",
+    )  # fmt: skip
+    g.add_argument(
+        "--balance-threshold", type=int, default=8,
+        help="prefix router: past this gap in requests in flight, the least loaded (default 8)",
+    )  # fmt: skip
+    g.add_argument("--autoscaling-config", help="Ray Serve's autoscaling_config, as JSON")
+    g.add_argument(
+        "--replica-options", default="{}",
+        help='Ray actor options of each replica, as JSON (e.g. {"num_gpus": 1})',
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-events-endpoint",
+        help="publish KV-cache events (vLLM's format) on ZMQ: replica i on tcp://HOST:PORT+i",
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-events-replay-endpoint", help="the events' replay socket: replica i on PORT+i"
+    )
 
 
 def add_bench_options(bench: argparse.ArgumentParser) -> None:
@@ -65,8 +93,12 @@ def run(args: argparse.Namespace) -> int:
         least, value = int(name != "port"), getattr(args, name)
         if value is not None and value < least:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
-    engine = _engine(args)
-    name = args.served_model_name or ("random" if args.model == "random" else Path(args.model).stem)
+    if args.replicas is not None:
+        from mstar.serve.replicas import run_replicas
+
+        return run_replicas(args)
+    engine = build_engine(args)
+    name = model_name(args)
     app = create_app(engine, model_name=name, max_waiting=args.max_waiting)
     mgr = engine.mgr
     print(
@@ -95,7 +127,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _engine(args: argparse.Namespace) -> Any:
+def model_name(args: argparse.Namespace) -> str:
+    """The model's name in the API."""
+    return args.served_model_name or ("random" if args.model == "random" else Path(args.model).stem)
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    """The engine ``serve``'s options describe."""
     from mstar.cli import checked_device, load_model, make_engine
 
     if args.model == "random":
