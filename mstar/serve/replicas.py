@@ -131,7 +131,8 @@ class EngineReplica:
         arguments are the router's)."""
         aengine = self.app.state.engine
         prefix = await aengine.run(lambda e: e.mgr.prefix_stats())
-        return {"rank": self.rank, "running": aengine.num_running,
+        return {"rank": self.rank, "id": serve.get_replica_context().replica_id.unique_id,
+                "running": aengine.num_running,
                 "waiting": aengine.num_waiting, **prefix}  # fmt: skip
 
     async def metrics(self, *_: Any) -> tuple[int, str]:
