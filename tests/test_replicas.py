@@ -6,6 +6,7 @@ events, routing by cached prefix against round-robin, a replica killed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import random
@@ -159,6 +160,34 @@ def test_bad_requests_get_the_bodies_one_server_sends(prefix_routed, model):
             status, error = post(prefix_routed.url, body)
             assert (status, error) == post(one.url, body), body
             assert status in (400, 404)
+
+
+def generated(c: Cluster) -> float:
+    text = httpx.get(f"{c.base}/metrics", timeout=TIMEOUT_S).text
+    return sum(
+        float(v) for v in re.findall(r"^mstar_generation_tokens_total{.*} (\S+)$", text, re.M)
+    )
+
+
+def test_clients_that_disconnect_have_their_requests_aborted(prefix_routed):
+    """Twelve long streams (one runs at a time per replica), all dropped once
+    their responses began: the replicas stop them, well short of their tokens."""
+    before = generated(prefix_routed)
+    body = {"model": MODEL, "max_tokens": 300, "temperature": 0, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=TIMEOUT_S) as http, contextlib.AsyncExitStack() as s:
+            for p in PROMPTS[:12]:
+                url = f"{prefix_routed.url}/completions"
+                await s.enter_async_context(http.stream("POST", url, json={**body, "prompt": p}))
+
+    asyncio.run(asyncio.wait_for(run(), TIMEOUT_S))
+    assert wait_until(
+        lambda: not any(s["running"] or s["waiting"] for s in prefix_routed.replicas()),
+        timeout=TIMEOUT_S,
+    )
+    assert generated(prefix_routed) - before < 12 * 300 / 2
 
 
 def test_events_decode_and_chain_across_both_replicas(prefix_routed):
