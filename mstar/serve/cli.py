@@ -79,6 +79,19 @@ def add_bench_options(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--rates", default="burst,0.5", help="--serve: requests/s, comma-separated; burst: all at once"
     )  # fmt: skip
+    bench.add_argument(
+        "--replicas", type=int, default=2, help="--workload shared-prefix: on Ray Serve"
+    )
+    bench.add_argument(
+        "--routers", default="prefix,round-robin", help="--workload shared-prefix: comma-separated"
+    )  # fmt: skip
+    bench.add_argument(
+        "--systems", type=int, default=4, help="--workload shared-prefix: system prompts"
+    )  # fmt: skip
+    bench.add_argument("--bench-model", default="smollm2", help="--workload shared-prefix")
+    bench.add_argument(
+        "--bench-pages", type=int, default=512, help="--workload shared-prefix: pages a replica"
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -164,6 +177,10 @@ def run_bench(args: argparse.Namespace) -> int:
         raise UsageError("--no-self needs at least one --url")
     if args.requests < 1 or args.max_tokens < 1:
         raise UsageError("--requests and --max-tokens must be >= 1")
+    if args.workload == "shared-prefix":
+        return _run_shared_prefix(args, rates)
+    if args.workload != "chat":
+        raise UsageError(f"--workload {args.workload} goes with --e2e, not --serve")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -179,4 +196,32 @@ def run_bench(args: argparse.Namespace) -> int:
             json.dump(result, f, indent=2)
     if args.plot:
         plot_serve(result, args.plot)
+    return 0 if all(r["completed"] == r["requests"] for r in result["rows"]) else 1
+
+
+def _run_shared_prefix(args: argparse.Namespace, rates: list[float]) -> int:
+    """``bench --serve --workload shared-prefix``: routers side by side."""
+    import json
+
+    from mstar.cli import UsageError
+
+    routers = [r.strip() for r in args.routers.split(",")]
+    if bad := [r for r in routers if r not in ("prefix", "round-robin", "least-loaded")]:
+        raise UsageError(f"--routers: expected prefix, round-robin or least-loaded, got {bad[0]!r}")
+    if args.replicas < 1 or args.systems < 1 or args.bench_pages < 1:
+        raise UsageError("--replicas, --systems and --bench-pages must be >= 1")
+    try:
+        from mstar.bench.replicas import format_replicas, run_replicas_bench
+    except ImportError as err:
+        msg = f"--workload shared-prefix needs pip install 'mstar-kv[replicas]': {err}"
+        raise UsageError(msg) from err
+    result = run_replicas_bench(
+        model=args.bench_model, replicas=args.replicas, routers=routers,
+        requests=8 if args.quick else args.requests, systems=args.systems,
+        max_tokens=16 if args.quick else args.max_tokens, rates=rates, pages=args.bench_pages,
+    )  # fmt: skip
+    print(format_replicas(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
     return 0 if all(r["completed"] == r["requests"] for r in result["rows"]) else 1
