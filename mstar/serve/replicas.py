@@ -131,8 +131,10 @@ class EngineReplica:
         arguments are the router's)."""
         aengine = self.app.state.engine
         prefix = await aengine.run(lambda e: e.mgr.prefix_stats())
+        import ray
+
         return {"rank": self.rank, "id": serve.get_replica_context().replica_id.unique_id,
-                "running": aengine.num_running,
+                "node": ray.util.get_node_ip_address(), "running": aengine.num_running,
                 "waiting": aengine.num_waiting, **prefix}  # fmt: skip
 
     async def metrics(self, *_: Any) -> tuple[int, str]:
@@ -287,8 +289,14 @@ def build_app(config: ReplicaConfig, scaling: Scaling | None = None) -> Any:
 
 def app_builder(args: dict[str, str]) -> Any:
     """``build_app`` from ``serve run``'s ``key=value`` arguments (or YAML
-    ``args``): ``ReplicaConfig``'s and ``Scaling``'s fields, plus
-    ``kv_events_endpoint``/``kv_events_replay_endpoint``."""
+    ``args``): see ``parse_args``."""
+    return build_app(*parse_args(args))
+
+
+def parse_args(args: dict[str, Any]) -> tuple[ReplicaConfig, Scaling]:
+    """``ReplicaConfig``'s and ``Scaling``'s fields by name (strings are read
+    as JSON where the field is not a string), plus ``kv_events_endpoint``
+    and ``kv_events_replay_endpoint``; ``ValueError`` naming an unknown one."""
     config, scaling = ReplicaConfig(), Scaling()
     args = dict(args)
     events = args.pop("kv_events_endpoint", None)
@@ -306,7 +314,7 @@ def app_builder(args: dict[str, str]) -> Any:
             scaling = replace(scaling, **{key: value})
     if events:
         config = replace(config, kv_events=EventsConfig(events, replay))
-    return build_app(config, scaling)
+    return config, scaling
 
 
 async def _next_or_end(sent: asyncio.Queue, task: asyncio.Task) -> dict | None:
