@@ -120,3 +120,21 @@ def test_builder_args_read_as_the_fields_they_set():
     assert config.kv_events.for_rank(2) == ("tcp://127.0.0.1:5559", None)
     with pytest.raises(ValueError, match="'colour'"):
         parse_args({"colour": "blue"})
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--replicas", "0"], "--replicas must be >= 1"),
+        (["--replicas", "2", "--autoscaling-config", "{nope"], "not JSON"),
+        (["--replicas", "2", "--kv-events-endpoint", "ipc:///x"], "tcp://HOST:PORT"),
+        (["--replicas", "2", "--kv-events-endpoint", "tcp://*:5557", "--no-prefix-cache"],
+         "needs the prefix cache"),
+    ],
+)  # fmt: skip
+def test_replica_option_mistakes_exit_2_with_one_line_before_ray_starts(capsys, args, message):
+    from mstar.cli import main
+
+    assert main(["serve", "--model", "random", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

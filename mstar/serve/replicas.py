@@ -347,6 +347,11 @@ def _scope(method: str, path: str) -> dict:
             "query_string": b"", "headers": [], "server": None, "client": None}  # fmt: skip
 
 
+def _last_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else repr(err)
+
+
 def _rank() -> int:
     rank = serve.get_replica_context().rank
     return rank if isinstance(rank, int) else rank.rank
@@ -399,7 +404,10 @@ def run_replicas(args: argparse.Namespace) -> int:
     ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(config, scaling), name="mstar-kv", route_prefix="/")
+        try:
+            serve.run(build_app(config, scaling), name="mstar-kv", route_prefix="/")
+        except RuntimeError as err:  # a replica's constructor raised: its last line says why
+            raise UsageError(f"the replicas did not start: {_last_line(err)}") from err
         print(
             f"mstar-kv serve: {args.replicas} replicas of {args.model} on Ray Serve,"
             f" http://{args.host}:{args.port}/v1 (router {args.router}"
