@@ -168,7 +168,11 @@ class Front:
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
         if request.method == "GET" and path == "/metrics":
-            return Response(merge_metrics(await self._each("metrics")))
+            from prometheus_client import CONTENT_TYPE_LATEST
+
+            return Response(
+                merge_metrics(await self._each("metrics")), media_type=CONTENT_TYPE_LATEST
+            )
         if request.method == "GET" and path == "/v1/replicas":
             stats = sorted(await self._each("stats"), key=lambda s: s["rank"])
             return JSONResponse({"object": "list", "data": stats})
