@@ -63,6 +63,8 @@ class Cluster:
         serve.run(build_app(config, Scaling(replicas=2, router=router)), name="mstar-kv",
                   route_prefix="/")  # fmt: skip
         self.router = router
+        # ready replicas reach the front's router a moment later: wait until it routes to both
+        assert wait_until(lambda: len(self.replicas()) == 2, timeout=TIMEOUT_S, every=0.2)
 
     def replicas(self) -> list[dict]:
         return httpx.get(f"{self.url}/replicas", timeout=TIMEOUT_S).json()["data"]
