@@ -85,6 +85,17 @@ def test_loads_apart_by_more_than_the_threshold_send_to_the_least_loaded():
     assert calls.send(prompt(0, 3)) != home
 
 
+def test_choices_in_a_burst_count_before_ray_reports_them_routed():
+    router, reps = made(PrefixRouter, capacity=100), replicas(2)
+
+    def choose(n: int) -> str:
+        pending = SimpleNamespace(args=[None, None, prompt(n % 2, n)],
+                                  metadata=SimpleNamespace(internal_request_id=f"b{n}"))  # fmt: skip
+        return asyncio.run(router.choose_replicas(reps, pending))[0][0].replica_id.unique_id
+
+    assert sorted(choose(n) for n in range(4)) == ["r0", "r0", "r1", "r1"]
+
+
 def test_round_robin_takes_turns_whatever_is_cached():
     calls = Calls(made(RoundRobinRouter), replicas(2))
     got = [calls.send(prompt(0, q)) for q in range(4)]

@@ -82,21 +82,30 @@ class PrefixIndex:
 
 
 class _LoadTracking(RequestRouter):
-    """Requests in flight per replica, counted from routing to completion."""
+    """Requests in flight per replica, counted from the choice to completion:
+    a request counts on the replica ranked first as soon as it is chosen (a
+    burst's choices see each other), and moves if Ray sends it elsewhere."""
 
     def initialize_state(self, **kwargs) -> None:
         self.in_flight: dict[ReplicaID, int] = defaultdict(int)
-        self._routed: dict[str, ReplicaID] = {}
+        self._on: dict[str, ReplicaID] = {}  # request -> the replica it counts on
+
+    def _count(self, request_id: str, replica_id: ReplicaID | None) -> None:
+        """Count ``request_id`` on ``replica_id`` (None: on none)."""
+        was = self._on.pop(request_id, None)
+        if was is not None:
+            self.in_flight[was] = max(0, self.in_flight[was] - 1)
+        if replica_id is not None:
+            self._on[request_id] = replica_id
+            self.in_flight[replica_id] += 1
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
-        self._routed[pending_request.metadata.internal_request_id] = replica_id
-        self.in_flight[replica_id] += 1
+        self._count(pending_request.metadata.internal_request_id, replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        if self._routed.pop(internal_request_id, None) is not None:
-            self.in_flight[replica_id] = max(0, self.in_flight[replica_id] - 1)
+        self._count(internal_request_id, None)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -113,8 +122,12 @@ class _LoadTracking(RequestRouter):
         route = _route_of(pending_request)
         if isinstance(route, int):
             ring = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
-            return [[ring[route % len(ring)]]] if ring else []
-        return [[r] for r in self.rank(candidate_replicas, pending_request, route)]
+            ranked = [ring[route % len(ring)]] if ring else []
+        else:
+            ranked = self.rank(candidate_replicas, pending_request, route)
+        if ranked and pending_request is not None:
+            self._count(pending_request.metadata.internal_request_id, ranked[0].replica_id)
+        return [[r] for r in ranked]
 
     def rank(
         self, replicas: list[RunningReplica], pending_request: PendingRequest | None, route
