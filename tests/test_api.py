@@ -4,6 +4,7 @@ tests use SmolLM2's tokenizer over a tiny random Llama of its vocabulary
 (random tokens: split multi-byte characters, CJK, emoji), the oracle being
 the tokenizer's own decode of the ids."""
 
+import codecs
 import copy
 import math
 import threading
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 from mstar.demo import build_model
 from mstar.engine import Engine, RequestTooLarge, SamplingParams, StepFailed
 from mstar.engine.detokenizer import TextStream
+from mstar.engine.logprobs import TokenNames
 
 EMOJI_CJK = st.text(
     st.one_of(
@@ -211,7 +213,7 @@ def test_a_string_is_one_prompt_not_one_per_character(text_model, tok):
 def test_a_refused_prompt_leaves_no_request_of_its_call_queued(tiny):
     eng = ids_engine(tiny, num_pages=4)  # 32 tokens
     params = SamplingParams(max_new_tokens=4)
-    with pytest.raises(RequestTooLarge, match="needs 6 KV pages"):
+    with pytest.raises(RequestTooLarge, match=r"the prompt alone .* needs 5 KV pages"):
         eng.generate([[1, 2, 3], [4, 5], list(range(1, 40))], params)
     assert idle(eng)
     assert len(eng.generate([[1, 2, 3], [4, 5]], params)) == 2  # the next call works
@@ -333,7 +335,11 @@ def test_text_stream_of_any_tokens_equals_the_decode(tok, ids):
     for token in ids:
         stream.add(token)
     stream.close()
-    assert stream.text == tok.decode(ids, skip_special_tokens=True)
+    full = tok.decode(ids, skip_special_tokens=True)
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")  # Python's, the oracle
+    decoder.decode(b"".join(TokenNames(tok).bytes(t) for t in ids), final=False)
+    split = bool(decoder.getstate()[0])  # the bytes end inside a character: it is left out
+    assert stream.text == (full[:-1] if split else full)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
@@ -369,6 +375,16 @@ def test_a_streamed_emoji_is_never_split(tiny, text_model, tok, monkeypatch):
     eng = text_engine(text_model, tok)
     deltas = [c.outputs[0].delta for c in eng.stream([1, 2], SamplingParams(max_new_tokens=9))]
     assert deltas == ["", "", "🌊"] * 3
+
+
+def test_a_cut_inside_a_character_leaves_it_out(text_model, tok, monkeypatch):
+    """max_new_tokens=4 of three 3-token waves: one wave, no U+FFFD."""
+    script = iter(tok.encode("🌊🌊🌊"))
+    monkeypatch.setattr("mstar.engine.engine.sample_token", lambda *args: next(script))
+    eng = text_engine(text_model, tok)
+    outs = [c.outputs[0] for c in eng.stream([1, 2], SamplingParams(max_new_tokens=4))]
+    assert [o.delta for o in outs] == ["", "", "🌊", ""]
+    assert outs[-1].text == "🌊" and outs[-1].finish_reason == "length"
 
 
 def test_step_hands_out_each_delta_once(text_model, tok):

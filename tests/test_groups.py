@@ -235,7 +235,7 @@ def test_the_engine_serves_a_hybrid_through_groups_on_one_pool():
     prompts = [_prompt(10, seed=31), _prompt(7, seed=32)]
     eng = Engine(paged, prefix_cache=False, num_pages=14, page_size=4, token_budget=8)
     assert isinstance(eng.mgr, KVGroups) and eng.mgr.num_pages == 14 * 3  # 3 groups of 1 layer
-    with pytest.raises(RequestTooLarge, match="needs 61 KV pages"):  # 53 full + 2 x (2 + 2)
+    with pytest.raises(RequestTooLarge, match="needs 59 KV pages"):  # 53 full + 2 x 3 (chunk <= W)
         eng.add_request(prompts[0], SamplingParams(max_new_tokens=200))
     params = SamplingParams(max_new_tokens=30, n=2, ignore_eos=True)
     ids = [eng.add_request(p, params) for p in prompts]

@@ -143,7 +143,7 @@ BAD = [
     {"prompt": [1, 256]},
     {"prompt": []},
     {"messages": [{"role": "user", "content": "hi"}]},
-    {"prompt": PROMPTS[0], "logprobs": 2},
+    {"prompt": PROMPTS[0], "suffix": "x"},
     {"prompt": PROMPTS[0], "max_tokens": 600},
     {"prompt": PROMPTS[0], "model": "nope"},
 ]

@@ -227,7 +227,8 @@ BAD = [
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": [1.5]}, 400, "prompt"),
     ({}, 400, "prompt"),
-    ({"prompt": PROMPTS[0], "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": PROMPTS[0], "suffix": "x"}, 400, "suffix"),
+    ({"prompt": PROMPTS[0], "logprobs": 21}, 400, "logprobs"),
     ({"prompt": PROMPTS[0], "max_tokens": 600}, 400, "max_tokens"),
 ]
 
@@ -381,7 +382,8 @@ def test_chat_default_max_tokens_is_the_most_the_pool_admits(name):
         assert room == 512 - 10
         return
     # full: 14 pages of 4 hold 56 tokens, the last one never fed; hybrid: 42
-    # pages of one layer, 34 in the full group and 4 in each windowed one
-    assert room == {"llama": 14 * 4 - 10 + 1, "gemma2": 127}[name]
+    # pages of one layer, 36 in the full group and 3 in each windowed one
+    # (its chunks are capped at the window)
+    assert room == {"llama": 14 * 4 - 10 + 1, "gemma2": 36 * 4 - 10 + 1}[name]
     with pytest.raises(RequestTooLarge):
         eng.add_request(prompt, SamplingParams(max_new_tokens=room + 1))

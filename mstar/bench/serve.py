@@ -100,9 +100,11 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Sample
 
 
 async def run_load(
-    url: str, model: str, n: int, rate: float, max_tokens: int, tick: Callable[[], None]
-) -> tuple[list[Sample], float]:
-    """``n`` requests at ``rate``; their samples and the run's wall time."""
+    url: str, model: str, n: int, rate: float, max_tokens: int, tick: Callable[[], None],
+    extra: dict | None = None,
+) -> tuple[list[Sample], float]:  # fmt: skip
+    """``n`` requests at ``rate`` (their bodies with ``extra``); their
+    samples and the run's wall time."""
     bodies = [
         {
             "model": model,
@@ -111,6 +113,7 @@ async def run_load(
             "temperature": 0,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **(extra or {}),
         }
         for i in range(n)
     ]
@@ -200,6 +203,25 @@ def model_of(url: str) -> str:
     return httpx.get(f"{url}/models", timeout=30).json()["data"][0]["id"]
 
 
+STRUCTURED = "mstar-kv serve, json_schema"
+JSON_SCHEMA_BODY = {
+    "response_format": {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "answer",
+            "schema": {
+                "type": "object",
+                "properties": {
+                    "answer": {"type": "string", "maxLength": 80},
+                    "confidence": {"enum": ["low", "medium", "high"]},
+                },
+                "required": ["answer", "confidence"],
+            },
+        },
+    }
+}
+
+
 def run_serve_bench(
     urls: Sequence[str], rates: Sequence[float], *, requests: int, max_tokens: int,
     self_server: bool = True,
@@ -223,7 +245,14 @@ def run_serve_bench(
                     )  # fmt: skip
                     progress.remove_task(task)
                     rows.append(summarize(target, rate, samples, seconds))
-                if own:
+                if own:  # structured output's cost per token, beside plain decoding
+                    task = progress.add_task(f"{STRUCTURED} @ {rates[0]}/s", total=requests)
+                    samples, seconds = asyncio.run(
+                        run_load(url, model, requests, rates[0], max_tokens,
+                                 lambda t=task: progress.advance(t), JSON_SCHEMA_BODY)
+                    )  # fmt: skip
+                    progress.remove_task(task)
+                    rows.append(summarize(STRUCTURED, rates[0], samples, seconds))
                     memory[target] = own.peak_rss_bytes()
     return {
         "requests": requests,
@@ -245,7 +274,8 @@ def format_serve(result: dict) -> str:
     head = (
         f"{result['requests']} streamed chat requests, max {result['max_tokens']} tokens, greedy;"
         f" TTFT/TPOT p50/p90/p99 in ms; x: how many times better the first target"
-        f" ({rows[0]['target'] if rows else ''}) does than this one"
+        f" ({rows[0]['target'] if rows else ''}) does than this one; '{STRUCTURED}': the"
+        " same requests under a JSON schema (structured output's cost: its TPOT beside plain)"
     )
     cols = ["target", "rate/s", "done", "out tok/s", "TTFT ms", "TPOT ms", "tok/s x",
             "TTFT p50 x"]  # fmt: skip

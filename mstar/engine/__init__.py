@@ -20,6 +20,7 @@ _EXPORTS = MappingProxyType(
         "RequestTooLarge": "mstar.engine.intake",
         "SamplingParams": "mstar.engine.sampling",
         "StepFailed": "mstar.engine.engine",
+        "StructuredOutputs": "mstar.engine.structured",
     }
 )
 __all__ = sorted(_EXPORTS)

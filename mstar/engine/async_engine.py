@@ -43,7 +43,7 @@ class RequestStream:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.created = time.monotonic()
-        self.first_output: float | None = None  # monotonic time of the first completion
+        self.first_output: float | None = None  # monotonic time of the first token out
         self.finished = False
         self._queue: asyncio.Queue[Completion | BaseException] = asyncio.Queue()
 
@@ -59,7 +59,8 @@ class RequestStream:
         return item
 
     def _put(self, item: Completion | BaseException) -> None:
-        if self.first_output is None:
+        got_tokens = isinstance(item, Completion) and any(o.token_ids for o in item.outputs)
+        if self.first_output is None and got_tokens:
             self.first_output = time.monotonic()
         self.finished = isinstance(item, BaseException) or item.finished
         self._queue.put_nowait(item)

@@ -9,11 +9,15 @@ the text before it.
 
 from __future__ import annotations
 
+import codecs
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
+from mstar.engine.logprobs import TokenNames
+
 SKIP_SPECIAL_TOKENS = True  # as vLLM and the OpenAI API: no <|im_end|> in the text
+UNFINISHED = "\ufffd"  # what a decode shows for the bytes of a split character
 
 
 class TextStream:
@@ -23,7 +27,7 @@ class TextStream:
     only decided text: ``text`` after ``close()`` is the sample's final text."""
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
-        self._backend = tokenizer.backend_tokenizer
+        self._tokenizer, self._backend = tokenizer, tokenizer.backend_tokenizer
         self._stream = DecodeStream(skip_special_tokens=SKIP_SPECIAL_TOKENS)
         self._stop = stop
         self._pending: list[int] = []  # fed, their text not out yet (a split character)
@@ -44,18 +48,32 @@ class TextStream:
         return self._extend(piece)
 
     def close(self) -> bool:
-        """The sample ended: flush a split character (as the tokenizer's own
-        decode shows it) and the held text. True when that reached a stop string."""
+        """The sample ended: flush what the tokens still pending complete, a
+        character they leave unfinished left out (as incremental detokenizers
+        do: no trailing U+FFFD for it), and the held text. True when that
+        reached a stop string."""
         stopped = self.stopped
         if self._pending and not stopped:
             base = self._decode(self._context)
             full = self._decode(self._context + self._pending)
-            stopped = self._extend(full[len(base) :] if full.startswith(base) else full)
+            piece = full[len(base) :] if full.startswith(base) else full
+            if piece.endswith(UNFINISHED) and self._ends_inside_a_character():
+                piece = piece[: -len(UNFINISHED)]
+            stopped = self._extend(piece)
             self._pending = []
         if not stopped:
             self.text += self._held
             self._held = ""
         return stopped
+
+    def _ends_inside_a_character(self) -> bool:
+        """True when the pending tokens' bytes end with an unfinished UTF-8
+        sequence (a byte-level BPE's tokens map to exact bytes; others'
+        decode whole, so never)."""
+        raw = b"".join(TokenNames(self._tokenizer).bytes(t) for t in self._pending)
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(raw, final=False)
+        return bool(decoder.getstate()[0])
 
     def _decode(self, ids: list[int]) -> str:
         return self._backend.decode(ids, skip_special_tokens=SKIP_SPECIAL_TOKENS)

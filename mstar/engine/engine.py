@@ -25,6 +25,7 @@ import torch
 
 from mstar.engine.device import check_pool_fits, checked_device, flashinfer_or_none, pool_pages
 from mstar.engine.intake import Intake, RequestTooLarge
+from mstar.engine.logits import LogitsPipeline
 from mstar.engine.prompts import NOT_A_SEQUENCE, chat_ids, prompt_list
 from mstar.engine.request import GUIDED, Completion, Request, Sample
 from mstar.engine.resources.groups import KVGroups, group_size
@@ -163,6 +164,7 @@ class Engine:
         windows = self.mgr.windows if isinstance(self.mgr, KVGroups) else (self.mgr.window,)
         self.prefix_cache = prefix_cache
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.pipeline = LogitsPipeline(tokenizer, model.config.vocab_size, self.eos_token_ids)
         self.max_len = getattr(model.config, "max_position_embeddings", None)
         self.intake = Intake(
             tokenizer,
@@ -173,6 +175,7 @@ class Engine:
             self.device,
             windows,  # what admission counts
             token_budget,
+            grammars=self.pipeline.grammars,
         )
         self.stats = EngineStats()
         self._running: dict[str, Request] = {}  # unfinished, oldest first
@@ -251,7 +254,9 @@ class Engine:
                 "expected a conversation (a list of messages) or a list of them,"
                 f" got {type(conversations).__name__}"
             )
-        one = bool(conversations) and isinstance(conversations[0], Mapping)
+        if not conversations:
+            raise ValueError("expected at least one message, got []")
+        one = isinstance(conversations[0], Mapping)
         batch = [conversations] if one else conversations
         return self.generate([self.encode_chat(c) for c in batch], params)
 
@@ -410,7 +415,7 @@ class Engine:
                 raise StepFailed(failed) from err
             raise
         self._account(step, time.perf_counter() - t_step)
-        return [self._completion(req) for req in touched]
+        return [self._completion(req) for req in touched if req.has_news()]
 
     def _compute(self, step: KVStep) -> tuple[list[Request], list[tuple[Request, torch.Tensor]]]:
         """Plan, forward and sample ``step``: the requests it touched, and the
@@ -425,15 +430,23 @@ class Engine:
             ids: list[int] = []
             at: list[int] = []
             chosen: list[tuple[Request, str]] = []
+            prompt_rows: list[tuple[Request, int]] = []  # logits at prompt positions
+            at_prompt: list[int] = []
             starts = plan.cpu_indptrs.qo_indptr.tolist()
             for (rid, label), start, end in zip(plan.rows, starts, starts[1:]):
                 req = touched[rid] = self._running[rid]
+                fed = req.fed[label]
+                for p in req.prompt_positions(label, fed, end - start):
+                    prompt_rows.append((req, p))
+                    at_prompt.append(start + p - fed)
                 tokens, choose = req.feed(label, end - start)
                 ids += tokens
                 if choose:
                     at.append(end - 1)
                     chosen.append((req, label))
-            logits = self._logits(ids, plan, at)
+            logits = self._logits(ids, plan, at_prompt + at)
+            self.pipeline.prompt(logits[: len(at_prompt)], prompt_rows)
+            logits = self.pipeline.rows(logits[len(at_prompt) :], chosen)
             for (req, label), row in zip(chosen, logits):
                 if label == "main" and not req.forked:
                     forks.append((req, row))  # forked after the commit
@@ -453,9 +466,9 @@ class Engine:
         preempted: set[str] = set()
         try:
             while self._running:
-                step = schedule(self._running.values(), self.budget)
+                step = schedule(self._running.values(), self.budget, self.intake.max_chunk)
                 while self._reuse_prefixes(step.segments, preempted):  # less to compute:
-                    step = schedule(self._running.values(), self.budget)  # room for more
+                    step = schedule(self._running.values(), self.budget, self.intake.max_chunk)
                 assert step.segments, "every running request has a token to feed"
                 owner = self._running[step.segments[0].request_id]
                 try:
@@ -507,8 +520,8 @@ class Engine:
         matched = False
         for rid, label, _, _ in segments:
             req = self._running[rid]
-            if req.fed[label] or rid in skip:
-                continue
+            if req.fed[label] or rid in skip or req.prompt_logprobs is not None:
+                continue  # (prompt logprobs need every prompt position computed)
             if label in self.mgr.labels(rid):  # matched nothing before: match anew
                 self.mgr.release(rid, label)
             req.fed[label] = self.mgr.match_prefix(rid, label, req.streams[label])
@@ -532,7 +545,12 @@ class Engine:
             cond, uncond = req.pending.pop("cond"), req.pending.pop("uncond")
             logits = uncond + req.guidance_scale * (cond - uncond)
         sample = req.by_label[label]
-        self._emit(req, sample, sample_token(logits, req.params, sample.generator))
+        self._emit(req, sample, self._choose(req, sample, logits))
+
+    def _choose(self, req: Request, sample: Sample, logits: torch.Tensor) -> int:
+        token = sample_token(logits, req.params, sample.generator)
+        self.pipeline.chose(req, sample, logits, token)
+        return token
 
     def _emit(self, req: Request, sample: Sample, token: int) -> None:
         """Append ``token`` to ``sample`` and its text; feed it next, unless it
@@ -582,7 +600,7 @@ class Engine:
             label = sample.labels[0]
             req.streams[label], req.fed[label] = req.prompt + sample.token_ids, len(req.prompt)
             if not sample.token_ids:
-                self._emit(req, sample, sample_token(logits, req.params, sample.generator))
+                self._emit(req, sample, self._choose(req, sample, logits))
         self._release_unused(req)
 
     def _release_unused(self, req: Request) -> None:
@@ -608,7 +626,9 @@ class Engine:
     # --- records -------------------------------------------------------------------------
 
     def _completion(self, req: Request) -> Completion:
-        return Completion(req.id, list(req.prompt), [s.output() for s in req.samples])
+        outputs = [s.output() for s in req.samples]
+        prompt_lp = None if req.prompt_logprobs is None else list(req.prompt_logprobs)
+        return Completion(req.id, list(req.prompt), outputs, prompt_lp)
 
     def _account(self, step: KVStep, seconds: float) -> None:
         s = self.stats

@@ -4,7 +4,7 @@ then the request built (not queued)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from numbers import Real
 from typing import Any
 
@@ -14,6 +14,7 @@ from mstar.engine.detokenizer import TextStream
 from mstar.engine.prompts import token_ids
 from mstar.engine.request import GUIDED, Request, Sample
 from mstar.engine.sampling import SamplingParams, make_generator
+from mstar.engine.structured import Grammars
 
 
 class RequestTooLarge(ValueError):
@@ -25,9 +26,11 @@ class Intake:
     """The limits of one engine: its tokenizer (or None), vocabulary, longest
     sequence (or None), page size and pool, the device samplers draw on, the
     window of each manager allocating from the pool (``windows``; None: it
-    keeps every page; several: a hybrid's KV groups on one pool) and, for
-    those that release pages behind a window, the longest chunk a step feeds
-    a stream (``budget``)."""
+    keeps every page; several: a hybrid's KV groups on one pool) and the
+    step's token budget (``budget``). A step feeds a stream at most
+    ``max_chunk`` tokens: the budget, capped at the smallest window when a
+    manager releases pages behind one (so a stream recomputed after a
+    preemption peaks at its window's pages, not at its output's)."""
 
     tokenizer: Any
     vocab_size: int
@@ -37,6 +40,15 @@ class Intake:
     device: torch.device
     windows: tuple[int | None, ...] = (None,)
     budget: int | None = None
+    grammars: Grammars | None = None  # structured outputs (None: no tokenizer)
+
+    @property
+    def max_chunk(self) -> int | None:
+        """The most tokens a step feeds one stream (None: the budget's)."""
+        windows = [w for w in self.windows if w is not None]
+        if not windows:
+            return self.budget
+        return min(windows) if self.budget is None else min(self.budget, *windows)
 
     def request(
         self,
@@ -69,25 +81,25 @@ class Intake:
             raise ValueError(
                 f"request {rid!r}: expected no stop strings without a tokenizer, got {params.stop!r}"
             )
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"request {rid!r}: expected logit_bias ids in [0, {self.vocab_size}), got {bad[0]}"
+            )
         ids = token_ids(rid, prompt, self.tokenizer, self.vocab_size)
         uncond = None
         if uncond_prompt is not None:
             uncond = token_ids(rid, uncond_prompt, self.tokenizer, self.vocab_size)
             if params.n != 1:
                 raise ValueError(f"request {rid!r}: expected n == 1 when guided, got n={params.n}")
-        longest = max(len(ids), len(uncond or ())) + params.max_new_tokens
-        if self.max_len is not None and longest > self.max_len:
-            raise ValueError(
-                f"request {rid!r}: prompt + max_new_tokens = {longest} exceeds the model's"
-                f" max_position_embeddings {self.max_len}"
-            )
-        need = self.peak_pages(len(ids), params, None if uncond is None else len(uncond))
-        if need > self.num_pages:
-            raise RequestTooLarge(
-                f"request {rid!r} needs {need} KV pages at its peak (prompt {len(ids)} tokens,"
-                f" max_new_tokens {params.max_new_tokens}, n {params.n}), the pool has"
-                f" {self.num_pages}"
-            )
+            extras = params.penalized or params.logprobs is not None or params.structured_outputs
+            if extras or params.prompt_logprobs is not None:
+                raise ValueError(
+                    f"request {rid!r}: expected no logprobs, biases, penalties or"
+                    " structured_outputs"
+                    " when guided (not supported together)"
+                )
+        self._check_fits(rid, ids, uncond, params)
         samples = [
             Sample(
                 i,
@@ -97,9 +109,49 @@ class Intake:
             )
             for i in range(params.n)
         ]
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError(f"request {rid!r}: expected a tokenizer for structured_outputs")
+            try:
+                for s in samples:
+                    s.matcher = self.grammars.matcher(params.structured_outputs)
+            except ValueError as err:
+                raise ValueError(f"request {rid!r}: {err}") from None
         req = Request(rid, ids, params, samples, uncond=uncond, guidance_scale=guidance_scale)
         req.restart()
         return req
+
+    def _check_fits(
+        self, rid: str, ids: list[int], uncond: list[int] | None, params: SamplingParams
+    ) -> None:
+        """Refuse a request longer than the model's positions or whose KV could
+        never fit the pool; the message names max_new_tokens only when the
+        prompt alone would fit."""
+        prompt_len = max(len(ids), len(uncond or ()))
+        if self.max_len is not None and prompt_len >= self.max_len:
+            raise ValueError(
+                f"request {rid!r}: the prompt alone ({prompt_len} tokens) leaves no room for"
+                f" a new token within the model's max_position_embeddings {self.max_len}"
+            )
+        if self.max_len is not None and prompt_len + params.max_new_tokens > self.max_len:
+            raise ValueError(
+                f"request {rid!r}: prompt + max_new_tokens = {prompt_len + params.max_new_tokens}"
+                f" exceeds the model's max_position_embeddings {self.max_len}"
+            )
+        uncond_len = None if uncond is None else len(uncond)
+        alone = self.peak_pages(len(ids), replace(params, max_new_tokens=1, n=1), uncond_len)
+        if alone > self.num_pages:
+            raise RequestTooLarge(
+                f"request {rid!r}: the prompt alone ({len(ids)} tokens) needs {alone} KV pages"
+                f" at its peak, the pool has {self.num_pages}"
+            )
+        need = self.peak_pages(len(ids), params, uncond_len)
+        if need > self.num_pages:
+            raise RequestTooLarge(
+                f"request {rid!r} needs {need} KV pages at its peak (prompt {len(ids)} tokens,"
+                f" max_new_tokens {params.max_new_tokens}, n {params.n}), the pool has"
+                f" {self.num_pages}"
+            )
 
     def peak_pages(
         self, prompt_len: int, params: SamplingParams, uncond_len: int | None = None
@@ -123,7 +175,7 @@ class Intake:
         def pages(tokens: int) -> int:
             if window is None:
                 return full(tokens)
-            chunk = tokens if self.budget is None else min(tokens, self.budget)
+            chunk = min(tokens, self.max_chunk or tokens)
             return min(full(tokens), full(window + size - 2 + chunk))
 
         longest = prompt_len + params.max_new_tokens - 1

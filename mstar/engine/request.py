@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from mstar.engine.detokenizer import TextStream
+from mstar.engine.logprobs import TokenLogprobs
 from mstar.engine.sampling import SamplingParams
 
 FinishReason = Literal["stop", "length"]
@@ -21,22 +22,27 @@ class CompletionOutput:
     ``text`` decoded so far without that token and ending before a stop string
     (``None`` without a tokenizer), ``finish_reason`` (``None`` while running),
     ``delta``: the text made final since this sample was last handed out by
-    ``step()`` (all deltas joined are the final ``text``)."""
+    ``step()`` (all deltas joined are the final ``text``); ``logprobs``: one
+    record per token in ``token_ids`` with ``SamplingParams.logprobs`` (else None)."""
 
     index: int
     token_ids: list[int]
     text: str | None
     finish_reason: FinishReason | None
     delta: str = ""
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
 class Completion:
-    """A request's prompt and its ``n`` samples."""
+    """A request's prompt and its ``n`` samples; with
+    ``SamplingParams.prompt_logprobs``, ``prompt_logprobs`` has a record per
+    prompt token (None for the first, and for those not computed yet)."""
 
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -56,13 +62,20 @@ class Sample:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     shown: int = 0
+    handed: int = 0  # tokens handed out
+    logprobs: list[TokenLogprobs] | None = None
+    matcher: Any = None  # the grammar's matcher with structured outputs
 
     def output(self) -> CompletionOutput:
         """Its record now; what it carries as ``delta`` counts as handed out."""
         text = None if self.text is None else self.text.text
         delta = "" if text is None else text[self.shown :]
         self.shown += len(delta)
-        return CompletionOutput(self.index, list(self.token_ids), text, self.finish_reason, delta)
+        self.handed = len(self.token_ids)
+        logprobs = None if self.logprobs is None else list(self.logprobs)
+        return CompletionOutput(
+            self.index, list(self.token_ids), text, self.finish_reason, delta, logprobs
+        )
 
 
 @dataclass(eq=False)
@@ -87,9 +100,24 @@ class Request:
     fed: dict[str, int] = field(default_factory=dict)
     pending: dict[str, torch.Tensor] = field(default_factory=dict)
     by_label: dict[str, Sample] = field(init=False)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def __post_init__(self) -> None:
         self.by_label = {label: s for s in self.samples for label in s.labels}
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt)
+        if self.params.logprobs is not None:
+            for s in self.samples:
+                s.logprobs = []
+
+    def prompt_positions(self, label: str, fed: int, count: int) -> list[int]:
+        """The stream positions of ``label``'s next ``count`` tokens (from
+        ``fed``) whose logits give a prompt token's logprobs not recorded yet
+        (position ``p`` predicts prompt token ``p + 1``)."""
+        if self.prompt_logprobs is None or label != "main":
+            return []
+        end = min(fed + count, len(self.prompt) - 1)
+        return [p for p in range(fed, end) if self.prompt_logprobs[p + 1] is None]
 
     @property
     def forked(self) -> bool:
@@ -99,6 +127,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples)
+
+    def has_news(self) -> bool:
+        """True when a sample got tokens since the request was last handed out."""
+        return any(len(s.token_ids) > s.handed for s in self.samples)
 
     def holds_kv(self) -> bool:
         return any(self.fed.values())

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
 
 import torch
 
+from mstar.engine.structured import StructuredOutputs
+
 SEED_LIMIT = 2**63  # seed + sample index must fit a generator's 64-bit seed
+MAX_LOGPROBS = 20  # as the OpenAI API's top_logprobs
+LOGPROBS = f"None or in [0, {MAX_LOGPROBS}]"
+MAX_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,19 @@ class SamplingParams:
     ``max_new_tokens``, or when its text reaches one of ``stop`` (a str or a
     sequence of non-empty str, kept as a tuple; it may span tokens): the text
     then ends before it.
+
+    Before sampling (``mstar.engine.penalties``, batched over a step's rows):
+    ``logit_bias`` (token id -> value in [-100, 100], added), HF's
+    ``repetition_penalty`` over prompt + generated tokens (a seen token's
+    logit divided by it when positive, multiplied when not), OpenAI's
+    ``presence_penalty``/``frequency_penalty`` over generated tokens (in
+    [-2, 2]: minus ``presence * (count > 0) + frequency * count``).
+    ``min_p`` drops tokens less likely than ``min_p`` times the most likely
+    (after temperature). ``logprobs=k`` records each sampled token's
+    log-probability and the ``k`` most likely (``mstar.engine.logprobs``),
+    ``prompt_logprobs=k`` those of every prompt token but the first.
+    ``structured_outputs`` constrains each sample's text to a JSON schema, a
+    regex, a choice or a grammar (``mstar.engine.structured``; needs a tokenizer).
     """
 
     max_new_tokens: int = 16
@@ -38,11 +56,32 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "top_k", "n"):
             object.__setattr__(self, name, _int(name, getattr(self, name)))
-        for name in ("temperature", "top_p"):
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _int(name, value))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputs):
+            raise TypeError(f"expected structured_outputs a StructuredOutputs, got {so!r:.60}")
+        if so is not None and self.ignore_eos:
+            raise ValueError(
+                "expected ignore_eos False with structured_outputs (a match ends at EOS)"
+            )
+        reals = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+        for name in (*reals, "repetition_penalty", "min_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, Real):
                 raise TypeError(f"expected {name} a real number, got {value!r}")
@@ -61,6 +100,16 @@ class SamplingParams:
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", self.top_k >= 0, ">= 0"),
             ("n", self.n >= 1, ">= 1"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, LOGPROBS),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                LOGPROBS,
+            ),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
             (
                 "seed",
                 self.seed is None or 0 <= self.seed < SEED_LIMIT - self.n,
@@ -74,6 +123,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """True when logits change before sampling (biases or penalties)."""
+        return bool(
+            self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+        )
 
 
 def _is_int(value: object) -> bool:
@@ -106,6 +165,28 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
     return tuple(stop)
 
 
+def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """A mapping (or pairs) of token id -> bias in [-100, 100], as sorted pairs."""
+    pairs = bias.items() if isinstance(bias, Mapping) else bias
+    if isinstance(pairs, str | bytes) or not isinstance(pairs, Iterable):
+        raise TypeError(f"expected logit_bias a mapping of token id to number, got {bias!r:.60}")
+    out = {}
+    for pair in pairs:
+        if not isinstance(pair, Sequence) or len(pair) != 2:
+            raise TypeError(
+                f"expected logit_bias a mapping of token id to number, got {bias!r:.60}"
+            )
+        token, value = pair
+        if not _is_int(token) or isinstance(value, bool) or not isinstance(value, Real):
+            raise TypeError(f"expected logit_bias int ids to numbers, got {token!r}: {value!r}")
+        if token < 0 or not -MAX_BIAS <= value <= MAX_BIAS:
+            raise ValueError(
+                f"expected logit_bias ids >= 0 and values in [-100, 100], got {token!r}: {value!r}"
+            )
+        out[int(token)] = float(value)
+    return tuple(sorted(out.items()))
+
+
 def make_generator(params: SamplingParams, sample: int, device: torch.device) -> torch.Generator:
     """Sample ``sample``'s generator: seeded ``seed + sample``, or from fresh entropy."""
     generator = torch.Generator(device=device)
@@ -133,4 +214,6 @@ def sample_token(
         drop = probs.cumsum(-1) - probs >= params.top_p
         scores = scores.scatter(0, order[drop], float("-inf"))
     probs = scores.softmax(-1)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0)
     return int(torch.multinomial(probs, 1, generator=generator))

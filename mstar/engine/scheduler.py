@@ -15,10 +15,10 @@ from mstar.engine.resources.step import KVStep, Segment
 PLAN_LABEL = "step"
 
 
-def schedule(requests: Iterable[Request], budget: int) -> KVStep:
+def schedule(requests: Iterable[Request], budget: int, max_chunk: int | None = None) -> KVStep:
     """The step for ``requests`` (oldest first): streams with one token left
-    to feed decode, then streams with more left take prefill chunks, in order
-    until ``budget`` tokens are spent. The segments carry no tokens; the
+    to feed decode, then streams with more left take prefill chunks (of at
+    most ``max_chunk`` tokens), in order until ``budget`` tokens are spent. The segments carry no tokens; the
     step carries them all (``KVStep.tokens``), so a decode step's segments
     equal the last step's and the KV manager reuses their rows. (A guided
     request's two streams need not decode in the same step: the first one's
@@ -35,7 +35,7 @@ def schedule(requests: Iterable[Request], budget: int) -> KVStep:
     for req in requests:
         for label, toks in req.streams.items():
             fed = req.fed[label]
-            span = min(len(toks) - fed, budget)
+            span = min(len(toks) - fed, budget, max_chunk or budget)
             if len(toks) - fed > 1 and span > 0:
                 segments.append(Segment(req.id, label, span))
                 ids += toks[fed : fed + span]

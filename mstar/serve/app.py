@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import anyio
@@ -34,9 +36,10 @@ from mstar.serve.protocol import (
     param_named,
     sampling_params,
 )
-from mstar.serve.responses import DONE, Call, event, events
+from mstar.serve.responses import DONE, Call, event, events, merged
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
 METRICS_WAIT_S = 1.0
 
@@ -87,11 +90,19 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         front.check(body)
         max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        params = sampling_params(body, max_tokens)
+        nothing = body.echo and max_tokens == 0  # the prompt (and its logprobs) alone
+        params = sampling_params(body, 1 if nothing else max_tokens)
         call = front.call("text_completion", "cmpl", body)
-        return await front.respond(
-            request, call, body.prompt, params, param="prompt", streamed=body.stream
-        )
+        call.nothing = nothing
+        prompts = body.prompts()
+        calls = [replace(call, echo=front.prompt_text(p) if body.echo else None) for p in prompts]
+        if len(prompts) == 1:
+            return await front.respond(
+                request, calls[0], prompts[0], params, param="prompt", streamed=body.stream
+            )
+        if body.stream:
+            raise APIError(400, "stream with several prompts is not supported", param="stream")
+        return await front.respond_many(request, calls, prompts, params)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -123,6 +134,7 @@ class Front:
         self.aengine, self.metrics, self.model_name = aengine, metrics, model_name
         self.retry_after = retry_after
         self.context = aengine.engine.max_len or 1 << 62  # tokens a request may span
+        self.names = aengine.engine.pipeline.names
 
     def check(self, body: Any) -> None:
         if body.model is not None and body.model != self.model_name:
@@ -160,7 +172,15 @@ class Front:
             self.model_name,
             include_usage=body.include_usage,
             return_token_ids=body.return_token_ids,
+            names=self.names,
         )
+
+    def prompt_text(self, prompt: str | list[int]) -> str:
+        """A prompt's text to echo: itself, or its ids decoded ("" without a tokenizer)."""
+        tokenizer = self.aengine.engine.tokenizer
+        if isinstance(prompt, str) or tokenizer is None:
+            return prompt if isinstance(prompt, str) else ""
+        return tokenizer.decode(prompt)
 
     async def respond(
         self,
@@ -181,6 +201,33 @@ class Front:
             return Response(status_code=499)  # nobody reads it
         return JSONResponse(call.whole(done))
 
+    async def respond_many(
+        self, request: Request, calls: list[Call], prompts: list[Any], params: SamplingParams
+    ) -> Response:
+        """Serve several prompts of one call (not streamed): a request each,
+        their choices in prompt order, ``index`` running over them all."""
+        streams: list[RequestStream] = []
+        try:
+            for i, (call, prompt) in enumerate(zip(calls, prompts)):
+                streams.append(await self.submit(f"{call.id}-{i}", prompt, params, "prompt"))
+        except BaseException:
+            for stream in streams:
+                self.aengine.abort(stream.request_id)
+            raise
+
+        async def all_of_them() -> list[Completion]:
+            try:
+                async with asyncio.TaskGroup() as group:  # one fails: the others are cancelled
+                    tasks = [group.create_task(self.collect(s)) for s in streams]
+            except ExceptionGroup as failed:
+                raise failed.exceptions[0] from None  # (an APIError: the response)
+            return [t.result() for t in tasks]
+
+        done = await until_disconnect(request.receive, all_of_them)
+        if done is None:
+            return Response(status_code=499)
+        return JSONResponse(merged([call.whole(c) for call, c in zip(calls, done)]))
+
     async def submit(
         self, rid: str, prompt: Any, params: SamplingParams, param: str
     ) -> RequestStream:
@@ -192,21 +239,38 @@ class Front:
                 code="overloaded", headers={"Retry-After": str(self.retry_after)},
             ) from err  # fmt: skip
         except RequestTooLarge as err:
-            raise APIError(400, str(err), param="max_tokens", code="request_too_large") from err
+            named = param_named(str(err), param)  # the prompt, when it alone is too large
+            raise APIError(400, str(err), param=named, code="request_too_large") from err
         except (TypeError, ValueError) as err:
             raise APIError(400, str(err), param=param_named(str(err), param)) from err
 
     async def tracked(self, stream: RequestStream) -> AsyncIterator[Completion]:
-        """``stream``'s completions, counted in the metrics."""
-        generated = 0
-        async for c in stream:
-            if generated == 0 and stream.first_output is not None:
-                self.metrics.ttft.observe(stream.first_output - stream.created)
-                self.metrics.prompt_tokens.inc(len(c.prompt_token_ids))
-            now = sum(len(o.token_ids) for o in c.outputs)
-            self.metrics.generation_tokens.inc(now - generated)
-            generated = now
-            yield c
+        """``stream``'s completions, counted in the metrics; one log line
+        when it ends (finished, failed or aborted)."""
+        generated, prompt, outcome = 0, 0, "aborted"
+        try:
+            async for c in stream:
+                if not prompt and stream.first_output is not None:  # once, at the first token
+                    prompt = len(c.prompt_token_ids)
+                    self.metrics.ttft.observe(stream.first_output - stream.created)
+                    self.metrics.prompt_tokens.inc(prompt)
+                now = sum(len(o.token_ids) for o in c.outputs)
+                self.metrics.generation_tokens.inc(now - generated)
+                generated = now
+                if c.finished:
+                    outcome = "finished " + ",".join(str(o.finish_reason) for o in c.outputs)
+                yield c
+        except RequestFailed:
+            outcome = "failed"
+            raise
+        finally:
+            first = stream.first_output
+            log.info(
+                "%s: %s; %d prompt + %d generated tokens; first token %s; %.3f s",
+                stream.request_id, outcome, prompt, generated,
+                "none" if first is None else f"{first - stream.created:.3f} s",
+                time.monotonic() - stream.created,
+            )  # fmt: skip
 
     async def collect(self, stream: RequestStream) -> Completion:
         last = None

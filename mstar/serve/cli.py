@@ -4,8 +4,11 @@ Imports nothing heavy until a command runs."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import signal
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,21 +99,28 @@ def add_bench_options(bench: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``mstar-kv serve``: serve until SIGINT/SIGTERM, then exit 0."""
-    import uvicorn
-
     from mstar.cli import UsageError
     from mstar.report import windows_note
-    from mstar.serve.app import GracefulServer, create_app
+
+    with serve_extra("serve"):
+        import uvicorn
+
+        from mstar.serve.app import GracefulServer, create_app
 
     for name in ("port", "pages", "page_size", "budget", "max_waiting"):
         least, value = int(name != "port"), getattr(args, name)
         if value is not None and value < least:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
     if args.replicas is not None:
-        from mstar.serve.replicas import run_replicas
-
+        try:
+            from mstar.serve.replicas import run_replicas
+        except ImportError as err:
+            msg = f"--replicas needs pip install 'mstar-kv[replicas]' ({err.name} is missing)"
+            raise UsageError(msg) from None
         return run_replicas(args)
     engine = build_engine(args)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("mstar").setLevel(logging.INFO)  # a line per request
     name = model_name(args)
     app = create_app(engine, model_name=name, max_waiting=args.max_waiting)
     mgr = engine.mgr
@@ -131,6 +141,22 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: None)
     GracefulServer(config, app.state.engine).run()
     return 0
+
+
+@contextlib.contextmanager
+def serve_extra(command: str) -> Iterator[None]:
+    """Imports under it that fail for a missing package raise ``UsageError``
+    naming it and the extra that brings it."""
+    from mstar.cli import UsageError
+
+    try:
+        yield
+    except ImportError as err:
+        missing = err.name or str(err)
+        raise UsageError(
+            f"{command} needs the serve extra ({missing} is not installed):"
+            " pip install 'mstar-kv[serve]'"
+        ) from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -166,8 +192,10 @@ def run_bench(args: argparse.Namespace) -> int:
     """``mstar-kv bench --serve``."""
     import json
 
-    from mstar.bench.serve import format_serve, parse_rates, plot_serve, run_serve_bench
     from mstar.cli import UsageError
+
+    with serve_extra("bench --serve"):
+        from mstar.bench.serve import format_serve, parse_rates, plot_serve, run_serve_bench
 
     try:
         rates = parse_rates(args.rates)

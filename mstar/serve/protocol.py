@@ -14,21 +14,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from mstar.engine import SamplingParams
+from mstar.engine.sampling import MAX_LOGPROBS
+from mstar.engine.structured import StructuredOutputs
 
 # fields with no effect at these values; any other value is refused
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "min_p": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
 # SamplingParams field -> the request field it comes from
 PARAM_FIELDS = {
@@ -41,6 +34,14 @@ PARAM_FIELDS = {
     "stop_token_ids": "stop_token_ids",
     "ignore_eos": "ignore_eos",
     "stop": "stop",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "min_p": "min_p",
+    "logit_bias": "logit_bias",
+    "prompt_logprobs": "logprobs",
+    "logprobs": "logprobs",
+    "structured_outputs": "response_format",
 }
 _FIELD_NAMES = re.compile(r"\b(" + "|".join(sorted(PARAM_FIELDS, key=len, reverse=True)) + r")\b")
 Number = StrictFloat | StrictInt
@@ -77,6 +78,48 @@ class _Sampling(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     return_token_ids: StrictBool = False
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
+    repetition_penalty: Number = 1.0
+    min_p: Number = 0.0
+    logit_bias: dict[StrictStr, Number] | None = None
+    response_format: dict[StrictStr, Any] | None = None
+    structured_outputs: dict[StrictStr, Any] | None = None  # vLLM's
+
+    def structured(self) -> StructuredOutputs | None:
+        """What the output must match: OpenAI's ``response_format`` (``text``,
+        ``json_object``, ``json_schema``) or vLLM's ``structured_outputs``
+        (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``)."""
+        fmt, vllm = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.get("type") != "text" and vllm is not None:
+            raise ParamError(
+                "expected response_format or structured_outputs, got both", "response_format"
+            )
+        if vllm is not None:
+            try:
+                return StructuredOutputs(**vllm)
+            except (TypeError, ValueError) as err:
+                raise ParamError(f"structured_outputs: {err}", "structured_outputs") from None
+        if fmt is None or fmt.get("type") == "text":
+            return None
+        if fmt.get("type") == "json_object":
+            return StructuredOutputs(json_object=True)
+        schema = (
+            (fmt.get("json_schema") or {}).get("schema")
+            if fmt.get("type") == "json_schema"
+            else None
+        )
+        if not isinstance(schema, dict):
+            raise ParamError(
+                "expected response_format {'type': 'text' | 'json_object'} or {'type':"
+                f" 'json_schema', 'json_schema': {{'name': ..., 'schema': {{...}}}}}}, got {fmt!r:.80}",
+                "response_format",
+            )
+        return StructuredOutputs(json=schema)
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """``(logprobs, prompt_logprobs)`` of ``SamplingParams`` this body asks for."""
+        return None, None
 
     def check_supported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -89,7 +132,24 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: StrictStr | list[StrictInt]
+    """The legacy completions body: ``logprobs=k`` (the ``k`` most likely
+    per token) and ``echo`` (the prompt first; its tokens' logprobs too with
+    ``logprobs``; ``max_tokens=0`` then generates nothing). ``prompt``: a
+    string, token ids, or a list of either (one request each, not streamed:
+    what lm-eval's ``local-completions`` sends)."""
+
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts this body asks for: one, or each of a list."""
+        p = self.prompt
+        several = isinstance(p, list) and p and not isinstance(p[0], int)
+        return list(p) if several else [p]
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
 
 
 class TextPart(BaseModel):
@@ -109,15 +169,41 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
+    """The chat body: ``logprobs`` (a bool) and ``top_logprobs`` (how many
+    alternatives, with ``logprobs`` only)."""
+
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ParamError("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ParamError(
+                f"expected top_logprobs in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                "top_logprobs",
+            )
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
 
 def sampling_params(body: _Sampling, max_tokens: int) -> SamplingParams:
     """``SamplingParams`` from ``body`` (``max_tokens`` when it sets none);
     ``ParamError`` naming the request field when they refuse a value."""
+    logprobs, prompt_logprobs = body.logprob_counts()
+    structured = body.structured()
     try:
+        bias = {_token_id(k): v for k, v in (body.logit_bias or {}).items()}
         return SamplingParams(
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            min_p=body.min_p,
+            logit_bias=bias,
+            structured_outputs=structured,
             max_new_tokens=max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
@@ -126,10 +212,17 @@ def sampling_params(body: _Sampling, max_tokens: int) -> SamplingParams:
             seed=body.seed,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
-            stop=body.stop or (),
+            stop=() if body.stop is None else body.stop,  # "" refused as in Python
         )
     except (TypeError, ValueError) as err:
         raise ParamError(str(err), param_named(str(err), None)) from err
+
+
+def _token_id(key: str) -> int:
+    """A ``logit_bias`` key: a token id written as a JSON object key."""
+    if not key.lstrip("-").isdigit():
+        raise ValueError(f"expected logit_bias keys token ids, got {key!r}")
+    return int(key)
 
 
 def param_named(message: str, default: str | None) -> str | None:

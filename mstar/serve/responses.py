@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from mstar.engine import Completion, CompletionOutput
+from mstar.engine.logprobs import Logprob, TokenLogprobs, TokenNames
 
 DONE = "data: [DONE]\n\n"
 
@@ -24,6 +25,9 @@ class Call:
     model: str
     include_usage: bool = False
     return_token_ids: bool = False
+    names: TokenNames | None = None  # token text and bytes for logprobs
+    echo: str | None = None  # completions: the prompt's text, first in each choice
+    nothing: bool = False  # max_tokens 0 (with echo): the one token generated is not shown
     created: int = field(default_factory=lambda: int(time.time()))
 
     def envelope(self, obj: str, choices: list[dict], **extra: object) -> dict:
@@ -38,23 +42,99 @@ class Call:
 
     def whole(self, done: Completion) -> dict:
         """The non-streamed response of a finished completion."""
+        done = self.shown(done)
         choices = []
         for out in done.outputs:
             text = out.text or ""
             choice: dict = {
                 "index": out.index,
-                "logprobs": None,
+                "logprobs": self.logprobs(done, out, 0, first=True),
                 "finish_reason": out.finish_reason,
             }
             if self.kind == "chat.completion":
                 choice["message"] = {"role": "assistant", "content": text}
             else:
-                choice["text"] = text
+                choice["text"] = (self.echo or "") + text
             if self.return_token_ids:
                 choice["token_ids"] = list(out.token_ids)
             choices.append(choice)
         extra = {"prompt_token_ids": list(done.prompt_token_ids)} if self.return_token_ids else {}
         return self.envelope(self.kind, choices, usage=count(done), **extra)
+
+    def shown(self, c: Completion) -> Completion:
+        """``c`` as the client sees it: with ``nothing``, no generated token."""
+        if not self.nothing:
+            return c
+        outputs = [
+            replace(
+                o, token_ids=[], text=None if o.text is None else "", delta="",
+                logprobs=None if o.logprobs is None else [],
+                finish_reason=None if o.finish_reason is None else "length",
+            )
+            for o in c.outputs
+        ]  # fmt: skip
+        return replace(c, outputs=outputs)
+
+    def logprobs(self, c: Completion, out: CompletionOutput, sent: int, first: bool) -> dict | None:
+        """``out``'s logprobs from token ``sent`` on, in the call's shape
+        (chat: ``content``; completions: the legacy arrays, the echoed
+        prompt's first when ``first``); None when not asked for."""
+        records = None if out.logprobs is None else out.logprobs[sent:]
+        if self.kind == "chat.completion":
+            if records is None:
+                return None
+            return {"content": [self._chat_entry(r) for r in records], "refusal": None}
+        echoed = self.echo is not None and first and c.prompt_logprobs is not None
+        if records is None and not echoed:
+            return None
+        rows: list[tuple[int, TokenLogprobs | None]] = []
+        if echoed:
+            rows += zip(c.prompt_token_ids, c.prompt_logprobs)
+        rows += [(r.chosen.token_id, r) for r in records or ()]
+        return self._legacy(rows)
+
+    def _text(self, token: Logprob | int) -> str:
+        token_id = token if isinstance(token, int) else token.token_id
+        if self.names is None:
+            return f"token_id:{token_id}"  # vLLM's name for a token without a tokenizer
+        return self.names.text(token_id)
+
+    def _chat_entry(self, r: TokenLogprobs) -> dict:
+        entry = self._entry(r.chosen)
+        entry["top_logprobs"] = [self._entry(t) for t in r.top]
+        return entry
+
+    def _entry(self, t: Logprob) -> dict:
+        raw = None if self.names is None else list(self.names.bytes(t.token_id))
+        return {"token": self._text(t), "logprob": t.logprob, "bytes": raw}
+
+    def _legacy(self, rows: list[tuple[int, TokenLogprobs | None]]) -> dict:
+        tokens = [self._text(token_id) for token_id, _ in rows]
+        offsets, at = [], 0
+        for text in tokens:
+            offsets.append(at)
+            at += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if r is None else r.chosen.logprob for _, r in rows],
+            "top_logprobs": [
+                None if r is None else {self._text(t): t.logprob for t in r.top} for _, r in rows
+            ],
+            "text_offset": offsets,
+        }
+
+
+def merged(wholes: list[dict]) -> dict:
+    """One response of the responses of a call's prompts: their choices in
+    order (``index`` running over them all), their usage summed."""
+    first, choices, usage = wholes[0], [], dict.fromkeys(wholes[0]["usage"], 0)
+    for whole in wholes:
+        for choice in whole["choices"]:
+            choices.append({**choice, "index": len(choices)})
+        for key, value in whole["usage"].items():
+            usage[key] += value
+    rest = {k: v for k, v in first.items() if k not in ("choices", "usage", "prompt_token_ids")}
+    return {**rest, "choices": choices, "usage": usage}
 
 
 def count(c: Completion) -> dict[str, int]:
@@ -79,26 +159,29 @@ class Chunker:
         self.finished: set[int] = set()
 
     def chunk(self, c: Completion) -> dict | None:
-        choices = [ch for out in c.outputs if (ch := self._choice(out)) is not None]
+        c = self.call.shown(c)
+        choices = [ch for out in c.outputs if (ch := self._choice(c, out)) is not None]
         if not choices:
             return None
         extra = {"usage": None} if self.call.include_usage else {}
         return self.call.envelope(self.obj, choices, **extra)
 
     def usage_chunk(self, c: Completion) -> dict:
-        return self.call.envelope(self.obj, [], usage=count(c))
+        return self.call.envelope(self.obj, [], usage=count(self.call.shown(c)))
 
-    def _choice(self, out: CompletionOutput) -> dict | None:
+    def _choice(self, c: Completion, out: CompletionOutput) -> dict | None:
         i = out.index
         if i in self.finished:
             return None
-        first = i not in self.sent
-        new_ids = out.token_ids[self.sent.get(i, 0) :]
+        first, sent = i not in self.sent, self.sent.get(i, 0)
+        new_ids = out.token_ids[sent:]
         self.sent[i] = len(out.token_ids)
         if out.finish_reason is not None:
             self.finished.add(i)
-        worth = out.delta or out.finish_reason or (self.call.return_token_ids and new_ids)
-        if not (worth or (first and self.call.kind == "chat.completion")):
+        tokens_wanted = self.call.return_token_ids or out.logprobs is not None
+        worth = out.delta or out.finish_reason or (tokens_wanted and new_ids)
+        echo = first and self.call.echo is not None
+        if not (worth or echo or (first and self.call.kind == "chat.completion")):
             return None
         choice: dict = {"index": i}
         if self.call.kind == "chat.completion":
@@ -107,8 +190,8 @@ class Chunker:
                 delta["content"] = out.delta
             choice["delta"] = delta
         else:
-            choice["text"] = out.delta
-        choice["logprobs"] = None
+            choice["text"] = (self.call.echo if echo else "") + out.delta
+        choice["logprobs"] = self.call.logprobs(c, out, sent, first)
         choice["finish_reason"] = out.finish_reason
         if self.call.return_token_ids:
             choice["token_ids"] = list(new_ids)

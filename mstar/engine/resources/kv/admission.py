@@ -257,8 +257,11 @@ class Admission:
             if len(old) and old[-1] - old[0] == len(old) - 1:  # one run: a slice is cheaper
                 old = slice(int(old[0]), int(old[-1]) + 1)
         k, pick = _picker(old)
-        if 0 < k <= len(request_ids) and (  # the common case: every one still there, in order
-            request_ids[:k] == pick(old_ids) and labels[:k] == pick(old_labels)
+        if (
+            0 < k <= len(request_ids)
+            and (  # the common case: every one still there, in order
+                request_ids[:k] == pick(old_ids) and labels[:k] == pick(old_labels)
+            )
         ):
             return old, k, pick
         runs: list[tuple[int, int]] = []  # (first old row, rows)
@@ -284,9 +287,10 @@ class Admission:
             for first, n in runs:
                 mask[first : first + n] = True
             old = mask.nonzero()[0]
-        if rows.made != self.streams.made and not (
-            self.streams.epoch[rows.slots[old]] == rows.epochs[old]
-        ).all():
+        if (
+            rows.made != self.streams.made
+            and not (self.streams.epoch[rows.slots[old]] == rows.epochs[old]).all()
+        ):
             return None, 0, None
         return old, k, _picker(old)[1]
 

@@ -1,0 +1,147 @@
+"""Structured outputs through xgrammar: what a sample's text must match
+(``StructuredOutputs``), and an engine's grammars (``Grammars``).
+
+Each grammar is compiled once per spec (cached) against the engine's
+tokenizer; each sample gets its own ``GrammarMatcher``, advanced with every
+token it accepts (a recompute after preemption feeds tokens already
+accepted, so the matcher needs no rollback). Each step fills one bitmask row
+per constrained logits row and applies them all in one call.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from mstar.engine.request import Request
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Exactly one of: ``json`` (a JSON schema, a dict or its text),
+    ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these
+    strings) or ``grammar`` (EBNF, xgrammar's dialect). JSON is compact (no
+    whitespace between tokens). A sample that stops at ``max_new_tokens``
+    may be cut short of a match; one that stops at EOS always matches."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json))  # keeps key order
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, Sequence):
+                raise TypeError(f"expected choice a list of str, got {self.choice!r:.60}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if not isinstance(self.json_object, bool):
+            raise TypeError(f"expected json_object a bool, got {self.json_object!r}")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"expected structured_outputs.{name} a str, got {value!r:.60}")
+        if self.choice is not None and not (
+            self.choice and all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(f"expected choice non-empty strings, got {self.choice!r:.60}")
+        kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(
+                f"expected structured_outputs to set exactly one of {KINDS}, got {kinds or 'none'}"
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+
+class Grammars:
+    """One engine's grammar compiler over its tokenizer and vocabulary
+    (logits width), ending a match at ``stop_ids``, built at the first
+    request that needs it; compiled grammars cached per spec."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> None:
+        self._tokenizer, self._stop_ids = tokenizer, sorted(stop_ids)
+        self._xgr: Any = None
+        self._compiler: Any = None
+        self._compiled: dict[StructuredOutputs, Any] = {}
+        self.vocab_size = vocab_size
+
+    def matcher(self, spec: StructuredOutputs) -> Any:
+        """A fresh matcher of ``spec``'s grammar; ``ValueError`` naming the
+        problem when it does not compile (or xgrammar is not installed)."""
+        compiled = self._compiled.get(spec)
+        if compiled is None:
+            compiled = self._compiled[spec] = self._compile(spec)
+        return self._xgr.GrammarMatcher(compiled)
+
+    def _start(self) -> Any:
+        if self._compiler is None:
+            try:
+                import xgrammar
+            except ImportError:
+                raise ValueError(
+                    "structured_outputs need xgrammar: pip install 'mstar-kv[serve]'"
+                ) from None
+            info = xgrammar.TokenizerInfo.from_huggingface(
+                self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_ids or None
+            )
+            self._xgr, self._compiler = xgrammar, xgrammar.GrammarCompiler(info, max_threads=1)
+        return self._compiler
+
+    def _compile(self, spec: StructuredOutputs) -> Any:
+        c, kind = self._start(), spec.kind
+        try:
+            if kind == "json":
+                return c.compile_json_schema(spec.json, any_whitespace=False)
+            if kind == "json_object":
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if kind == "regex":
+                return c.compile_regex(spec.regex)
+            if kind == "choice":
+                return c.compile_grammar("root ::= " + " | ".join(map(json.dumps, spec.choice)))
+            return c.compile_grammar(spec.grammar)
+        except (RuntimeError, ValueError) as err:
+            problem = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
+            raise ValueError(f"invalid structured_outputs {kind}: {problem}") from None
+
+    def mask(self, logits: torch.Tensor, matchers: Sequence[Any]) -> torch.Tensor:
+        """``logits`` ``[R, vocab]`` with the tokens each row's matcher (None:
+        unconstrained) refuses at -inf, in one batched apply; a float32 copy
+        when any row is constrained, else ``logits`` itself."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return logits
+        out = logits.float().contiguous().clone()
+        bitmask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for i in rows:
+            matchers[i].fill_next_token_bitmask(bitmask, i)
+        self._xgr.apply_token_bitmask_inplace(out, bitmask, indices=rows)
+        return out
+
+
+def row_matcher(req: Request, label: str) -> Any:
+    """The matcher constraining stream ``label``'s logits row: its sample's;
+    for a prompt stream not forked yet, that of a sample with no token yet
+    (all of them in their start state), None when every sample has tokens."""
+    sample = req.by_label.get(label)
+    if sample is not None:
+        return sample.matcher
+    fresh = [s for s in req.samples if not s.token_ids and s.matcher is not None]
+    return fresh[0].matcher if fresh else None
+
+
+def accept(matcher: Any, token: int, request_id: str) -> None:
+    """Advance ``matcher`` by the token sampled under its mask."""
+    if not matcher.accept_token(token):
+        raise RuntimeError(f"request {request_id!r}: the grammar refused token {token} it allowed")
