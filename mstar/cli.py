@@ -79,9 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument(
         "--workload",
-        choices=("chat", "mixed"),
+        choices=("chat", "mixed", "shared-prefix"),
         default="chat",
-        help="with --e2e: 16 equal chat prompts (default), or mixed serving traffic",
+        help="with --e2e: 16 equal chat prompts (default), or mixed serving traffic; with"
+        " --serve: shared-prefix, system prompts shared by many questions on --replicas",
     )
     bench.add_argument(
         "--prompts", type=int, metavar="N", help="with --workload mixed: its first N requests"
@@ -413,6 +414,9 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     if args.e2e:
         from rich.console import Console
+
+        if args.workload == "shared-prefix":
+            raise UsageError("--workload shared-prefix goes with --serve")
 
         from mstar.bench.e2e import format_e2e, run_e2e
         from mstar.bench.serving import format_mixed, run_mixed

@@ -40,6 +40,34 @@ def add_parser(subparsers: Any) -> None:
 
     add_tensor_parallel_option(p)
     add_speculative_options(p)
+    add_replica_options(p)
+
+
+def add_replica_options(p: argparse.ArgumentParser) -> None:
+    """``serve --replicas N`` and the options of replicas on Ray Serve."""
+    g = p.add_argument_group("replicas on Ray Serve (pip install 'mstar-kv[replicas]')")
+    g.add_argument("--replicas", type=int, help="serve N engine replicas through Ray Serve")
+    g.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
+    g.add_argument(
+        "--router", default="prefix", choices=("prefix", "round-robin", "least-loaded"),
+        help="how requests pick a replica (default prefix: the longest cached prefix)",
+    )  # fmt: skip
+    g.add_argument(
+        "--balance-threshold", type=int, default=8,
+        help="prefix router: past this gap in requests in flight, the least loaded (default 8)",
+    )  # fmt: skip
+    g.add_argument("--autoscaling-config", help="Ray Serve's autoscaling_config, as JSON")
+    g.add_argument(
+        "--replica-options", default="{}",
+        help='Ray actor options of each replica, as JSON (e.g. {"num_gpus": 1})',
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-events-endpoint",
+        help="publish KV-cache events (vLLM's format) on ZMQ: replica i on tcp://HOST:PORT+i",
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-events-replay-endpoint", help="the events' replay socket: replica i on PORT+i"
+    )
 
 
 def add_bench_options(bench: argparse.ArgumentParser) -> None:
@@ -55,6 +83,19 @@ def add_bench_options(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--rates", default="burst,0.5",
         help="--serve: requests/s, comma-separated; burst: all at once, serial: one at a time"
+    )  # fmt: skip
+    bench.add_argument(
+        "--replicas", type=int, default=2, help="--workload shared-prefix: on Ray Serve"
+    )
+    bench.add_argument(
+        "--routers", default="prefix,round-robin", help="--workload shared-prefix: comma-separated"
+    )  # fmt: skip
+    bench.add_argument(
+        "--systems", type=int, default=4, help="--workload shared-prefix: system prompts"
+    )  # fmt: skip
+    bench.add_argument("--bench-model", default="smollm2", help="--workload shared-prefix")
+    bench.add_argument(
+        "--bench-pages", type=int, default=512, help="--workload shared-prefix: pages a replica"
     )  # fmt: skip
 
 
@@ -72,10 +113,17 @@ def run(args: argparse.Namespace) -> int:
         least, value = int(name != "port"), getattr(args, name)
         if value is not None and value < least:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
-    engine, mode = _engine(args)
+    if args.replicas is not None:
+        try:
+            from mstar.serve.replicas import run_replicas
+        except ImportError as err:
+            msg = f"--replicas needs pip install 'mstar-kv[replicas]' ({err.name} is missing)"
+            raise UsageError(msg) from None
+        return run_replicas(args)
+    engine, mode = build_engine(args)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("mstar").setLevel(logging.INFO)  # a line per request
-    name = args.served_model_name or ("random" if args.model == "random" else Path(args.model).stem)
+    name = model_name(args)
     app = create_app(engine, model_name=name, max_waiting=args.max_waiting)
     mgr = engine.mgr
     print(
@@ -121,8 +169,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _engine(args: argparse.Namespace) -> Any:
-    """The engine ``serve`` runs, and its dtype and forward (``mode_line``)."""
+def model_name(args: argparse.Namespace) -> str:
+    """The model's name in the API."""
+    return args.served_model_name or ("random" if args.model == "random" else Path(args.model).stem)
+
+
+def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
+    """The engine ``serve``'s options describe, and its dtype and forward (``mode_line``)."""
     from mstar.cli import (
         checked_device,
         load_model,
@@ -167,6 +220,10 @@ def run_bench(args: argparse.Namespace) -> int:
         raise UsageError("--no-self needs at least one --url")
     if args.requests < 1 or args.max_tokens < 1:
         raise UsageError("--requests and --max-tokens must be >= 1")
+    if args.workload == "shared-prefix":
+        return _run_shared_prefix(args, rates)
+    if args.workload != "chat":
+        raise UsageError(f"--workload {args.workload} goes with --e2e, not --serve")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -184,4 +241,32 @@ def run_bench(args: argparse.Namespace) -> int:
             json.dump(result, f, indent=2)
     if args.plot:
         plot_serve(result, args.plot)
+    return 0 if all(r["completed"] == r["requests"] for r in result["rows"]) else 1
+
+
+def _run_shared_prefix(args: argparse.Namespace, rates: list[float]) -> int:
+    """``bench --serve --workload shared-prefix``: routers side by side."""
+    import json
+
+    from mstar.cli import UsageError
+
+    routers = [r.strip() for r in args.routers.split(",")]
+    if bad := [r for r in routers if r not in ("prefix", "round-robin", "least-loaded")]:
+        raise UsageError(f"--routers: expected prefix, round-robin or least-loaded, got {bad[0]!r}")
+    if args.replicas < 1 or args.systems < 1 or args.bench_pages < 1:
+        raise UsageError("--replicas, --systems and --bench-pages must be >= 1")
+    try:
+        from mstar.bench.replicas import format_replicas, run_replicas_bench
+    except ImportError as err:
+        msg = f"--workload shared-prefix needs pip install 'mstar-kv[replicas]': {err}"
+        raise UsageError(msg) from err
+    result = run_replicas_bench(
+        model=args.bench_model, replicas=args.replicas, routers=routers,
+        requests=8 if args.quick else args.requests, systems=args.systems,
+        max_tokens=16 if args.quick else args.max_tokens, rates=rates, pages=args.bench_pages,
+    )  # fmt: skip
+    print(format_replicas(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
     return 0 if all(r["completed"] == r["requests"] for r in result["rows"]) else 1

@@ -20,9 +20,13 @@ unregistering a page unregisters its registered descendants with it: parent
 links always name live, registered pages (``check`` asserts it).
 
 Which pages are owned, free or cached is the pool's business, not this one's.
+``listener`` (None: no cost) hears every page registered and unregistered,
+on the thread that changes the registry (``RegistryListener``).
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import numpy as np
 
@@ -30,6 +34,17 @@ from mstar.engine.resources.kv.keys import PageKeys
 from mstar.engine.resources.kv.keytable import KeyTable, distinct
 
 _NO_PAGES = np.zeros(0, dtype=np.int32)
+
+
+class RegistryListener(Protocol):
+    def stored(
+        self, keys: np.ndarray, parent_keys: np.ndarray, has_parent: np.ndarray, tokens: np.ndarray
+    ) -> None:
+        """Pages registered: keys (uint64 ``[n]``), each one's parent key
+        (valid where ``has_parent``), their tokens (int64 ``[n, page_size]``)."""
+
+    def removed(self, keys: np.ndarray) -> None:
+        """Pages unregistered: their keys (uint64)."""
 
 
 class PrefixRegistry:
@@ -50,6 +65,7 @@ class PrefixRegistry:
         self._gen = np.zeros(num_pages, dtype=np.int64)  # bumped when unregistered
         self._twin = np.full(num_pages, -1, dtype=np.int32)  # a duplicate's registered twin
         self._twin_gen = np.zeros(num_pages, dtype=np.int64)
+        self.listener: RegistryListener | None = None
 
     @property
     def size(self) -> int:
@@ -153,6 +169,8 @@ class PrefixRegistry:
             for page in pages[self.parent[pages] < 0].tolist():
                 self._namespace.pop(page, None)  # a first page's, or a cut orphan's none
             self.registered[pages] = False
+            if self.listener is not None:
+                self.listener.removed(self.key[pages])
             self._gen[pages] += 1
             parents = self.parent[pages]
             np.subtract.at(self._children, parents[parents >= 0], 1)
@@ -195,6 +213,8 @@ class PrefixRegistry:
         if parents[0] < 0:
             self._namespace[int(pages[0])] = keys.namespace
         self.table.insert(keys.hashes, pages)
+        if self.listener is not None:
+            self.listener.stored(keys.hashes, self.key[parents], parents >= 0, keys.tokens)
 
     def _resolve(self, page: int) -> int | None:
         """The registered page holding ``page``'s chain (-1 for none before
