@@ -61,9 +61,9 @@ def broken_links(page: Path) -> list[str]:
             continue  # http(s), mailto: not ours to check
         path, _, anchor = target.partition("#")
         dest = (page.parent / path).resolve() if path else page
-        if not dest.exists():
-            bad.append(target)
-        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
+        if not dest.exists() or (
+            anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text())
+        ):
             bad.append(target)
     return bad
 
@@ -125,8 +125,9 @@ def test_the_python_quick_start_runs_on_the_tiny_model(tiny_engine, monkeypatch)
 
 def test_the_server_quick_start_runs_against_a_served_tiny_model(tiny_engine):
     pytest.importorskip("openai")
-    from mstar.serve.app import create_app
     from servers import ServerThread
+
+    from mstar.serve.app import create_app
 
     with ServerThread(create_app(tiny_engine, model_name="smollm2")) as srv:
         run(blocks("server")[0].replace(SERVER_URL, srv.url))
