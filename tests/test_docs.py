@@ -125,6 +125,7 @@ def test_the_python_quick_start_runs_on_the_tiny_model(tiny_engine, monkeypatch)
 
 def test_the_server_quick_start_runs_against_a_served_tiny_model(tiny_engine):
     pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
     from servers import ServerThread
 
     from mstar.serve.app import create_app
