@@ -347,7 +347,6 @@ def test_the_key_table_spills_and_still_finds_every_key():
     assert pool.num_registered == 0 and (table._pages < 0).all()
 
 
-
 def test_a_batch_insert_shares_buckets_and_spills_and_finds_every_key():
     """One insert of keys two to a bucket, one bucket filled past its width and
     one already full: each key gets its own slot and is found."""
@@ -367,7 +366,6 @@ def test_a_batch_insert_shares_buckets_and_spills_and_finds_every_key():
     assert table._nspilled >= 2  # bucket 5 (ten keys) and bucket 9
     slots = table._slot[pages]
     assert len(set(slots.tolist())) == len(keys) and (table._pages.flat[slots] == pages).all()
-
 
 
 def test_register_next_counts_two_children_of_one_parent():

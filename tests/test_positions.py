@@ -59,6 +59,8 @@ def test_a_manager_plan_gives_positions_without_building_views(history):
         for plan in mgr.plan(step).values():
             fast = positions(plan)
             assert not plan.views_built
-            expected = [v.length - v.to_compute + j for v in plan.views for j in range(v.to_compute)]
+            expected = [
+                v.length - v.to_compute + j for v in plan.views for j in range(v.to_compute)
+            ]
             assert fast.tolist() == expected == positions(plan).tolist()
         mgr.commit(step)

@@ -88,7 +88,6 @@ def test_a_fork_continues_its_sources_chain():
     assert mgr.match_prefix("b", "main", [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 8
 
 
-
 def test_decode_steps_extend_a_matched_chain_and_a_forks_chain():
     """Pages that decode steps fill (recorded in batches) hang off the right
     parent: after a stream started on cached pages, and after a fork."""

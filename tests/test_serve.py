@@ -349,9 +349,7 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(models, offlin
         assert pages_used(srv) == 0
 
 
-@pytest.mark.parametrize(
-    "name", ["llama", "mistral", "gemma2"], ids=["full", "windowed", "hybrid"]
-)
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"], ids=["full", "windowed", "hybrid"])
 def test_chat_default_max_tokens_is_the_most_the_pool_admits(name):
     """Chat without ``max_tokens`` asks for ``Front.room``: the most new
     tokens a request alone can be admitted with, whatever the model's KV

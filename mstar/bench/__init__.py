@@ -104,7 +104,16 @@ def turns_us(
 
 def format_table(rows: list[Row]) -> str:
     """A plain-text table of ``rows``: µs per call, the ratio, the floor."""
-    head = ("bench", "config", "ours µs", "baseline µs", "speedup", "floor µs", "ours/floor", "note")
+    head = (
+        "bench",
+        "config",
+        "ours µs",
+        "baseline µs",
+        "speedup",
+        "floor µs",
+        "ours/floor",
+        "note",
+    )
     body = [
         (
             r.bench,
@@ -120,7 +129,9 @@ def format_table(rows: list[Row]) -> str:
     ]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     lines = [
-        "  ".join(x.rjust(w) if 1 < i < 7 else x.ljust(w) for i, (x, w) in enumerate(zip(line, widths)))
+        "  ".join(
+            x.rjust(w) if 1 < i < 7 else x.ljust(w) for i, (x, w) in enumerate(zip(line, widths))
+        )
         for line in [head, *body]
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
