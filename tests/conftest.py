@@ -102,6 +102,20 @@ def smollm2():
     return load("smollm2")
 
 
+@pytest.fixture(scope="module")
+def tok(smollm2):
+    """SmolLM2's tokenizer."""
+    return smollm2[1]
+
+
+@pytest.fixture(scope="module")
+def text_model(tok):
+    """A tiny random Llama over SmolLM2's vocabulary (tests deepcopy it)."""
+    from mstar.demo import build_model
+
+    return build_model(seed=0, vocab_size=len(tok))[1]
+
+
 @pytest.fixture(autouse=True)
 def poisoned_index_memory(monkeypatch):
     """Index arrays the manager fills start as garbage, not as an old plan's

@@ -34,17 +34,6 @@ FEW = settings(
 )
 
 
-@pytest.fixture(scope="module")
-def tok(smollm2):
-    return smollm2[1]
-
-
-@pytest.fixture(scope="module")
-def text_model(tok):
-    """A tiny random Llama over SmolLM2's vocabulary (tests deepcopy it)."""
-    return build_model(seed=0, vocab_size=len(tok))[1]
-
-
 def text_engine(text_model, tok, **kwargs) -> Engine:
     options = {"num_pages": 64, "page_size": 8, "token_budget": 32} | kwargs
     return Engine(copy.deepcopy(text_model), tok, **options)

@@ -14,22 +14,11 @@ pytest.importorskip("fastapi")
 
 from servers import ServerThread  # noqa: E402
 
-from mstar.demo import build_model  # noqa: E402
 from mstar.engine import Engine, SamplingParams  # noqa: E402
 from mstar.serve.app import create_app  # noqa: E402
 
 POOL = {"num_pages": 64, "page_size": 8, "token_budget": 16}
 ASK = [{"role": "user", "content": "Name three colours."}]
-
-
-@pytest.fixture(scope="module")
-def tok(smollm2):
-    return smollm2[1]
-
-
-@pytest.fixture(scope="module")
-def text_model(tok):
-    return build_model(seed=0, vocab_size=len(tok))[1]
 
 
 @pytest.fixture(scope="module")
