@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from mstar.engine.logprobs import TokenNames, record_prompt_logprobs, sampled_logprobs
+from mstar.engine.logprobs import TokenNames, position_logprobs, sampled_logprobs
 from mstar.engine.penalties import penalize, row_state
 from mstar.engine.request import Request, Sample
-from mstar.engine.structured import Grammars, accept, row_matcher
+from mstar.engine.structured import Grammars, accept
 
 
 class LogitsPipeline:
@@ -28,15 +28,22 @@ class LogitsPipeline:
         self.grammars = None if tokenizer is None else Grammars(tokenizer, vocab_size, eos_ids)
 
     def prompt(self, logits: torch.Tensor, rows: Sequence[tuple[Request, int]]) -> None:
-        """Record prompt logprobs from ``logits`` at ``(request, position)`` rows."""
-        record_prompt_logprobs(logits, rows, self.names)
+        """Row ``i`` of ``logits`` is request ``rows[i][0]``'s at prompt position
+        ``p = rows[i][1]``: record prompt token ``p + 1``'s logprobs."""
+        if not rows:
+            return
+        tokens = [req.prompt[p + 1] for req, p in rows]
+        ks = [req.params.prompt_logprobs or 0 for req, _ in rows]
+        for (req, p), record in zip(rows, position_logprobs(logits, tokens, ks, self.names)):
+            assert req.prompt_logprobs is not None
+            req.prompt_logprobs[p + 1] = record
 
     def rows(self, logits: torch.Tensor, chosen: Sequence[tuple[Request, str]]) -> torch.Tensor:
         """The logits the sampler draws from: biases and penalties, then grammar masks."""
         logits = penalize(logits, [row_state(req, label) for req, label in chosen])
         if self.grammars is None:
             return logits
-        return self.grammars.mask(logits, [row_matcher(req, label) for req, label in chosen])
+        return self.grammars.mask(logits, [_row_matcher(req, label) for req, label in chosen])
 
     def chose(self, req: Request, sample: Sample, logits: torch.Tensor, token: int) -> None:
         """``token`` was drawn for ``sample`` from ``logits``: advance its
@@ -45,3 +52,14 @@ class LogitsPipeline:
             accept(sample.matcher, token, req.id)
         if sample.logprobs is not None:
             sample.logprobs.append(sampled_logprobs(logits, req.params, token, self.names))
+
+
+def _row_matcher(req: Request, label: str) -> Any:
+    """The matcher constraining stream ``label``'s logits row: its sample's;
+    for a prompt stream not forked yet, that of a sample with no token yet
+    (all of them in their start state), None when every sample has tokens."""
+    sample = req.by_label.get(label)
+    if sample is not None:
+        return sample.matcher
+    fresh = [s for s in req.samples if not s.token_ids and s.matcher is not None]
+    return fresh[0].matcher if fresh else None

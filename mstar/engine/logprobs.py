@@ -11,14 +11,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from mstar.engine.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from mstar.engine.request import Request
 
 
 @dataclass(frozen=True)
@@ -75,20 +72,6 @@ def sampled_logprobs(
         scores = scores / params.temperature
     assert params.logprobs is not None
     return position_logprobs(scores.unsqueeze(0), [token], [params.logprobs], names)[0]
-
-
-def record_prompt_logprobs(
-    logits: torch.Tensor, rows: Sequence[tuple[Request, int]], names: TokenNames | None
-) -> None:
-    """Row ``i`` of ``logits`` is request ``rows[i][0]``'s at prompt position
-    ``p = rows[i][1]``: record prompt token ``p + 1``'s logprobs."""
-    if not rows:
-        return
-    tokens = [req.prompt[p + 1] for req, p in rows]
-    ks = [req.params.prompt_logprobs or 0 for req, _ in rows]
-    for (req, p), record in zip(rows, position_logprobs(logits, tokens, ks, names)):
-        assert req.prompt_logprobs is not None
-        req.prompt_logprobs[p + 1] = record
 
 
 def position_logprobs(

@@ -13,12 +13,9 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from mstar.engine.request import Request
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -128,17 +125,6 @@ class Grammars:
             matchers[i].fill_next_token_bitmask(bitmask, i)
         self._xgr.apply_token_bitmask_inplace(out, bitmask, indices=rows)
         return out
-
-
-def row_matcher(req: Request, label: str) -> Any:
-    """The matcher constraining stream ``label``'s logits row: its sample's;
-    for a prompt stream not forked yet, that of a sample with no token yet
-    (all of them in their start state), None when every sample has tokens."""
-    sample = req.by_label.get(label)
-    if sample is not None:
-        return sample.matcher
-    fresh = [s for s in req.samples if not s.token_ids and s.matcher is not None]
-    return fresh[0].matcher if fresh else None
 
 
 def accept(matcher: Any, token: int, request_id: str) -> None:
