@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 
 from mstar.engine.resources.kv.errors import AllocationFailed, InvalidStep, UnknownStream
-from mstar.engine.resources.kv.index import LEFT_AHEAD, Paths
 from mstar.engine.resources.kv.journal import Journal
 from mstar.engine.resources.kv.lengths import INT32_MAX
 from mstar.engine.resources.kv.pages import PagePool
+from mstar.engine.resources.kv.paths import LEFT_AHEAD, Paths
 from mstar.engine.resources.kv.plan import group_by_plan_label
 from mstar.engine.resources.kv.prefix import TokenError, step_tokens
 from mstar.engine.resources.kv.streams import StreamTable

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mstar.engine.resources.kv.lengths import index_arrays
+from mstar.engine.resources.kv.paths import LEFT_AHEAD, Paths
 from mstar.engine.resources.kv.plan import (
     KVPlanOutput,
     PinnedIndexRing,
@@ -33,17 +34,6 @@ from mstar.engine.resources.kv.streams import StreamTable
 
 if TYPE_CHECKING:
     from mstar.engine.resources.kv.admission import Admitted
-
-LEFT_AHEAD = 8  # rows that may leave ahead of a step's reused rows
-
-
-@dataclass
-class Paths:
-    """Row counts that pick a step's code path (each path gives the same plan)."""
-
-    few_rows: int = 8  # up to this many rows, per-row arithmetic runs on Python ints
-    splice_rows: int = 64  # from this many rows a label's indices are spliced from its last
-    tail_rows: int = 8  # rows after the last plan's that are spliced from their tables
 
 
 @dataclass(eq=False)

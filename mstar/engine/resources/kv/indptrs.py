@@ -13,19 +13,20 @@ import itertools
 import operator
 from collections.abc import Sequence
 from itertools import repeat as _repeat
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from mstar.engine.resources.kv.lengths import INT32_MAX, INT_TYPES, index_arrays
 
-if TYPE_CHECKING:
-    from mstar.engine.resources.kv.plan import SequenceView
+# A ``plan.SequenceView``'s fields, in order: (request_id, label, page_idxs,
+# length, to_compute, start, generation); the helpers here unpack them.
+ViewRow = tuple[str, str, Any, int, int, int, int]
 
 _DTYPE = operator.attrgetter("dtype")
 
 
-def _check_page_size(page_size: int) -> None:
+def check_page_size(page_size: int) -> None:
     if type(page_size) not in INT_TYPES or not 1 <= page_size <= INT32_MAX:
         raise ValueError(f"expected page_size an integer in [1, 2**31), got {page_size!r}")
 
@@ -66,7 +67,7 @@ def _overflows(end: np.ndarray, room: np.ndarray, computed: np.ndarray, page_siz
     )
 
 
-def _invalid_view(segments: Sequence[SequenceView], page_size: int) -> ValueError:
+def _invalid_view(segments: Sequence[ViewRow], page_size: int) -> ValueError:
     """The error for the first invalid row of ``segments`` (the slow path,
     taken only once a builder's checks have failed)."""
     computed = 0
@@ -145,16 +146,16 @@ _FEW_ROWS = 32
 _Arrays = tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
 
-def view_arrays(segments: Sequence[SequenceView], page_size: int) -> _Arrays:
+def view_arrays(segments: Sequence[ViewRow], page_size: int) -> _Arrays:
     """``build_paged_indptrs``'s host arrays for ``segments`` (checked)."""
     if type(page_size) is not int or not 0 < page_size <= INT32_MAX:
-        _check_page_size(page_size)  # raises unless a numpy integer in range
+        check_page_size(page_size)  # raises unless a numpy integer in range
         page_size = int(page_size)
     build = _arrays_by_row if len(segments) <= _FEW_ROWS else _arrays_by_column
     return build(segments, page_size)
 
 
-def _arrays_by_row(segments: Sequence[SequenceView], page_size: int) -> _Arrays:
+def _arrays_by_row(segments: Sequence[ViewRow], page_size: int) -> _Arrays:
     """The arrays of a few rows on Python ints: each check one C-level pass
     over a column (no per-row Python, no numpy call per check), then
     ``index_arrays`` on lists (a value beyond int32 raises there)."""
@@ -190,7 +191,7 @@ def _arrays_by_row(segments: Sequence[SequenceView], page_size: int) -> _Arrays:
     return (qo_indptr, kv_indptr, indices, last), kv_lens
 
 
-def _arrays_by_column(segments: Sequence[SequenceView], page_size: int) -> _Arrays:
+def _arrays_by_column(segments: Sequence[ViewRow], page_size: int) -> _Arrays:
     """The arrays column-wise through numpy: a handful of array ops whatever
     the batch. Their count is the cost at small batch (hence ufunc methods
     over their slower numpy wrappers)."""
@@ -222,21 +223,3 @@ def _arrays_by_column(segments: Sequence[SequenceView], page_size: int) -> _Arra
         raise _invalid_view(segments, page_size)
     qo_indptr, kv_indptr, last, kv_lens = index_arrays(computed, num_pages, end, page_size)
     return (qo_indptr, kv_indptr, indices, last), kv_lens
-
-
-def context_only_views(
-    views: list[SequenceView], query_spans: list[int], page_size: int
-) -> list[SequenceView]:
-    """The views of a step's streams without the tokens the step appends:
-    length shrinks by ``to_compute`` (the pages beyond it dropped; a row that
-    stored nothing keeps none) and ``to_compute`` becomes the row's query
-    count. For attention over the stored context alone."""
-    if len(views) != len(query_spans):
-        raise ValueError(f"expected one query span per view ({len(views)}), got {len(query_spans)}")
-    _check_page_size(page_size)
-    out = []
-    for v, queries in zip(views, query_spans):
-        stored = v.length - v.to_compute
-        keep = -(-(v.start + stored) // page_size) if stored > 0 else 0
-        out.append(v._replace(page_idxs=v.page_idxs[:keep], length=stored, to_compute=queries))
-    return out

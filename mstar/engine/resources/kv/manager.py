@@ -54,11 +54,12 @@ from mstar.engine.resources.kv.errors import (
     UnknownStream,
 )
 from mstar.engine.resources.kv.forks import Forks
-from mstar.engine.resources.kv.index import IndexBuilder, Paths
+from mstar.engine.resources.kv.index import IndexBuilder
 from mstar.engine.resources.kv.invariants import check_invariants, owner_counts
 from mstar.engine.resources.kv.journal import Advanced, Grew, Journal, Made
 from mstar.engine.resources.kv.lengths import INT32_MAX
 from mstar.engine.resources.kv.pages import PagePool
+from mstar.engine.resources.kv.paths import Paths
 from mstar.engine.resources.kv.plan import KVPlanOutputs, PinnedIndexRing
 from mstar.engine.resources.kv.rewind import check_kept, check_rewind, kept_tokens
 from mstar.engine.resources.kv.streams import StreamTable

@@ -19,9 +19,9 @@ the shift changes no score. Positions are absolute: slot ``s`` of a row is
 at position ``kv_offsets[row] + s`` (the tokens of the pages released
 before the row's first page; 0 without ``kv_offsets``).
 
-The contract's types and ``group_by_plan_label`` live here; the index
-builder from views (``build_paged_indptrs``'s checks, ``context_only_views``)
-and the pinned ring live beside it (``indptrs``, ``ring``) and are re-exported:
+The contract's types, ``group_by_plan_label`` and ``context_only_views`` live
+here; the host arrays from views (``build_paged_indptrs``'s checks) and the
+pinned ring live beside it (``indptrs``, ``ring``) and are re-exported:
 ``__all__`` is the contract.
 """
 
@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from mstar.engine.resources.kv.indptrs import context_only_views, view_arrays
+from mstar.engine.resources.kv.indptrs import check_page_size, view_arrays
 from mstar.engine.resources.kv.ring import PinnedIndexRing
 from mstar.engine.resources.step import Segment
 
@@ -315,3 +315,21 @@ class KVPlanOutputs(dict[str, KVPlanOutput]):
             f"KVPlanOutputs({dict.__repr__(self)}, pre_forks={self.pre_forks!r},"
             f" post_forks={self.post_forks!r})"
         )
+
+
+def context_only_views(
+    views: list[SequenceView], query_spans: list[int], page_size: int
+) -> list[SequenceView]:
+    """The views of a step's streams without the tokens the step appends:
+    length shrinks by ``to_compute`` (the pages beyond it dropped; a row that
+    stored nothing keeps none) and ``to_compute`` becomes the row's query
+    count. For attention over the stored context alone."""
+    if len(views) != len(query_spans):
+        raise ValueError(f"expected one query span per view ({len(views)}), got {len(query_spans)}")
+    check_page_size(page_size)
+    out = []
+    for v, queries in zip(views, query_spans):
+        stored = v.length - v.to_compute
+        keep = -(-(v.start + stored) // page_size) if stored > 0 else 0
+        out.append(v._replace(page_idxs=v.page_idxs[:keep], length=stored, to_compute=queries))
+    return out
