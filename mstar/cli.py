@@ -5,17 +5,27 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
-import os
 import sys
 import time
 from typing import Any
 
+from mstar.options import (
+    UsageError,
+    add_speculative_options,
+    add_speed_options,
+    add_tensor_parallel_option,
+    checked_device,
+    load_model,
+    make_engine,
+    mode_line,
+    resolved_dtype,
+    say,
+    speculative_options,
+)
 from mstar.serve import cli as serve_cli
 
 USAGE_ERROR = 2
-EAGER_ENV = "MSTAR_KV_ENFORCE_EAGER"  # set: the CLI's forward runs eager unless asked (tests)
 # (page size, pages, token budget, requests) when not given: the real model's
 # pool is small enough to force preemption; the random model's as well
 DEMO_DEFAULTS = {"random": (8, 20, 32, 16), "real": (16, 24, 128, 8), "window": (4, 48, 32, 4)}
@@ -125,130 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"mstar-kv {args.command}: interrupted", file=sys.stderr)
         return 130
-
-
-class UsageError(Exception):
-    """An impossible option: reported in one line, exit code 2."""
-
-
-def add_tensor_parallel_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--tensor-parallel-size", type=int, default=1, metavar="N",
-        help="shard the model over N processes (gloo on the CPU, NCCL on N GPUs; default 1)",
-    )  # fmt: skip
-    add_speed_options(parser)
-
-
-def add_speed_options(parser: argparse.ArgumentParser, dtype: str | None = "auto") -> None:
-    """``--dtype`` and ``--enforce-eager`` (see docs/performance.md)."""
-    parser.add_argument(
-        "--dtype", default=dtype, help="auto (bfloat16 on CUDA and on CPUs with a native bfloat16"
-        " matmul, else float32), float32 (exact against HF), bfloat16 or float16"
-        + (f"; default {dtype}" if dtype else "; default: bench --roofline both, --serve auto"),
-    )  # fmt: skip
-    parser.add_argument(
-        "--enforce-eager", action="store_true", default=bool(os.environ.get(EAGER_ENV)),
-        help=f"run the forward eager, not compiled (default when ${EAGER_ENV} is set)",
-    )  # fmt: skip
-
-
-def resolved_dtype(value: str, device: str, exact: bool = False) -> Any:
-    """``--dtype`` as a ``DtypeChoice``; ``auto`` is float32 when ``exact``
-    (a check against HF that claims exactness)."""
-    from mstar.engine.dtypes import resolve_dtype
-
-    try:
-        choice = resolve_dtype(
-            "float32" if exact and value == "auto" else value, checked_device(device)
-        )
-    except ValueError as err:
-        raise UsageError(f"--dtype {value}: {err}") from err
-    if exact and value == "auto":
-        choice = dataclasses.replace(choice, reason="auto: --check is exact in float32")
-    return choice
-
-
-def mode_line(choice: Any, engine: Any) -> str:
-    """What the start-up line says of the dtype and the forward."""
-    return f"{choice.describe()} weights, forward {engine.compiled or 'eager (--enforce-eager)'}"
-
-
-def add_speculative_options(parser: argparse.ArgumentParser, what: str = "") -> None:
-    parser.add_argument(
-        "--speculative", nargs="?", const="ngram", choices=("ngram",),
-        help=what or "speculative decoding: n-gram drafts from the prompt and output",
-    )  # fmt: skip
-    parser.add_argument(
-        "--num-speculative-tokens", type=int, default=4, metavar="K",
-        help="with --speculative: most draft tokens a step (default 4)",
-    )  # fmt: skip
-
-
-def speculative_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``Engine`` keywords of ``--speculative``/``--num-speculative-tokens``."""
-    if args.speculative is None:
-        return {}
-    return {"speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
-
-
-def checked_device(device: str) -> Any:
-    """``--device`` as a ``torch.device`` this machine has, or a usage error."""
-    from mstar.engine.device import checked_device
-
-    try:
-        return checked_device(device)
-    except ValueError as err:
-        raise UsageError(f"--device {device}: {err}") from err
-
-
-def load_model(
-    name: str, device: str, tensor_parallel_size: int = 1, dtype: Any = None
-) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` on ``device`` in ``dtype`` (a torch dtype; None:
-    float32), or a usage error naming what is missing; with
-    ``tensor_parallel_size > 1`` this rank's shard of a group started for it
-    (``make_engine`` serves it with the same size)."""
-    import torch
-
-    from mstar.engine.loader import load
-    from mstar.engine.tp import load_sharded
-
-    where = checked_device(device)
-    dtype = torch.float32 if dtype is None else dtype
-    if tensor_parallel_size < 1:
-        raise UsageError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
-    try:
-        if tensor_parallel_size > 1:
-            return load_sharded(name, tensor_parallel_size, where, dtype)
-        model, tokenizer = load(name, dtype=dtype)
-    except (FileNotFoundError, OSError, ValueError) as err:
-        raise UsageError(f"--model {name}: {str(err).splitlines()[0]}") from err
-    return model.to(where), tokenizer
-
-
-def make_engine(
-    model: Any, tokenizer: Any, device: str, *, enforce_eager: bool = True, **kwargs: Any
-) -> Any:
-    """An ``Engine``, compiled unless ``enforce_eager`` (with a progress line
-    on stderr), or a usage error for options it refuses (a pool too big for memory)."""
-    from mstar.engine import Engine
-    from mstar.engine.device import flashinfer_or_none
-
-    flashinfer = flashinfer_or_none(device, model) if device.startswith("cuda") else None
-    if not enforce_eager:
-        say("compiling the forward (cached for later runs)...")
-    try:
-        engine = Engine(
-            model, tokenizer, flashinfer=flashinfer, compile=not enforce_eager, **kwargs
-        )
-    except (TypeError, ValueError) as err:
-        raise UsageError(str(err)) from err
-    return engine
-
-
-def say(line: str) -> None:
-    """A start-up line on stderr."""
-    print(f"mstar-kv: {line}", file=sys.stderr, flush=True)
 
 
 def run_demo(args: argparse.Namespace) -> int:

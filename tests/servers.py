@@ -9,8 +9,8 @@ from typing import Any
 
 import uvicorn
 
+from mstar.serve import free_port
 from mstar.serve.app import GracefulServer
-from mstar.serve.cli import free_port
 
 START_TIMEOUT_S = 30.0
 

@@ -28,8 +28,8 @@ from vllm_events import BlockRemoved, BlockStored, Subscriber  # noqa: E402
 
 from mstar.demo import build_model  # noqa: E402
 from mstar.engine import Engine, SamplingParams  # noqa: E402
+from mstar.serve import free_port  # noqa: E402
 from mstar.serve.app import create_app  # noqa: E402
-from mstar.serve.cli import free_port  # noqa: E402
 from mstar.serve.kv_events import EventsConfig  # noqa: E402
 from mstar.serve.replicas import ReplicaConfig, Scaling, build_app  # noqa: E402
 

@@ -16,7 +16,7 @@ pytest.importorskip("fastapi")
 
 from servers import wait_until
 
-from mstar.serve.cli import free_port
+from mstar.serve import free_port
 
 START_S = 120
 

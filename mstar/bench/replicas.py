@@ -89,7 +89,7 @@ def run_replicas_bench(
     import ray
     from ray import serve
 
-    from mstar.serve.cli import free_port
+    from mstar.serve import free_port
     from mstar.serve.replicas import ReplicaConfig, Scaling, build_app
 
     ray.init(include_dashboard=False, log_to_driver=False)

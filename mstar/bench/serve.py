@@ -170,7 +170,7 @@ class OwnServer:
     """``mstar-kv serve --model smollm2 [ARGS]`` as a child process on a free port."""
 
     def __init__(self, args: Sequence[str] = ()) -> None:
-        from mstar.serve.cli import free_port
+        from mstar.serve import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"

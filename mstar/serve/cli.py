@@ -7,9 +7,7 @@ import argparse
 import contextlib
 import logging
 import signal
-import socket
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 DEFAULT_MAX_WAITING = 256
@@ -36,7 +34,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="the random model's seed")
     p.add_argument("--grace", type=float, default=10.0, help="seconds to finish at shutdown")
     p.add_argument("--served-model-name", help="the model's name in the API (default: --model's)")
-    from mstar.cli import add_speculative_options, add_tensor_parallel_option
+    from mstar.options import add_speculative_options, add_tensor_parallel_option
 
     add_tensor_parallel_option(p)
     add_speculative_options(p)
@@ -101,7 +99,7 @@ def add_bench_options(bench: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``mstar-kv serve``: serve until SIGINT/SIGTERM, then exit 0."""
-    from mstar.cli import UsageError
+    from mstar.options import UsageError, build_engine, model_name
     from mstar.report import windows_note
 
     with serve_extra("serve"):
@@ -150,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
 def serve_extra(command: str) -> Iterator[None]:
     """Imports under it that fail for a missing package raise ``UsageError``
     naming it and the extra that brings it."""
-    from mstar.cli import UsageError
+    from mstar.options import UsageError
 
     try:
         yield
@@ -162,52 +160,11 @@ def serve_extra(command: str) -> Iterator[None]:
         ) from None
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def model_name(args: argparse.Namespace) -> str:
-    """The model's name in the API."""
-    return args.served_model_name or ("random" if args.model == "random" else Path(args.model).stem)
-
-
-def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
-    """The engine ``serve``'s options describe, and its dtype and forward (``mode_line``)."""
-    from mstar.cli import (
-        checked_device,
-        load_model,
-        make_engine,
-        mode_line,
-        resolved_dtype,
-        speculative_options,
-    )
-
-    choice = resolved_dtype(args.dtype, args.device)
-    dtype = choice.dtype
-    if args.model == "random":
-        from mstar.demo import build_model
-
-        model = build_model(args.seed, str(checked_device(args.device)))[1].to(dtype)
-        tokenizer = None
-    else:
-        model, tokenizer = load_model(args.model, args.device, args.tensor_parallel_size, dtype)
-    engine = make_engine(
-        model, tokenizer, args.device, num_pages=args.pages, page_size=args.page_size,
-        token_budget=args.budget, prefix_cache=False if args.no_prefix_cache else None,
-        tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-        **speculative_options(args),
-    )  # fmt: skip
-    return engine, mode_line(choice, engine)
-
-
 def run_bench(args: argparse.Namespace) -> int:
     """``mstar-kv bench --serve``."""
     import json
 
-    from mstar.cli import UsageError
+    from mstar.options import UsageError
 
     with serve_extra("bench --serve"):
         from mstar.bench.serve import format_serve, parse_rates, plot_serve, run_serve_bench
@@ -248,7 +205,7 @@ def _run_shared_prefix(args: argparse.Namespace, rates: list[float]) -> int:
     """``bench --serve --workload shared-prefix``: routers side by side."""
     import json
 
-    from mstar.cli import UsageError
+    from mstar.options import UsageError
 
     routers = [r.strip() for r in args.routers.split(",")]
     if bad := [r for r in routers if r not in ("prefix", "round-robin", "least-loaded")]:

@@ -88,8 +88,8 @@ class EngineReplica:
     """One engine in ``create_app``'s app, driven in-process over ASGI."""
 
     async def __init__(self, config: ReplicaConfig) -> None:
+        from mstar.options import build_engine, model_name
         from mstar.serve.app import create_app
-        from mstar.serve.cli import build_engine, model_name
 
         self.rank = _rank()
         args = argparse.Namespace(**{**asdict(config), "kv_events": None})
@@ -384,7 +384,7 @@ def run_replicas(args: argparse.Namespace) -> int:
 
     import ray
 
-    from mstar.cli import UsageError
+    from mstar.options import UsageError
     from mstar.serve.kv_events import offset_port
 
     if args.replicas < 1:
