@@ -3,7 +3,8 @@ it (biases, penalties, grammar masks) and after it (logprobs, matchers).
 
 ``LogitsPipeline.rows`` is a pure function of the logits rows and each row's
 state (request, stream label), batched over the rows, so it applies to any
-rows a step produces (speculative verify rows included, later).
+rows a step produces: speculative verification (``speculative.py``) applies
+it to a verify row one position at a time, after the tokens before it.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 each row's state (its ``SamplingParams``, prompt and generated tokens): the
 token counts come from one ``scatter_add`` over the padded rows, each penalty
 is one tensor expression over every row, so no Python runs per vocabulary
-entry (a later caller can apply it to any rows, e.g. speculative verify rows).
+entry.
 """
 
 from __future__ import annotations
