@@ -105,3 +105,9 @@ def test_compiled_verify_rows_are_exact_against_hf(models):
     assert [d.outputs[0].token_ids for d in done] == [_hf(reference, p, 16) for p in prompts]
     assert engine.stats.spec_accepted > 0, engine.stats
     assert counters["stats"]["unique_graphs"] == graphs, "a verify step recompiled"
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_compile_must_be_a_bool(models, value):
+    with pytest.raises(TypeError, match=f"expected compile a bool, got {value!r}"):
+        Engine(copy.deepcopy(models[1]), compile=value, **OPTIONS)

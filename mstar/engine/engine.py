@@ -151,6 +151,8 @@ class Engine:
                 raise TypeError(f"expected {name} an int, got {value!r}")
             if value < 1:
                 raise ValueError(f"expected {name} >= 1, got {value!r}")
+        if not isinstance(compile, bool):
+            raise TypeError(f"expected compile a bool, got {compile!r}")
         if prefix_cache is not None and not isinstance(prefix_cache, bool):
             raise TypeError(f"expected prefix_cache a bool or None, got {prefix_cache!r}")
         if tokenizer is not None and not hasattr(tokenizer, "backend_tokenizer"):
