@@ -16,9 +16,7 @@ import functools
 import itertools
 import os
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,6 +27,7 @@ from mstar.engine.dtypes import resolve_dtype
 from mstar.engine.intake import Intake, RequestTooLarge
 from mstar.engine.logits import LogitsPipeline
 from mstar.engine.prompts import NOT_A_SEQUENCE, chat_ids, prompt_list
+from mstar.engine.records import EngineStats, StepFailed
 from mstar.engine.request import GUIDED, Completion, Request, Sample
 from mstar.engine.resources.groups import KVGroups, group_size
 from mstar.engine.resources.kv.cache import KVCache
@@ -43,36 +42,6 @@ from mstar.integrations.hf import forward_step, kv_spec, register
 
 Prompt = str | Sequence[int]
 Message = dict[str, str]
-PLAN_SAMPLES = 100_000
-
-
-class StepFailed(RuntimeError):
-    """The model's forward or the sampling failed inside ``step``: the
-    requests that step scheduled (``request_ids``) were aborted, their pages
-    freed; the cause is chained. The other requests go on at the next step."""
-
-    def __init__(self, request_ids: tuple[str, ...]) -> None:
-        super().__init__(f"step failed; aborted the requests it scheduled: {list(request_ids)}")
-        self.request_ids = request_ids
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    decode_steps: int = 0
-    mixed_steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    preemptions: int = 0
-    refused: int = 0
-    peak_pages: int = 0
-    peak_shared: int = 0
-    spec_proposed: int = 0  # speculative draft tokens verified
-    spec_accepted: int = 0  # of them, accepted
-    plan_s: float = 0.0  # admit + plan + commit (and forks), the plan layer
-    step_s: float = 0.0  # whole steps
-    # KVManager.plan per step, the latest PLAN_SAMPLES steps
-    plan_us: deque[float] = field(default_factory=lambda: deque(maxlen=PLAN_SAMPLES))
 
 
 def _stops_workers_on_error(init: Callable[..., None]) -> Callable[..., None]:
@@ -445,7 +414,7 @@ class Engine:
             if isinstance(err, Exception):
                 raise StepFailed(failed) from err
             raise
-        self._account(step, time.perf_counter() - t_step)
+        self.stats.account(step, time.perf_counter() - t_step, self.mgr)
         return [self._completion(req) for req in touched if req.has_news()]
 
     def _compute(self, step: KVStep) -> tuple[list[Request], list[tuple[Request, torch.Tensor]]]:
@@ -667,18 +636,6 @@ class Engine:
         outputs = [s.output() for s in req.samples]
         prompt_lp = None if req.prompt_logprobs is None else list(req.prompt_logprobs)
         return Completion(req.id, list(req.prompt), outputs, prompt_lp)
-
-    def _account(self, step: KVStep, seconds: float) -> None:
-        s = self.stats
-        spans = [seg.span for seg in step.segments]
-        s.steps += 1
-        s.step_s += seconds
-        s.decode_steps += all(x == 1 for x in spans)
-        s.mixed_steps += any(x == 1 for x in spans) and any(x > 1 for x in spans)
-        s.prefill_tokens += sum(x for x in spans if x > 1)
-        s.decode_tokens += sum(x for x in spans if x == 1)
-        s.peak_pages = max(s.peak_pages, self.mgr.num_pages - self.mgr.num_free_pages)
-        s.peak_shared = max(s.peak_shared, self.mgr.shared_pages())
 
 
 def _kv_managers(
