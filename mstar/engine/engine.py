@@ -21,21 +21,21 @@ from typing import Any
 
 import torch
 
+from mstar.engine.admitter import Admitter
 from mstar.engine.compiled import compiled_or_why
 from mstar.engine.device import check_pool_fits, checked_device, flashinfer_or_none, pool_pages
 from mstar.engine.dtypes import resolve_dtype
-from mstar.engine.intake import Intake, RequestTooLarge
+from mstar.engine.intake import Intake
 from mstar.engine.logits import LogitsPipeline
 from mstar.engine.prompts import NOT_A_SEQUENCE, chat_ids, prompt_list
 from mstar.engine.records import EngineStats, StepFailed
 from mstar.engine.request import GUIDED, Completion, Request, Sample
 from mstar.engine.resources.groups import KVGroups, group_size
 from mstar.engine.resources.kv.cache import KVCache
-from mstar.engine.resources.kv.manager import AllocationFailed, KVManager
+from mstar.engine.resources.kv.manager import KVManager
 from mstar.engine.resources.kv.ring import PinnedIndexRing
-from mstar.engine.resources.step import KVStep, Segment
+from mstar.engine.resources.step import KVStep
 from mstar.engine.sampling import SamplingParams, sample_token
-from mstar.engine.scheduler import requests_before, schedule
 from mstar.engine.speculative import speculator
 from mstar.engine.tp import TensorParallel, check_size, load_sharded, shard
 from mstar.integrations.hf import forward_step, kv_spec, register
@@ -165,6 +165,9 @@ class Engine:
         self.stats = EngineStats()
         self._running: dict[str, Request] = {}  # unfinished, oldest first
         self._ids = itertools.count()
+        self.admitter = Admitter(
+            self.mgr, self._running, token_budget, self.intake.max_chunk, prefix_cache
+        )
         # None: eager as asked; else "compiled" or why it runs eager (mstar.engine.compiled)
         self.compiled = compiled_or_why(self) if compile else None
 
@@ -293,11 +296,7 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Drop a running request; its pages return at once."""
-        req = self._running.pop(request_id, None)
-        if req is None:
-            raise KeyError(f"expected a running request id, got {request_id!r}")
-        if self.mgr.labels(request_id):
-            self.mgr.release(request_id)
+        self.admitter.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self._running)
@@ -389,7 +388,7 @@ class Engine:
             self.spec.settle(self.stats)
 
     def _step(self, t_step: float) -> list[Completion]:
-        step = self._admit()
+        step = self.admitter.next_step(self.stats)
         if step is None:
             return []
         committed = False
@@ -399,7 +398,7 @@ class Engine:
             self.mgr.commit(step, None if self.spec is None else self.spec.kept(step))
             committed = True
             for req in touched:
-                self._release_unused(req)
+                self.admitter.release_unused(req)
             for req, row in forks:
                 if req.fed.get("main") == len(req.prompt):  # not preempted meanwhile
                     self._fork(req, row)
@@ -461,80 +460,6 @@ class Engine:
                     self._on_logits(req, label, row)
         return list(touched.values()), forks
 
-    def _admit(self) -> KVStep | None:
-        """The step to run: everything scheduled, or the requests before the
-        first that did not fit; with nothing fitting, preempt the youngest
-        request holding KV and schedule again. None when nothing is running.
-        A request preempted here takes no cached prefix again until the next
-        step (it would hold the pages it just gave back: a livelock). A request
-        that cannot fit even alone is dropped: ``StepFailed`` names it, its
-        cause is the ``RequestTooLarge``; the others go on at the next step."""
-        t0 = time.perf_counter()
-        preempted: set[str] = set()
-        try:
-            while self._running:
-                step = schedule(self._running.values(), self.budget, self.intake.max_chunk)
-                while self._reuse_prefixes(step.segments, preempted):  # less to compute:
-                    step = schedule(self._running.values(), self.budget, self.intake.max_chunk)
-                assert step.segments, "every running request has a token to feed"
-                owner = self._running[step.segments[0].request_id]
-                try:
-                    step, victim = self._admit_or_preempt(step, owner)
-                except RequestTooLarge as err:
-                    raise StepFailed((owner.id,)) from err
-                if step is not None:
-                    return step
-                preempted.add(victim.id)
-            return None
-        finally:
-            self.stats.plan_s += time.perf_counter() - t0
-
-    def _admit_or_preempt(
-        self, step: KVStep, owner: Request
-    ) -> tuple[KVStep | None, Request | None]:
-        """Admit ``step`` or, when the pool refuses it, the segments of its
-        requests before the one refused (``owner``'s come first). When none of
-        it fits, preempt the youngest request holding KV and return it: the
-        caller builds its step again. ``(admitted step, None)`` or ``(None,
-        preempted request)``. When no request but ``owner`` holds KV, it can
-        never fit (it would hold as much again the next time it got here): it
-        is dropped and ``RequestTooLarge`` raised, nothing else changed."""
-        while True:
-            try:
-                self.mgr.admit(step)
-                return step, None
-            except AllocationFailed as err:
-                self.stats.refused += 1
-                step = requests_before(step, err.request_id)
-                if step is None:
-                    break
-        holding = [r for r in self._running.values() if r.holds_kv()]
-        if not holding or holding == [owner]:
-            self.abort(owner.id)
-            raise RequestTooLarge(
-                f"request {owner.id!r} does not fit the pool of {self.mgr.num_pages} KV pages"
-                " even with every other request preempted; dropped"
-            )
-        return None, self._preempt(holding[-1])
-
-    def _reuse_prefixes(self, segments: tuple[Segment, ...], skip: set[str]) -> bool:
-        """Streams about to start (scheduled, nothing in the KV cache yet)
-        take their longest cached prefix, the requests in ``skip`` excepted;
-        True when one did. Matched only when scheduled: pages are registered
-        as steps commit, so a stream matched early would miss them."""
-        if not self.prefix_cache:
-            return False
-        matched = False
-        for rid, label, _, _ in segments:
-            req = self._running[rid]
-            if req.fed[label] or rid in skip or req.prompt_logprobs is not None:
-                continue  # (prompt logprobs need every prompt position computed)
-            if label in self.mgr.labels(rid):  # matched nothing before: match anew
-                self.mgr.release(rid, label)
-            req.fed[label] = self.mgr.match_prefix(rid, label, req.streams[label])
-            matched = matched or req.fed[label] > 0
-        return matched
-
     def _logits(self, ids: list[int], plan: Any, at: list[int]) -> torch.Tensor:
         """Logits ``[len(at), vocab]`` at packed positions ``at`` of the step."""
         input_ids = torch.tensor(ids, device=self.device)
@@ -584,51 +509,19 @@ class Engine:
 
     def _fork(self, req: Request, logits: torch.Tensor) -> None:
         """The prompt is in: fork ``main`` into a stream per unfinished sample
-        (full pages shared, the partial tail copied). A sample with no token yet
-        draws its first from ``logits``; one recomputed after a preemption
-        feeds its generated tokens on from the prompt. A fork that cannot fit
-        even alone raises ``RequestTooLarge`` (the request is dropped)."""
-        live = [s for s in req.samples if s.finish_reason is None]
-        forks = tuple(("main", s.labels[0]) for s in live)
-        step = KVStep((Segment(req.id, "main", 0, ()),), post_forks=forks)
-        while True:
-            admitted, victim = self._admit_or_preempt(step, req)
-            if admitted is not None:
-                break
-            if victim is req:
-                return  # recomputed later, and forked then
-        try:
-            self.mgr.commit(step)
-        except BaseException:
-            self.mgr.abort(step)
-            raise
+        (``Admitter.fork``). A sample with no token yet draws its first from
+        ``logits``; one recomputed after a preemption feeds its generated
+        tokens on from the prompt."""
+        live = self.admitter.fork(req, self.stats)
+        if live is None:
+            return  # preempted: recomputed later, and forked then
         del req.streams["main"], req.fed["main"]
         for sample in live:
             label = sample.labels[0]
             req.streams[label], req.fed[label] = req.prompt + sample.token_ids, len(req.prompt)
             if not sample.token_ids:
                 self._emit(req, sample, self._choose(req, sample, logits))
-        self._release_unused(req)
-
-    def _release_unused(self, req: Request) -> None:
-        """Give back the pages of streams the request no longer has; a finished
-        request leaves the engine."""
-        held = self.mgr.labels(req.id)
-        if req.finished:
-            if held:
-                self.mgr.release(req.id)
-            del self._running[req.id]
-            return
-        for label in held:
-            if label not in req.streams:
-                self.mgr.release(req.id, label)
-
-    def _preempt(self, req: Request) -> Request:
-        """Free ``req``'s KV; it is recomputed later."""
-        self.mgr.release(req.id)
-        req.restart()
-        self.stats.preemptions += 1
-        return req
+        self.admitter.release_unused(req)
 
     # --- records -------------------------------------------------------------------------
 
