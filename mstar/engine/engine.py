@@ -25,17 +25,18 @@ from mstar.engine.admitter import Admitter
 from mstar.engine.compiled import compiled_or_why
 from mstar.engine.device import check_pool_fits, checked_device, flashinfer_or_none, pool_pages
 from mstar.engine.dtypes import resolve_dtype
+from mstar.engine.emitter import Emitter
 from mstar.engine.intake import Intake
 from mstar.engine.logits import LogitsPipeline
 from mstar.engine.prompts import NOT_A_SEQUENCE, chat_ids, prompt_list
 from mstar.engine.records import EngineStats, StepFailed
-from mstar.engine.request import GUIDED, Completion, Request, Sample
+from mstar.engine.request import Completion, Request
 from mstar.engine.resources.groups import KVGroups, group_size
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.manager import KVManager
 from mstar.engine.resources.kv.ring import PinnedIndexRing
 from mstar.engine.resources.step import KVStep
-from mstar.engine.sampling import SamplingParams, sample_token
+from mstar.engine.sampling import SamplingParams
 from mstar.engine.speculative import speculator
 from mstar.engine.tp import TensorParallel, check_size, load_sharded, shard
 from mstar.integrations.hf import forward_step, kv_spec, register
@@ -148,8 +149,9 @@ class Engine:
         )
         windows = self.mgr.windows if isinstance(self.mgr, KVGroups) else (self.mgr.window,)
         self.prefix_cache = prefix_cache
-        self.eos_token_ids = _eos_ids(model, tokenizer)
-        self.pipeline = LogitsPipeline(tokenizer, model.config.vocab_size, self.eos_token_ids)
+        eos = _eos_ids(model, tokenizer)
+        self.pipeline = LogitsPipeline(tokenizer, model.config.vocab_size, eos)
+        self.emitter = Emitter(self.pipeline, eos)
         self.max_len = getattr(model.config, "max_position_embeddings", None)
         self.intake = Intake(
             tokenizer,
@@ -301,6 +303,15 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._running)
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokens that end a sample (unless ``ignore_eos``); settable."""
+        return self.emitter.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: frozenset[int]) -> None:
+        self.emitter.eos_token_ids = ids
+
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent); the engine
         cannot step afterwards. Also at exit, and by ``with Engine(...)``."""
@@ -414,7 +425,7 @@ class Engine:
                 raise StepFailed(failed) from err
             raise
         self.stats.account(step, time.perf_counter() - t_step, self.mgr)
-        return [self._completion(req) for req in touched if req.has_news()]
+        return [req.completion() for req in touched if req.has_news()]
 
     def _compute(self, step: KVStep) -> tuple[list[Request], list[tuple[Request, torch.Tensor]]]:
         """Plan, forward and sample ``step``: the requests it touched, and the
@@ -425,6 +436,7 @@ class Engine:
         self.stats.plan_s += time.perf_counter() - t0
         touched: dict[str, Request] = {}
         forks: list[tuple[Request, torch.Tensor]] = []
+        on_logits = self.emitter.on_logits
         for plan in plans.values():
             ids: list[int] = []
             at: list[int] = []
@@ -457,7 +469,7 @@ class Engine:
                 if label == "main" and not req.forked:
                     forks.append((req, row))  # forked after the commit
                 else:
-                    self._on_logits(req, label, row)
+                    on_logits(req, label, row)
         return list(touched.values()), forks
 
     def _logits(self, ids: list[int], plan: Any, at: list[int]) -> torch.Tensor:
@@ -468,67 +480,14 @@ class Engine:
             self.model, input_ids, plan, self.cache, flashinfer=self.flashinfer, logits_at=index
         )
 
-    def _on_logits(self, req: Request, label: str, logits: torch.Tensor) -> None:
-        """A stream's last token is in: choose its sample's next token."""
-        if label in GUIDED:
-            req.pending[label] = logits
-            if len(req.pending) < 2:
-                return
-            cond, uncond = req.pending.pop("cond"), req.pending.pop("uncond")
-            logits = uncond + req.guidance_scale * (cond - uncond)
-        sample = req.by_label[label]
-        self._emit(req, sample, self._choose(req, sample, logits))
-
-    def _choose(self, req: Request, sample: Sample, logits: torch.Tensor) -> int:
-        token = sample_token(logits, req.params, sample.generator)
-        self.pipeline.chose(req, sample, logits, token)
-        return token
-
-    def _emit(self, req: Request, sample: Sample, token: int) -> None:
-        """Append ``token`` to ``sample`` and its text; feed it next, unless it
-        ends the sample (its streams are then dropped, and their pages released
-        after the step). An EOS/stop token is not part of the text."""
-        params, text = req.params, sample.text
-        sample.token_ids.append(token)
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.eos_token_ids
-        ):
-            sample.finish_reason = "stop"
-            if text is not None:
-                text.close()
-        elif text is not None and text.add(token):
-            sample.finish_reason = "stop"  # a stop string
-        elif len(sample.token_ids) >= params.max_new_tokens:
-            sample.finish_reason = "stop" if text is not None and text.close() else "length"
-        for label in sample.labels:
-            if sample.finish_reason is None:
-                req.streams[label].append(token)
-            else:
-                req.streams.pop(label, None)
-                req.fed.pop(label, None)
-
     def _fork(self, req: Request, logits: torch.Tensor) -> None:
         """The prompt is in: fork ``main`` into a stream per unfinished sample
-        (``Admitter.fork``). A sample with no token yet draws its first from
-        ``logits``; one recomputed after a preemption feeds its generated
-        tokens on from the prompt."""
+        (``Admitter.fork``), which feeds on from the prompt (``Emitter.forked``)."""
         live = self.admitter.fork(req, self.stats)
         if live is None:
             return  # preempted: recomputed later, and forked then
-        del req.streams["main"], req.fed["main"]
-        for sample in live:
-            label = sample.labels[0]
-            req.streams[label], req.fed[label] = req.prompt + sample.token_ids, len(req.prompt)
-            if not sample.token_ids:
-                self._emit(req, sample, self._choose(req, sample, logits))
+        self.emitter.forked(req, live, logits)
         self.admitter.release_unused(req)
-
-    # --- records -------------------------------------------------------------------------
-
-    def _completion(self, req: Request) -> Completion:
-        outputs = [s.output() for s in req.samples]
-        prompt_lp = None if req.prompt_logprobs is None else list(req.prompt_logprobs)
-        return Completion(req.id, list(req.prompt), outputs, prompt_lp)
 
 
 def _kv_managers(
