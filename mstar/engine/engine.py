@@ -12,7 +12,6 @@ a guided request decodes ``cond``/``uncond`` in lockstep.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import os
 import time
@@ -22,43 +21,30 @@ from typing import Any
 import torch
 
 from mstar.engine.admitter import Admitter
+from mstar.engine.build import (
+    check_options,
+    eos_ids,
+    from_pretrained,
+    kv_managers,
+    stops_workers_on_error,
+)
 from mstar.engine.compiled import compiled_or_why
-from mstar.engine.device import check_pool_fits, checked_device, flashinfer_or_none, pool_pages
-from mstar.engine.dtypes import resolve_dtype
+from mstar.engine.device import check_pool_fits, pool_pages
 from mstar.engine.emitter import Emitter
 from mstar.engine.intake import Intake
 from mstar.engine.logits import LogitsPipeline
 from mstar.engine.prompts import NOT_A_SEQUENCE, chat_ids, prompt_list
 from mstar.engine.records import EngineStats, StepFailed
 from mstar.engine.request import Completion, Request
-from mstar.engine.resources.groups import KVGroups, group_size
-from mstar.engine.resources.kv.cache import KVCache
-from mstar.engine.resources.kv.manager import KVManager
-from mstar.engine.resources.kv.ring import PinnedIndexRing
+from mstar.engine.resources.groups import KVGroups
 from mstar.engine.resources.step import KVStep
 from mstar.engine.sampling import SamplingParams
 from mstar.engine.speculative import speculator
-from mstar.engine.tp import TensorParallel, check_size, load_sharded, shard
+from mstar.engine.tp import shard
 from mstar.integrations.hf import forward_step, kv_spec, register
 
 Prompt = str | Sequence[int]
 Message = dict[str, str]
-
-
-def _stops_workers_on_error(init: Callable[..., None]) -> Callable[..., None]:
-    """A constructor that, when it raises, first stops the tensor-parallel
-    workers it started."""
-
-    @functools.wraps(init)
-    def checked(self: Engine, *args: Any, **kwargs: Any) -> None:
-        try:
-            init(self, *args, **kwargs)
-        except BaseException:
-            if getattr(self, "tp", None) is not None:
-                self.tp.close()
-            raise
-
-    return checked
 
 
 class Engine:
@@ -97,7 +83,7 @@ class Engine:
     stays queued, no page leaks.
     """
 
-    @_stops_workers_on_error
+    @stops_workers_on_error
     def __init__(
         self,
         model: Any,
@@ -113,23 +99,7 @@ class Engine:
         num_speculative_tokens: int = 4,
         compile: bool = False,
     ) -> None:
-        options = {"page_size": page_size, "token_budget": token_budget, "num_pages": num_pages}
-        for name, value in options.items():
-            if value is None and name == "num_pages":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"expected {name} an int, got {value!r}")
-            if value < 1:
-                raise ValueError(f"expected {name} >= 1, got {value!r}")
-        if not isinstance(compile, bool):
-            raise TypeError(f"expected compile a bool, got {compile!r}")
-        if prefix_cache is not None and not isinstance(prefix_cache, bool):
-            raise TypeError(f"expected prefix_cache a bool or None, got {prefix_cache!r}")
-        if tokenizer is not None and not hasattr(tokenizer, "backend_tokenizer"):
-            raise TypeError(
-                "expected tokenizer a Hugging Face fast tokenizer (with .backend_tokenizer)"
-                f" or None, got {type(tokenizer).__name__}"
-            )
+        check_options(tokenizer, num_pages, page_size, token_budget, prefix_cache, compile)
         self.spec = speculator(speculative, num_speculative_tokens)  # see speculative.py
         self.tp = shard(model, tensor_parallel_size)  # refuses before starting workers
         model = model if self.tp is None else self.tp.model
@@ -144,12 +114,12 @@ class Engine:
         model.set_attn_implementation(register())
         self.model, self.tokenizer, self.flashinfer = model, tokenizer, flashinfer
         self.device, self.budget = param.device, token_budget
-        self.mgr, self.cache = _kv_managers(
+        self.mgr, self.cache = kv_managers(
             spec, num_pages, page_size, param, prefix_cache, self.tp, flashinfer
         )
         windows = self.mgr.windows if isinstance(self.mgr, KVGroups) else (self.mgr.window,)
         self.prefix_cache = prefix_cache
-        eos = _eos_ids(model, tokenizer)
+        eos = eos_ids(model, tokenizer)
         self.pipeline = LogitsPipeline(tokenizer, model.config.vocab_size, eos)
         self.emitter = Emitter(self.pipeline, eos)
         self.max_len = getattr(model.config, "max_position_embeddings", None)
@@ -191,26 +161,7 @@ class Engine:
         ``device="cuda"`` uses FlashInfer when it is installed and serves the
         model (fp16/bf16 weights, head width 64/128/256); else ``paged_attention``.
         With ``tensor_parallel_size=N > 1`` each rank loads only its shard."""
-        from mstar.engine.loader import load
-
-        if not isinstance(name, str | os.PathLike):
-            raise TypeError(f"expected name a str or a path, got {name!r}")
-        device = checked_device(device)
-        dtype = resolve_dtype(dtype, device).dtype
-        size = check_size(kwargs.get("tensor_parallel_size", 1))
-        if size > 1:
-            model, tokenizer = load_sharded(os.fspath(name), size, device, dtype)
-        else:
-            model, tokenizer = load(os.fspath(name), dtype=dtype)
-            model = model.to(device)
-        try:
-            if device.type == "cuda" and "flashinfer" not in kwargs:
-                kwargs["flashinfer"] = flashinfer_or_none(str(device), model)
-            return cls(model, tokenizer, **kwargs)
-        except BaseException:
-            if size > 1:
-                shard(model, size).close()  # the group load_sharded started
-            raise
+        return from_pretrained(cls, name, device, dtype, kwargs)
 
     # --- requests ------------------------------------------------------------------------
 
@@ -488,58 +439,3 @@ class Engine:
             return  # preempted: recomputed later, and forked then
         self.emitter.forked(req, live, logits)
         self.admitter.release_unused(req)
-
-
-def _kv_managers(
-    spec: Any,
-    num_pages: int,
-    page_size: int,
-    param: torch.Tensor,
-    prefix_cache: bool,
-    tp: TensorParallel | None,
-    flashinfer: Any,
-) -> tuple[KVManager | KVGroups, KVCache]:
-    """The engine's pages and cache. A windowed model's streams release the
-    pages behind its windows, unless the prefix cache keeps them (the two do
-    not combine yet); a hybrid one's (windowed and full layers) then has a
-    manager per KV group of ``k`` layers, on one pool of the memory of
-    ``num_pages`` pages over every layer (not under tensor parallelism: its
-    workers hold one cache over every layer). On CUDA the plan's index arrays
-    leave from pinned memory, so their copies are asynchronous."""
-    cuda = param.device.type == "cuda"
-    if not prefix_cache and len(spec.groups) > 1 and tp is None:
-        groups = KVGroups(
-            spec.groups,
-            num_pages * spec.num_layers // group_size(spec.groups),
-            page_size,
-            cache=spec.cache_kwargs(),
-            dtype=param.dtype,
-            device=param.device,
-            rings=cuda,
-        )
-        return groups, groups.cache
-    cache = KVCache(
-        num_pages=num_pages,
-        page_size=page_size,
-        dtype=param.dtype,
-        device=param.device,
-        **spec.cache_kwargs(),
-    )
-    mgr = KVManager(
-        num_pages,
-        page_size,
-        cache=cache if tp is None else tp.attach(cache, flashinfer),
-        prefix_cache=prefix_cache,
-        ring=PinnedIndexRing() if cuda else None,
-        window=None if prefix_cache else spec.window,
-    )
-    return mgr, cache
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    """EOS ids from the model's generation config, else its config, else the tokenizer."""
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
-        if eos is not None:
-            return frozenset([eos] if isinstance(eos, int) else eos)
-    return frozenset()
