@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from mstar.engine.admitter import Admitter
+from mstar.engine.batch import pack
 from mstar.engine.build import (
     check_options,
     eos_ids,
@@ -389,28 +390,10 @@ class Engine:
         forks: list[tuple[Request, torch.Tensor]] = []
         on_logits = self.emitter.on_logits
         for plan in plans.values():
-            ids: list[int] = []
-            at: list[int] = []
-            chosen: list[tuple[Request, str]] = []
-            prompt_rows: list[tuple[Request, int]] = []  # logits at prompt positions
-            at_prompt: list[int] = []
-            starts = plan.cpu_indptrs.qo_indptr.tolist()
-            for (rid, label), start, end in zip(plan.rows, starts, starts[1:]):
-                req = touched[rid] = self._running[rid]
-                fed = req.fed[label]
-                for p in req.prompt_positions(label, fed, end - start):
-                    prompt_rows.append((req, p))
-                    at_prompt.append(start + p - fed)
-                tokens, choose = req.feed(label, end - start)
-                ids += tokens
-                if choose:
-                    at.append(end - 1)
-                    chosen.append((req, label))
-                    if label in req.draft:  # a verify row: logits at its draft's positions too
-                        at[-1:] = range(end - 1 - len(req.draft[label]), end)
-            logits = self._logits(ids, plan, at_prompt + at)
-            self.pipeline.prompt(logits[: len(at_prompt)], prompt_rows)
-            logits = logits[len(at_prompt) :]
+            ids, at, prompt_rows, chosen = pack(plan, self._running, touched)
+            logits = self._logits(ids, plan, at)
+            self.pipeline.prompt(logits[: len(prompt_rows)], prompt_rows)
+            logits = logits[len(prompt_rows) :]
             rows = (
                 zip(chosen, self.pipeline.rows(logits, chosen))
                 if self.spec is None
