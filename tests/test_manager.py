@@ -360,7 +360,7 @@ def test_an_equal_step_after_its_stream_was_replaced_reads_the_new_stream(few_ro
     the same: a stream released and made again (here by an aborted step, then
     by a prefix match) is resolved anew."""
     mgr = KVManager(num_pages=64, page_size=4, prefix_cache=True)
-    mgr._few_rows = few_rows
+    mgr._paths.few_rows = few_rows
     prompt = list(range(9))
     step = KVStep((Segment("a", "main", 9, prompt), Segment("b", "main", 9, prompt)))
     for s in (step, KVStep(step.segments)):  # the second: equal segments, reused rows
@@ -403,7 +403,7 @@ def test_spliced_plans_with_rows_joining_and_leaving_at_the_end(tail_rows):
     rows that joined (a prefill chunk, new requests) or left; each plan
     equals the arrays built from its own views."""
     mgr = KVManager(num_pages=1024, page_size=4)
-    mgr._few_rows, mgr._splice_rows, mgr._tail_rows = 0, 0, tail_rows
+    mgr._paths.few_rows, mgr._paths.splice_rows, mgr._paths.tail_rows = 0, 0, tail_rows
     rows = [f"r{i}" for i in range(6)]
     run_step(mgr, *((r, "main", 3 + 2 * i) for i, r in enumerate(rows)))
     joined = []
@@ -518,11 +518,11 @@ class ManagerMachine(RuleBasedStateMachine):
             num_pages=num_pages, page_size=page_size, cache=self.cache, pool=self.pool
         )
         if path != "few":  # the array path, however few the rows
-            self.mgr._few_rows = 0
+            self.mgr._paths.few_rows = 0
         if path.startswith("splice"):  # every plan spliced from the label's last
-            self.mgr._splice_rows = 0
+            self.mgr._paths.splice_rows = 0
         if path == "splice":  # by runs, unless every row kept its place
-            self.mgr._tail_rows = 0
+            self.mgr._paths.tail_rows = 0
         self.hist = {}  # (request, label) -> token ids
         self.pages = {}  # (request, label) -> pages held
         self.next_token = 0
@@ -916,7 +916,7 @@ def test_a_held_plan_keeps_its_indices_while_later_plans_reuse_memory(monkeypatc
     outside holds them: plans a consumer keeps never change under it."""
     monkeypatch.undo()  # the real recycler, not the test suite's poisoned one
     mgr = KVManager(num_pages=40_000, page_size=1)
-    mgr._splice_rows = splice_rows
+    mgr._paths.splice_rows = splice_rows
     rows = [f"r{i}" for i in range(20)]
     run_step(mgr, *((r, "main", 1000 + i) for i, r in enumerate(rows)))
     held = []
@@ -936,8 +936,8 @@ def test_rows_leaving_ahead_and_joining_behind_keep_every_stream(path):
     the end; each row keeps its own stream and length, and a spliced plan
     copies the kept rows' old indices from where they sat."""
     mgr = KVManager(num_pages=4096, page_size=4)
-    mgr._few_rows = 8 if path == "few" else 0
-    mgr._splice_rows = 0 if path == "splice" else 64
+    mgr._paths.few_rows = 8 if path == "few" else 0
+    mgr._paths.splice_rows = 0 if path == "splice" else 64
     names = [f"r{i}" for i in range(10)]
     length = {r: 3 + i for i, r in enumerate(names)}
     first = run_step(mgr, *((r, "main", n) for r, n in length.items()))["main"]
