@@ -10,7 +10,7 @@ shuffled turns, ``turns_us``):
 before, after, and HF's sdpa path on the same rows (the new K/V
 concatenated onto a padded cache, then sdpa: grouped query heads for
 decode, repeated KV heads and a mask for prefill). End to end: ``Engine`` serves each
-workload with either (swapped into ``mstar.integrations.hf``, the only
+workload with either (swapped into ``mstar.integrations.hf_attention``, the only
 caller), and HF ``generate`` on left-padded batches serves it too, the
 three in turns for ``--rounds`` rounds (default 3); each path's best round
 counts. Workloads: the 16 chat prompts of ``bench --e2e`` (32 new tokens,
@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig
 
-import mstar.integrations.hf as hf
 from mstar.bench import turns_us
 from mstar.bench.attention import HEAD_DIM, HEADS, KV_HEADS, PAGE_SIZE, Case
 from mstar.bench.serving import Job, mixed_jobs, serve_engine, serve_padded
@@ -40,6 +39,7 @@ from mstar.demo import CHAT_QUESTIONS
 from mstar.engine import Engine
 from mstar.engine.loader import chat_prompt, load
 from mstar.engine.resources.attn import paged as after
+from mstar.integrations import hf_attention
 
 # Decode and prefill steps (HF runs no step mixing the two): rows as (stored, new).
 LAYER_CASES = [
@@ -135,7 +135,7 @@ def main() -> None:
 
     def engine_with(module):
         def serve(jobs):
-            hf.paged_attention, hf.AttentionSchedule = (
+            hf_attention.paged_attention, hf_attention.AttentionSchedule = (
                 module.paged_attention,
                 module.AttentionSchedule,
             )
@@ -169,7 +169,10 @@ def main() -> None:
             print(f"{name:32s} {path:34s} {best[path]:8.2f} {speed:9.1f} {ratio:11.2f}x")
         same = tokens["Engine, paged_attention before"] == tokens["Engine, paged_attention after"]
         print(f"{name:32s} tokens {count}; before and after generate the same tokens: {same}")
-    hf.paged_attention, hf.AttentionSchedule = after.paged_attention, after.AttentionSchedule
+    hf_attention.paged_attention, hf_attention.AttentionSchedule = (
+        after.paged_attention,
+        after.AttentionSchedule,
+    )
 
 
 if __name__ == "__main__":
