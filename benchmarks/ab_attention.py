@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,7 @@ from mstar.demo import CHAT_QUESTIONS
 from mstar.engine import Engine
 from mstar.engine.loader import chat_prompt, load
 from mstar.engine.resources.attn import paged as after
+from mstar.engine.resources.attn.options import AttentionOptions
 from mstar.integrations import hf_attention
 
 # Decode and prefill steps (HF runs no step mixing the two): rows as (stored, new).
@@ -96,12 +98,25 @@ def layer_calls(before: Any) -> None:
 
 
 def _layer_call(module: Any, case: Case, schedule: Any) -> Callable[[], torch.Tensor]:
+    attend = _taking_options(module)
+
     def call() -> torch.Tensor:
-        return module.paged_attention(
-            case.q, case.layer, case.indptrs, sm_scale=case.scale, schedule=schedule
-        )
+        return attend(case.q, case.layer, case.indptrs, case.options, schedule=schedule)
 
     return call
+
+
+def _taking_options(module: Any) -> Callable[..., torch.Tensor]:
+    """``module.paged_attention`` called as today's is, with an
+    ``AttentionOptions``; a ``paged.py`` from before the record took its
+    fields as keywords."""
+    if "options" in inspect.signature(module.paged_attention).parameters:
+        return module.paged_attention
+
+    def attend(q, kv_layer, indptrs, options=AttentionOptions(), *, schedule=None):
+        return module.paged_attention(q, kv_layer, indptrs, schedule=schedule, **options._asdict())
+
+    return attend
 
 
 def main() -> None:
@@ -136,7 +151,7 @@ def main() -> None:
     def engine_with(module):
         def serve(jobs):
             hf_attention.paged_attention, hf_attention.AttentionSchedule = (
-                module.paged_attention,
+                _taking_options(module),
                 module.AttentionSchedule,
             )
             return serve_engine(lambda: Engine(paged, tokenizer), jobs)

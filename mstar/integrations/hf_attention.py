@@ -19,6 +19,7 @@ import torch
 from transformers import AttentionInterface
 
 from mstar.engine.resources.attn.flashinfer import FlashInferPagedAttention
+from mstar.engine.resources.attn.options import AttentionOptions
 from mstar.engine.resources.attn.paged import AttentionSchedule, paged_attention
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.plan import KVPlanOutput
@@ -151,21 +152,18 @@ def _attend_layer(
         query, key, value = query[:, :, :total], key[:, :, :total], value[:, :, :total]
     q = query[0].transpose(0, 1)
     cache.write(local, plan, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    options = {
-        "causal": True,
-        "sm_scale": scaling,
-        "window_left": -1 if sliding_window is None else sliding_window - 1,
-        "softcap": softcap,
-        "sinks": sinks,
-        "chunk_size": context.chunk_sizes[layer],
-    }
+    window_left = -1 if sliding_window is None else sliding_window - 1
+    # causal, sm_scale, window_left, softcap, sinks, chunk_size (by position: cheaper per layer)
+    options = AttentionOptions(
+        True, scaling, window_left, softcap, sinks, context.chunk_sizes[layer]
+    )
     if context.flashinfer is None:
         schedule = context.schedules.get(group)
         if schedule is None:
             schedule = AttentionSchedule(plan.cpu_indptrs, cache.page_size, q.device)
             context.schedules[group] = schedule
         kv_layer = cache.layer(local)
-        out = paged_attention(q, kv_layer, plan.cpu_indptrs, schedule=schedule, **options)
+        out = paged_attention(q, kv_layer, plan.cpu_indptrs, options, schedule=schedule)
     else:
         context.flashinfer.plan(
             plan,
@@ -173,9 +171,9 @@ def _attend_layer(
             num_kv_heads=key.shape[1],
             head_dim=query.shape[3],
             page_size=cache.page_size,
+            options=options,
             q_dtype=q.dtype,
             kv_dtype=cache.dtype,
-            **options,
         )
         out = context.flashinfer.run(q, cache.layer(local))
     if padded != total:
