@@ -5,12 +5,13 @@ pre-forks, makes the step's new streams and hands each growing row its pages
 from the reservation, journaling each change; ``undo`` rolls a step back to
 a journal mark. ``settle`` (a commit's prefix records, freed fork targets,
 a short commit's cut, a window's release) runs once nothing can fail, so it
-is never undone. Whatever changes the
-pages a stream holds makes the index builder forget its cached arrays.
+is never undone. Whatever changes the pages a stream holds makes the index
+builder forget its cached arrays.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,31 +27,24 @@ if TYPE_CHECKING:
     from mstar.engine.resources.kv.streams import StreamTable
 
 
+@dataclass(slots=True)
 class StepWriter:
     """Applies admitted steps to ``streams``; the caller holds the lock."""
 
-    def __init__(
-        self,
-        streams: StreamTable,
-        admission: Admission,
-        forks: Forks,
-        index: IndexBuilder,
-        window: int | None,
-    ) -> None:
-        self._streams = streams
-        self._admission = admission
-        self._forks = forks
-        self._index = index
-        self._window = window
+    streams: StreamTable
+    admission: Admission
+    forks: Forks
+    index: IndexBuilder
+    window: int | None
 
     def apply(self, step: KVStep, rec: Admitted) -> None:
         """Pre-forks, then each row's new pages (new streams made)."""
-        streams, journal = self._streams, rec.journal
+        streams, journal = self.streams, rec.journal
         if rec.forks:
-            self._forks.apply(step.pre_forks, rec.requests, journal)
+            self.forks.apply(step.pre_forks, rec.requests, journal)
             rec.slots = streams.resolve(rec.keys)
             rec.new = (rec.slots == 0).nonzero()[0].tolist()
-            rec.ends, rec.num_pages, rec.grow = self._admission.sizes(rec.slots, rec.spans, rec.few)
+            rec.ends, rec.num_pages, rec.grow = self.admission.sizes(rec.slots, rec.spans, rec.few)
         if rec.new:
             keys = [rec.keys[i] for i in rec.new]
             rooms = [rec.grow[i] for i in rec.new] if rec.few else rec.grow[rec.new].tolist()
@@ -76,13 +70,13 @@ class StepWriter:
         if cut is not None:
             self._cut(rec, ends, cut)
         elif rec.tokens is not None:  # only now is the step's KV final
-            self._streams.prefix.record(rec.slots, rec.ends, rec.spans, rec.tokens)
+            self.streams.prefix.record(rec.slots, rec.ends, rec.spans, rec.tokens)
             if step.post_forks:  # (request ids are built only when asked)
-                self._forks.copy_chains(step.post_forks, rec.requests)
+                self.forks.copy_chains(step.post_forks, rec.requests)
         if rec.forks:
             for slot in rec.journal.replaced():  # fork targets it replaced go now
-                self._streams.free(slot)
-        if self._window is not None and step.commit:
+                self.streams.free(slot)
+        if self.window is not None and step.commit:
             self._release_behind(rec)
 
     def _cut(self, rec: Admitted, ends: np.ndarray, cut: np.ndarray) -> None:
@@ -90,7 +84,7 @@ class StepWriter:
         tokens are recorded in the prefix cache."""
         self.shorten(rec.slots, ends)
         if rec.tokens is not None:
-            prefix = self._streams.prefix
+            prefix = self.streams.prefix
             tokens, keep = kept_tokens(rec.tokens, cut, rec.spans)
             kept = rec.spans - cut
             if keep is None:
@@ -100,20 +94,20 @@ class StepWriter:
 
     def shorten(self, slots: np.ndarray, ends: np.ndarray) -> None:
         """Cut each stream to ``ends`` tokens, its pages wholly past them back."""
-        if self._streams.shorten(slots, ends):
-            self._index.forget()  # its arrays name pages that went back
+        if self.streams.shorten(slots, ends):
+            self.index.forget()  # its arrays name pages that went back
 
     def _release_behind(self, rec: Admitted) -> None:
         """Release the full pages of the step's streams (its fork targets
         too) that no later query's window reaches."""
-        streams, slots = self._streams, rec.slots
+        streams, slots = self.streams, rec.slots
         if rec.forks:
             slots = np.array([s for r in rec.requests for s in streams.labels(r).values()])
-        if streams.release_behind(slots, self._window):
-            self._index.forget()  # its arrays name released pages
+        if streams.release_behind(slots, self.window):
+            self.index.forget()  # its arrays name released pages
 
     def undo(self, rec: Admitted, mark: tuple[int, int]) -> None:
         """Roll the step back to ``mark`` through its journal."""
-        rec.journal.undo(mark, self._streams)
-        rec.slots = self._streams.resolve(rec.keys)
-        self._index.forget()  # its arrays may name pages that went back
+        rec.journal.undo(mark, self.streams)
+        rec.slots = self.streams.resolve(rec.keys)
+        self.index.forget()  # its arrays may name pages that went back
