@@ -10,7 +10,7 @@ shuffled turns, ``turns_us``):
 before, after, and HF's sdpa path on the same rows (the new K/V
 concatenated onto a padded cache, then sdpa: grouped query heads for
 decode, repeated KV heads and a mask for prefill). End to end: ``Engine`` serves each
-workload with either (swapped into ``mstar.integrations.hf``, the only
+workload with either (swapped into ``mstar.integrations.hf_attention``, the only
 caller), and HF ``generate`` on left-padded batches serves it too, the
 three in turns for ``--rounds`` rounds (default 3); each path's best round
 counts. Workloads: the 16 chat prompts of ``bench --e2e`` (32 new tokens,
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +33,6 @@ import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig
 
-import mstar.integrations.hf as hf
 from mstar.bench import turns_us
 from mstar.bench.attention import HEAD_DIM, HEADS, KV_HEADS, PAGE_SIZE, Case
 from mstar.bench.serving import Job, mixed_jobs, serve_engine, serve_padded
@@ -40,6 +40,8 @@ from mstar.demo import CHAT_QUESTIONS
 from mstar.engine import Engine
 from mstar.engine.loader import chat_prompt, load
 from mstar.engine.resources.attn import paged as after
+from mstar.engine.resources.attn.options import AttentionOptions
+from mstar.integrations import hf_attention
 
 # Decode and prefill steps (HF runs no step mixing the two): rows as (stored, new).
 LAYER_CASES = [
@@ -96,12 +98,25 @@ def layer_calls(before: Any) -> None:
 
 
 def _layer_call(module: Any, case: Case, schedule: Any) -> Callable[[], torch.Tensor]:
+    attend = _taking_options(module)
+
     def call() -> torch.Tensor:
-        return module.paged_attention(
-            case.q, case.layer, case.indptrs, sm_scale=case.scale, schedule=schedule
-        )
+        return attend(case.q, case.layer, case.indptrs, case.options, schedule=schedule)
 
     return call
+
+
+def _taking_options(module: Any) -> Callable[..., torch.Tensor]:
+    """``module.paged_attention`` called as today's is, with an
+    ``AttentionOptions``; a ``paged.py`` from before the record took its
+    fields as keywords."""
+    if "options" in inspect.signature(module.paged_attention).parameters:
+        return module.paged_attention
+
+    def attend(q, kv_layer, indptrs, options=AttentionOptions(), *, schedule=None):
+        return module.paged_attention(q, kv_layer, indptrs, schedule=schedule, **options._asdict())
+
+    return attend
 
 
 def main() -> None:
@@ -135,8 +150,8 @@ def main() -> None:
 
     def engine_with(module):
         def serve(jobs):
-            hf.paged_attention, hf.AttentionSchedule = (
-                module.paged_attention,
+            hf_attention.paged_attention, hf_attention.AttentionSchedule = (
+                _taking_options(module),
                 module.AttentionSchedule,
             )
             return serve_engine(lambda: Engine(paged, tokenizer), jobs)
@@ -169,7 +184,10 @@ def main() -> None:
             print(f"{name:32s} {path:34s} {best[path]:8.2f} {speed:9.1f} {ratio:11.2f}x")
         same = tokens["Engine, paged_attention before"] == tokens["Engine, paged_attention after"]
         print(f"{name:32s} tokens {count}; before and after generate the same tokens: {same}")
-    hf.paged_attention, hf.AttentionSchedule = after.paged_attention, after.AttentionSchedule
+    hf_attention.paged_attention, hf_attention.AttentionSchedule = (
+        after.paged_attention,
+        after.AttentionSchedule,
+    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mstar.engine.resources.attn.flashinfer import FlashInferPagedAttention
+from mstar.engine.resources.attn.options import AttentionOptions
 from mstar.engine.resources.attn.paged import paged_attention
 from mstar.engine.resources.kv.plan import PagedIndptrs
 
@@ -36,8 +37,8 @@ def _fake_flashinfer(log: list, decode_seq_lens: str) -> SimpleNamespace:
 
         def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
             indptrs, causal, sm_scale, window_left = self.planned
-            opts = {"causal": causal, "sm_scale": sm_scale, "window_left": window_left}
-            return paged_attention(q, kv_layer, indptrs, **opts)
+            opts = AttentionOptions(causal=causal, sm_scale=sm_scale, window_left=window_left)
+            return paged_attention(q, kv_layer, indptrs, opts)
 
     class Decode(Prefill):
         def _plan(self, indptr, indices, last, *shape, sm_scale, window_left, seq_lens):

@@ -8,6 +8,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from oracles import Scenario, dense_attention
 
+from mstar.engine.resources.attn.options import AttentionOptions
 from mstar.engine.resources.attn.paged import AttentionSchedule, paged_attention
 from mstar.engine.resources.kv.plan import PagedIndptrs, build_paged_indptrs, context_only_views
 
@@ -51,7 +52,9 @@ def test_mixed_step_matches_dense(rows, page_size, heads, causal, window_left, s
     plan = case.step()
     qs = case.queries([n for _, n in rows], num_qo_heads)
     opts = {"causal": causal, "sm_scale": sm_scale, "window_left": window_left}
-    out = paged_attention(torch.cat(qs), case.cache.layer(0), plan.cpu_indptrs, **opts)
+    out = paged_attention(
+        torch.cat(qs), case.cache.layer(0), plan.cpu_indptrs, AttentionOptions(**opts)
+    )
     expected = [dense_attention(q, *case.kv[name], **opts) for q, name in zip(qs, case.names)]
     _assert_close(out, torch.cat(expected))
 
@@ -89,7 +92,9 @@ def test_context_only_sees_exactly_the_stored_tokens(rows, page_size, data, seed
     spans = [data.draw(st.integers(0, h)) for h, _ in rows]
     indptrs = build_paged_indptrs(context_only_views(views, spans, page_size), page_size)
     qs = case.queries(spans, 4)
-    out = paged_attention(torch.cat(qs), case.cache.layer(0), indptrs, causal=False)
+    out = paged_attention(
+        torch.cat(qs), case.cache.layer(0), indptrs, AttentionOptions(causal=False)
+    )
     expected = [
         dense_attention(q, *case.kv[name][:, :h], causal=False)
         for q, name, (h, _) in zip(qs, case.names, rows)
@@ -131,7 +136,9 @@ def test_softcap_sinks_and_chunks_match_dense(
     qs = [3 * q for q in qs]
     sink = torch.randn(num_qo_heads, generator=case.gen) * 2 if sinks else None
     opts = {"window_left": window_left, "softcap": softcap, "sinks": sink, "chunk_size": chunk_size}
-    out = paged_attention(torch.cat(qs), case.cache.layer(0), plan.cpu_indptrs, **opts)
+    out = paged_attention(
+        torch.cat(qs), case.cache.layer(0), plan.cpu_indptrs, AttentionOptions(**opts)
+    )
     expected = [dense_attention(q, *case.kv[name], **opts) for q, name in zip(qs, case.names)]
     _assert_close(out, torch.cat(expected))
 
@@ -145,7 +152,8 @@ def test_each_option_changes_the_result():
     plain = paged_attention(q, case.cache.layer(0), plan.cpu_indptrs)
     for opts in ({"softcap": 0.5}, {"sinks": torch.ones(4)}, {"chunk_size": 4}):
         assert not torch.allclose(
-            paged_attention(q, case.cache.layer(0), plan.cpu_indptrs, **opts), plain
+            paged_attention(q, case.cache.layer(0), plan.cpu_indptrs, AttentionOptions(**opts)),
+            plain,
         ), opts
 
 
@@ -157,7 +165,9 @@ def test_many_rows_of_mixed_lengths_match_dense():
     plan = case.step()
     qs = case.queries([n for _, n in rows], 6)
     for opts in ({}, {"window_left": 9}, {"chunk_size": 16, "softcap": 2.0}):
-        out = paged_attention(torch.cat(qs), case.cache.layer(0), plan.cpu_indptrs, **opts)
+        out = paged_attention(
+            torch.cat(qs), case.cache.layer(0), plan.cpu_indptrs, AttentionOptions(**opts)
+        )
         expected = [dense_attention(q, *case.kv[n], **opts) for q, n in zip(qs, case.names)]
         _assert_close(out, torch.cat(expected))
 
@@ -172,8 +182,12 @@ def test_one_schedule_serves_every_layer_of_a_step():
     layer = case.cache.layer(0)
     for opts in ({}, {"window_left": 2}, {"chunk_size": 8}, {}):
         q = torch.cat(case.queries([n for _, n in rows], 4))
-        got = paged_attention(q, layer, plan.cpu_indptrs, schedule=schedule, **opts)
-        assert torch.equal(got, paged_attention(q, layer, plan.cpu_indptrs, **opts))
+        got = paged_attention(
+            q, layer, plan.cpu_indptrs, AttentionOptions(**opts), schedule=schedule
+        )
+        assert torch.equal(
+            got, paged_attention(q, layer, plan.cpu_indptrs, AttentionOptions(**opts))
+        )
     other = case.streams.plan([("r0", 1)])
     with pytest.raises(ValueError, match="expected a schedule built from these indptrs"):
         paged_attention(q[:1], layer, other.cpu_indptrs, schedule=schedule)
@@ -210,9 +224,11 @@ def test_strided_layer_and_pair_layout_match_contiguous():
     pair = (layer[:, 0].clone(), layer[:, 1].clone())
     q = torch.cat(case.queries([n for _, n in rows], 4))
     for opts in ({}, {"softcap": 2.0}):
-        want = paged_attention(q, layer, plan.cpu_indptrs, **opts)
+        want = paged_attention(q, layer, plan.cpu_indptrs, AttentionOptions(**opts))
         for other in (strided, pair):
-            assert torch.equal(paged_attention(q, other, plan.cpu_indptrs, **opts), want)
+            assert torch.equal(
+                paged_attention(q, other, plan.cpu_indptrs, AttentionOptions(**opts)), want
+            )
 
 
 def test_batch_rows_stay_in_plan_order():
@@ -261,7 +277,7 @@ def test_value_width_may_differ_from_key_width():
     # Row 0: pages 3, 1 (7 keys), 3 queries; row 1: page 4 (2 keys), 1 query.
     indptrs = _indptrs([0, 3, 4], [0, 2, 3], [3, 1, 4], [3, 2])
     q = torch.randn(4, 4, 12, generator=gen)
-    out = paged_attention(q, (k_pages, v_pages), indptrs, sinks=torch.zeros(4))
+    out = paged_attention(q, (k_pages, v_pages), indptrs, AttentionOptions(sinks=torch.zeros(4)))
     assert out.shape == (4, 4, 5)
     rows = [(q[:3], [3, 1], 7), (q[3:], [4], 2)]
     expected = [
@@ -286,7 +302,7 @@ def test_rows_without_keys_give_zeros(causal):
     # Row 0: no pages, 2 queries. Row 1: 3 keys on page 2, 5 queries.
     indptrs = _indptrs([0, 2, 7], [0, 0, 1], [2], [page_size, 3])
     q = torch.randn(7, 2, HEAD_DIM)
-    out = paged_attention(q, layer, indptrs, causal=causal)
+    out = paged_attention(q, layer, indptrs, AttentionOptions(causal=causal))
     assert torch.equal(out[:2], torch.zeros(2, 2, HEAD_DIM))
     k, v = layer[2, 0, :3], layer[2, 1, :3]
     _assert_close(out[2:], dense_attention(q[2:], k, v, causal=causal))
@@ -364,9 +380,12 @@ def _bad(**overrides):
         (_bad(kv_layer=torch.randn(2, 3, 4, 2, HEAD_DIM)), "expected kv_layer of shape"),
         (_bad(kv_layer=torch.randn(2, 4, 2, HEAD_DIM)), "expected kv_layer of shape"),
         (_bad(indptrs=_indptrs([0, 3], [0, 1, 1], [0], [4, 4])), "of equal length"),
-        (_bad(sinks=torch.zeros(3)), r"expected sinks of shape \(4,\), got \(3,\)"),
-        (_bad(softcap=0.0), "expected softcap > 0 or None, got 0.0"),
-        (_bad(chunk_size=0), "expected chunk_size >= 1 or None, got 0"),
+        (
+            _bad(options=AttentionOptions(sinks=torch.zeros(3))),
+            r"expected sinks of shape \(4,\), got \(3,\)",
+        ),
+        (_bad(options=AttentionOptions(softcap=0.0)), "expected softcap > 0 or None, got 0.0"),
+        (_bad(options=AttentionOptions(chunk_size=0)), "expected chunk_size >= 1 or None, got 0"),
         (
             _bad(kv_layer=(torch.randn(2, 4, 2, HEAD_DIM), torch.randn(2, 3, 2, HEAD_DIM))),
             "expected k and v pages alike but for their width",

@@ -8,6 +8,7 @@ import pytest
 import torch
 from oracles import Scenario
 
+from mstar.engine.resources.attn.options import AttentionOptions
 from mstar.engine.resources.attn.paged import AttentionSchedule, paged_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -49,8 +50,12 @@ def test_cuda_equals_cpu_float32(kind, option, page_size):
         pytest.skip("a decode row sees its whole history either way")
     (cpu, cuda), (cpu_plan, cuda_plan), q = _pair(ROWS[kind], page_size, torch.float32)
     opts = {k: v.cuda() if torch.is_tensor(v) else v for k, v in OPTIONS[option].items()}
-    got = paged_attention(q.cuda(), cuda.cache.layer(0), cuda_plan.cpu_indptrs, **opts)
-    expected = paged_attention(q, cpu.cache.layer(0), cpu_plan.cpu_indptrs, **OPTIONS[option])
+    got = paged_attention(
+        q.cuda(), cuda.cache.layer(0), cuda_plan.cpu_indptrs, AttentionOptions(**opts)
+    )
+    expected = paged_attention(
+        q, cpu.cache.layer(0), cpu_plan.cpu_indptrs, AttentionOptions(**OPTIONS[option])
+    )
     assert got.device.type == "cuda"
     torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)
 
@@ -62,11 +67,15 @@ def test_cuda_schedule_serves_every_layer_and_bfloat16(kind):
     (cpu, cuda), (cpu_plan, cuda_plan), q = _pair(ROWS[kind], 16, torch.bfloat16)
     schedule = AttentionSchedule(cuda_plan.cpu_indptrs, 16, "cuda:0")
     expected = paged_attention(
-        q.float(), cpu.cache.layer(0).float(), cpu_plan.cpu_indptrs, window_left=9
+        q.float(), cpu.cache.layer(0).float(), cpu_plan.cpu_indptrs, AttentionOptions(window_left=9)
     )
     for _ in range(2):  # the schedule's masks are reused by the second layer
         got = paged_attention(
-            q.cuda(), cuda.cache.layer(0), cuda_plan.cpu_indptrs, window_left=9, schedule=schedule
+            q.cuda(),
+            cuda.cache.layer(0),
+            cuda_plan.cpu_indptrs,
+            AttentionOptions(window_left=9),
+            schedule=schedule,
         )
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float().cpu(), expected, atol=2e-2, rtol=2e-2)

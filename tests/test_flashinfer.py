@@ -11,6 +11,7 @@ import torch
 from oracles import Scenario
 
 from mstar.engine.resources.attn.flashinfer import FlashInferPagedAttention
+from mstar.engine.resources.attn.options import AttentionOptions
 from mstar.engine.resources.attn.paged import paged_attention
 from mstar.engine.resources.kv.plan import KVPlanOutput
 
@@ -32,11 +33,14 @@ def _plan_and_run(
     counts: list[int],
     **options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The adapter's output and paged_attention's on the same plan and queries."""
-    adapter.plan(plan, page_size=case.cache.page_size, q_dtype=case.cache.dtype, **SHAPE, **options)
+    """The adapter's output and paged_attention's on the same plan and queries,
+    under ``AttentionOptions(**options)``."""
+    options = AttentionOptions(**options)
+    size, dtype = case.cache.page_size, case.cache.dtype
+    adapter.plan(plan, page_size=size, options=options, q_dtype=dtype, **SHAPE)
     q = torch.cat(case.queries(counts, SHAPE["num_qo_heads"])).to(case.cache.device)
     return adapter.run(q, case.cache.layer(0)), paged_attention(
-        q, case.cache.layer(0), plan.cpu_indptrs, **options
+        q, case.cache.layer(0), plan.cpu_indptrs, options
     )
 
 
@@ -73,8 +77,13 @@ def test_plan_is_skipped_when_nothing_changed(fake):
     for _ in range(3):
         adapter.plan(plan, page_size=4, **SHAPE)
     assert len(log) == 1
-    adapter.plan(plan, page_size=4, window_left=2, **SHAPE)
-    adapter.plan(case.streams.plan([("r0", 1)]), page_size=4, window_left=2, **SHAPE)
+    adapter.plan(plan, page_size=4, options=AttentionOptions(window_left=2), **SHAPE)
+    adapter.plan(
+        case.streams.plan([("r0", 1)]),
+        page_size=4,
+        options=AttentionOptions(window_left=2),
+        **SHAPE,
+    )
     assert len(log) == 3
 
 
@@ -128,7 +137,7 @@ def test_softcap_is_flashinfers_logits_soft_cap(fake_flashinfer, monkeypatch):
     case = Scenario([(5, 3)], 4, SHAPE["num_kv_heads"], seed=2)
     plan = case.step()
     adapter.plan(plan, page_size=4, **SHAPE)
-    adapter.plan(plan, page_size=4, softcap=30.0, **SHAPE)
+    adapter.plan(plan, page_size=4, options=AttentionOptions(softcap=30.0), **SHAPE)
     assert "logits_soft_cap" not in seen[0] and seen[1]["logits_soft_cap"] == 30.0
 
 
@@ -143,7 +152,7 @@ def test_what_flashinfer_lacks_is_refused(fake_flashinfer, options, message):
     adapter, log = fake_flashinfer()
     case = Scenario([(5, 3)], 4, SHAPE["num_kv_heads"], seed=2)
     with pytest.raises(ValueError, match=f"expected an attention FlashInfer serves, {message}"):
-        adapter.plan(case.step(), page_size=4, **SHAPE, **options)
+        adapter.plan(case.step(), page_size=4, options=AttentionOptions(**options), **SHAPE)
     assert log == []
 
 

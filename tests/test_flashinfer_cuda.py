@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mstar.engine.resources.attn.flashinfer import FlashInferPagedAttention
+from mstar.engine.resources.attn.options import AttentionOptions
 from mstar.engine.resources.attn.paged import paged_attention
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.manager import KVManager
@@ -70,11 +71,11 @@ def _compare(adapter, cache: KVCache, plan: KVPlanOutput, q: torch.Tensor, **opt
         num_kv_heads=KV_HEADS,
         head_dim=HEAD_DIM,
         page_size=cache.page_size,
+        options=AttentionOptions(**options),
         q_dtype=DTYPE,
-        **options,
     )
     got = adapter.run(q, cache.layer(0))
-    expected = paged_attention(q, cache.layer(0), plan.cpu_indptrs, **options)
+    expected = paged_attention(q, cache.layer(0), plan.cpu_indptrs, AttentionOptions(**options))
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 

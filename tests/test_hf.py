@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 from mstar.engine.resources.attn.flashinfer import FlashInferPagedAttention  # noqa: E402
 from mstar.engine.resources.kv.cache import KVCache  # noqa: E402
 from mstar.engine.resources.kv.plan import KVPlanOutput  # noqa: E402
-from mstar.integrations import hf  # noqa: E402
+from mstar.integrations import hf, hf_attention  # noqa: E402
 from mstar.integrations.hf import forward_step, register  # noqa: E402
 
 SIZES = {
@@ -222,13 +222,13 @@ def _call_attention(paged, run, plan, batch: int = 1, layer: int = 0, **extra) -
     attention = transformers.AttentionInterface()[register()]
     q, kv = torch.zeros(batch, 4, 3, 16), torch.zeros(batch, 2, 3, 16)
     module = paged.model.layers[layer].self_attn
-    step = hf._Step((plan,), (run.cache,), None, (None, None))
-    token = hf._CONTEXT.set(step)
+    step = hf_attention.PagedStep((plan,), (run.cache,), None, (None, None))
+    token = hf_attention.CONTEXT.set(step)
     try:
         attention(module, q, kv, kv, None, scaling=0.25, **extra)
         attention(module, q, kv, kv, None, scaling=0.25, **extra)
     finally:
-        hf._CONTEXT.reset(token)
+        hf_attention.CONTEXT.reset(token)
 
 
 @pytest.mark.parametrize(

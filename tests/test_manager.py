@@ -1,15 +1,18 @@
-"""KVManager: scenario tests for each rule, and a state machine against a model."""
+"""KVManager: scenario tests for each rule: the protocol, forks, decode steps."""
 
 import queue
 import threading
 
 import numpy as np
 import pytest
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from kvsteps import (
+    TokenCache,
+    assert_same_as_fresh_build,
+    decode_step,
+    run_step,
+    snapshot,
+)
 
-from mstar.engine.resources.kv.invariants import check_owners
 from mstar.engine.resources.kv.manager import (
     AllocationFailed,
     InvalidStep,
@@ -17,7 +20,6 @@ from mstar.engine.resources.kv.manager import (
     KVManager,
     UnknownStream,
 )
-from mstar.engine.resources.kv.pages import PagePool
 from mstar.engine.resources.kv.plan import (
     KVPlanOutputs,
     PinnedIndexRing,
@@ -25,61 +27,6 @@ from mstar.engine.resources.kv.plan import (
     group_by_plan_label,
 )
 from mstar.engine.resources.step import KVStep, Segment
-
-
-class CopyFailed(RuntimeError):
-    pass
-
-
-class TokenCache:
-    """A fake KV cache holding a token id per slot, so a stream's pages can be
-    read back and compared with the tokens it was given."""
-
-    def __init__(self, num_pages, page_size):
-        self.page_size = page_size
-        self.slots = np.full((num_pages, page_size), -1, dtype=np.int64)
-        self.copies = []
-        self.fail = False  # the next copy_pages raises CopyFailed
-
-    def copy_pages(self, src, dst):
-        if self.fail:
-            self.fail = False
-            raise CopyFailed("copy_pages failed")
-        self.copies.append((list(src), list(dst)))
-        self.slots[np.asarray(dst)] = self.slots[np.asarray(src)]
-
-    def write(self, view, tokens):
-        assert len(tokens) == view.to_compute
-        for j, token in enumerate(tokens):
-            pos = view.length - view.to_compute + j
-            self.slots[view.page_idxs[pos // self.page_size], pos % self.page_size] = token
-
-    def read(self, view, n):
-        return [
-            int(self.slots[view.page_idxs[p // self.page_size], p % self.page_size])
-            for p in range(n)
-        ]
-
-
-def run_step(mgr, *segments, **kwargs):
-    step = KVStep(segments=tuple(Segment(*s) for s in segments), **kwargs)
-    mgr.admit(step)
-    plans = mgr.plan(step)
-    mgr.commit(step)
-    return plans
-
-
-def one_view(plans, request_id, label):
-    for out in plans.values():
-        for view in out.views:
-            if (view.request_id, view.label) == (request_id, label):
-                return view
-    raise AssertionError(f"no view for {request_id}/{label}")
-
-
-def snapshot(mgr, streams):
-    return mgr.num_free_pages, [mgr.stored_len(r, label) for r, label in streams]
-
 
 # --- the basic protocol ------------------------------------------------------------------
 
@@ -296,22 +243,6 @@ def test_a_page_returns_when_its_last_owner_releases():
 # --- decode ------------------------------------------------------------------------------
 
 
-def decode_step(rows, label="main"):
-    return KVStep(tuple(Segment(r, label, 1) for r in rows))
-
-
-def assert_same_as_fresh_build(out, page_size):
-    """A decode output equals the index arrays built from its own views."""
-    views = out.views
-    fresh = build_paged_indptrs(views, page_size)
-    for a, b in zip(out.cpu_indptrs, fresh):
-        assert a.tolist() == b.tolist()
-    assert out.rows == [(v.request_id, v.label) for v in views]
-    for view, page, offset in zip(views, out.decode_pages, out.decode_offsets):
-        pos = view.length - 1
-        assert (page, offset) == (view.page_idxs[pos // page_size], pos % page_size)
-
-
 @pytest.mark.parametrize("page_size", [1, 3, 16])
 def test_repeated_decode_steps_plan_off_the_previous_one(page_size):
     mgr = KVManager(num_pages=512, page_size=page_size)
@@ -360,7 +291,7 @@ def test_an_equal_step_after_its_stream_was_replaced_reads_the_new_stream(few_ro
     the same: a stream released and made again (here by an aborted step, then
     by a prefix match) is resolved anew."""
     mgr = KVManager(num_pages=64, page_size=4, prefix_cache=True)
-    mgr._few_rows = few_rows
+    mgr._paths.few_rows = few_rows
     prompt = list(range(9))
     step = KVStep((Segment("a", "main", 9, prompt), Segment("b", "main", 9, prompt)))
     for s in (step, KVStep(step.segments)):  # the second: equal segments, reused rows
@@ -403,7 +334,7 @@ def test_spliced_plans_with_rows_joining_and_leaving_at_the_end(tail_rows):
     rows that joined (a prefill chunk, new requests) or left; each plan
     equals the arrays built from its own views."""
     mgr = KVManager(num_pages=1024, page_size=4)
-    mgr._few_rows, mgr._splice_rows, mgr._tail_rows = 0, 0, tail_rows
+    mgr._paths.few_rows, mgr._paths.splice_rows, mgr._paths.tail_rows = 0, 0, tail_rows
     rows = [f"r{i}" for i in range(6)]
     run_step(mgr, *((r, "main", 3 + 2 * i) for i, r in enumerate(rows)))
     joined = []
@@ -487,436 +418,13 @@ def test_check_invariants_names_the_broken_rule():
         mgr.check_invariants()
 
 
-# --- the state machine ---------------------------------------------------------------------
-
-REQUESTS = ["r0", "r1", "r2"]
-LABELS = ["a", "b", "c"]
-
-
-class ManagerMachine(RuleBasedStateMachine):
-    """Random steps against a model of the rules: each stream's token history
-    and page count. A TokenCache makes the pages' contents checkable, so a
-    fork that shares the wrong page, or a step that writes a shared page,
-    shows up as a wrong history."""
-
-    @initialize(
-        page_size=st.sampled_from([1, 2, 3, 5]),
-        num_pages=st.integers(3, 30),
-        path=st.sampled_from(["few", "copy", "splice", "splice kept rows"]),
-        sibling=st.integers(0, 2),
-    )
-    def setup(self, page_size, num_pages, path, sibling):
-        """``sibling``: pages a second manager holds on a pool shared with
-        this one (a hybrid's KV groups), 0: a pool of its own."""
-        self.ps = page_size
-        self.cache = TokenCache(num_pages, page_size)
-        self.sibling, self.pool = None, PagePool(num_pages, page_size) if sibling else None
-        if sibling:
-            self.sibling = KVManager(num_pages, page_size, pool=self.pool)
-            run_step(self.sibling, ("other", "main", sibling * page_size))
-        self.mgr = KVManager(
-            num_pages=num_pages, page_size=page_size, cache=self.cache, pool=self.pool
-        )
-        if path != "few":  # the array path, however few the rows
-            self.mgr._few_rows = 0
-        if path.startswith("splice"):  # every plan spliced from the label's last
-            self.mgr._splice_rows = 0
-        if path == "splice":  # by runs, unless every row kept its place
-            self.mgr._tail_rows = 0
-        self.hist = {}  # (request, label) -> token ids
-        self.pages = {}  # (request, label) -> pages held
-        self.next_token = 0
-        self.last_decode = None
-
-    # -- the model of admission ------------------------------------------------------
-
-    def model_need(self, step):
-        """Pages the step needs, or the (request, label) of a missing fork source."""
-        need = 0
-        for request in dict.fromkeys(s.request_id for s in step.segments):
-            sim = {
-                lab: (len(h), self.pages[(r, lab)])
-                for (r, lab), h in self.hist.items()
-                if r == request
-            }
-            for src, dst in step.pre_forks:
-                if src not in sim:
-                    return None, (request, src)
-                need += sim[src][0] % self.ps != 0
-                sim[dst] = (sim[src][0], -(-sim[src][0] // self.ps))
-            for seg in (s for s in step.segments if s.request_id == request):
-                stored, pages = sim.get(seg.label, (0, 0))
-                want = -(-(stored + seg.span) // self.ps)
-                need += max(want - pages, 0)
-                sim[seg.label] = (stored + seg.span * step.commit, max(pages, want))
-            for src, dst in step.post_forks:
-                if src not in sim:
-                    return None, (request, src)
-                need += sim[src][0] % self.ps != 0
-                sim[dst] = (sim[src][0], -(-sim[src][0] // self.ps))
-        return need, None
-
-    def apply_fork(self, request, src, dst):
-        self.hist[(request, dst)] = list(self.hist[(request, src)])
-        self.pages[(request, dst)] = -(-len(self.hist[(request, dst)]) // self.ps)
-
-    # -- rules ---------------------------------------------------------------------------
-
-    @rule(data=st.data())
-    def step(self, data):
-        segments = []
-        for request in data.draw(st.lists(st.sampled_from(REQUESTS), unique=True, max_size=3)):
-            for label in data.draw(
-                st.lists(st.sampled_from(LABELS), unique=True, min_size=1, max_size=2)
-            ):
-                segments.append(Segment(request, label, data.draw(st.integers(0, 7))))
-        if data.draw(st.booleans()):  # a decode step
-            segments = [s._replace(span=1) for s in segments]
-        present = list(dict.fromkeys(s.label for s in segments))
-        combined = {}
-        if len(present) >= 2 and data.draw(st.booleans()):
-            combined = {tuple(present[:2]): "combo"}
-
-        def forks():  # mostly none; a source the step names, so most are valid
-            if not present or data.draw(st.integers(0, 2)):
-                return ()
-            src = data.draw(st.sampled_from(present))
-            return ((src, data.draw(st.sampled_from([lab for lab in LABELS if lab != src]))),)
-
-        step = KVStep(
-            tuple(segments),
-            combined_labels=combined,
-            pre_forks=forks(),
-            post_forks=forks(),
-            commit=data.draw(st.integers(0, 3)) > 0,
-        )
-        self.run(step, data)
-
-    @rule(data=st.data())
-    def repeat_decode(self, data):
-        if self.last_decode is not None:
-            self.run(
-                KVStep(self.last_decode.segments, combined_labels=self.last_decode.combined_labels),
-                data,
-            )
-
-    @rule(data=st.data())
-    def release(self, data):
-        request = data.draw(st.sampled_from(REQUESTS))
-        labels = [lab for (r, lab) in self.hist if r == request]
-        label = data.draw(st.sampled_from([None, *LABELS]))
-        if not labels or (label is not None and label not in labels):
-            before = self.mgr.num_free_pages
-            with pytest.raises(UnknownStream):
-                self.mgr.release(request, label)
-            assert self.mgr.num_free_pages == before
-            return
-        self.mgr.release(request, label)
-        for lab in labels if label is None else [label]:
-            del self.hist[(request, lab)], self.pages[(request, lab)]
-
-    @rule(data=st.data())
-    def rewind(self, data):
-        if not self.hist:
-            return
-        key = data.draw(st.sampled_from(sorted(self.hist)))
-        n = data.draw(st.integers(0, len(self.hist[key])))
-        before, new = self.state(), len(self.hist[key]) - n
-        tail = self.mgr.page_ids(*key)[new // self.ps :][:1]
-        shared = n and new % self.ps and self.mgr._pages.refcount[tail].item() > 1
-        if shared:  # it would write over a page another stream reads
-            with pytest.raises(InvalidStep, match="shared"):
-                self.mgr.rewind(*key, n)
-            assert self.state() == before
-            return
-        self.mgr.rewind(*key, n)
-        del self.hist[key][new:]
-        if n:  # a rewind of nothing changes nothing
-            self.pages[key] = min(self.pages[key], -(-new // self.ps))
-        assert self.mgr.held_pages(*key) == self.pages[key]
-
-    # -- running one step against the model ------------------------------------------------
-
-    def state(self):
-        """Everything a refused or undone call must leave as it was."""
-        streams = {
-            key: (self.mgr.stored_len(*key), sorted(self.mgr.labels(key[0]))) for key in self.hist
-        }
-        return self.mgr.num_free_pages, self.mgr.shared_pages(), streams
-
-    def run(self, step, data):
-        need, missing = self.model_need(step)
-        free = self.mgr.num_free_pages
-        if missing is not None:
-            with pytest.raises(UnknownStream) as err:
-                self.mgr.admit(step)
-            assert (err.value.request_id, err.value.label) == missing
-            assert self.mgr.num_free_pages == free
-            return
-        if need > free:
-            with pytest.raises(AllocationFailed) as err:
-                self.mgr.admit(step)
-            assert err.value.pages_short == need - free
-            assert self.mgr.num_free_pages == free
-            return
-        before = self.state()
-        self.mgr.admit(step)
-        assert self.mgr.num_free_pages == free - need
-        if data.draw(st.integers(0, 9)) == 0:  # abandoned after admit
-            self.mgr.abort(step)
-            assert self.state() == before
-            return
-        self.cache.fail = data.draw(st.integers(0, 3)) == 0
-        try:
-            plans = self.mgr.plan(step)
-        except CopyFailed:  # a pre-fork's copy: the step is as admitted
-            assert self.mgr.num_free_pages == free - need
-            self.mgr.check_invariants()
-            self.mgr.abort(step)
-            assert self.state() == before
-            return
-        self.cache.fail = False
-        requests = list(dict.fromkeys(s.request_id for s in step.segments))
-        kept = {key: list(h) for key, h in self.hist.items()}  # the model before the step
-        kept_pages = dict(self.pages)
-        for src, dst in step.pre_forks:
-            for request in requests:
-                self.apply_fork(request, src, dst)
-        assert list(plans) == list(group_by_plan_label(step.segments, step.combined_labels))
-        assert (plans.pre_forks, plans.post_forks) == (step.pre_forks, step.post_forks)
-        decode = bool(step.segments) and all(s.span == 1 for s in step.segments)
-        new_tokens = {}
-        for plan_label, segs in group_by_plan_label(step.segments, step.combined_labels).items():
-            out = plans[plan_label]
-            assert out.rows == [(s.request_id, s.label) for s in segs]
-            assert (out.decode_pages is not None) == out.is_decode == all(s.span == 1 for s in segs)
-            for seg, view in zip(segs, out.views):
-                key = (seg.request_id, seg.label)
-                stored = self.hist.setdefault(key, [])
-                self.pages[key] = max(
-                    self.pages.get(key, 0), -(-(len(stored) + seg.span) // self.ps)
-                )
-                assert (view.length, view.to_compute) == (len(stored) + seg.span, seg.span)
-                assert len(view.page_idxs) == -(-view.length // self.ps)
-                assert self.cache.read(view, len(stored)) == stored, (
-                    "a stream's pages lost its tokens"
-                )
-                tokens = list(range(self.next_token, self.next_token + seg.span))
-                self.next_token += seg.span
-                self.cache.write(view, tokens)
-                new_tokens[key] = tokens
-            fresh = build_paged_indptrs(out.views, self.ps)
-            for a, b in zip(out.cpu_indptrs, fresh):
-                assert a.tolist() == b.tolist()
-            if decode:
-                assert_same_as_fresh_build(out, self.ps)
-        if data.draw(st.integers(0, 9)) == 0:  # the forward failed: abandoned after plan
-            self.mgr.abort(step)
-            self.hist, self.pages = kept, kept_pages  # pre-forks and new streams undone
-            assert self.state() == before
-            return
-        self.cache.fail = data.draw(st.integers(0, 3)) == 0
-        keep = None  # a verify step: each row commits a prefix of its span
-        if step.commit and not step.post_forks and data.draw(st.integers(0, 2)) == 0:
-            keep = [data.draw(st.integers(0, s.span)) for s in step.segments]
-        try:
-            self.mgr.commit(step, keep)
-        except CopyFailed:  # a post-fork's copy: nothing committed; then abandoned
-            self.mgr.check_invariants()
-            self.mgr.abort(step)
-            self.hist, self.pages = kept, kept_pages
-            assert self.state() == before
-            return
-        self.cache.fail = False
-        if step.commit:
-            for key, tokens in new_tokens.items():
-                self.hist[key].extend(tokens)
-        if keep is not None and any(k < s.span for k, s in zip(keep, step.segments)):
-            for seg, k in zip(step.segments, keep):  # a short commit trims every row
-                key = (seg.request_id, seg.label)
-                del self.hist[key][len(self.hist[key]) - seg.span + k :]
-                self.pages[key] = -(-len(self.hist[key]) // self.ps)
-        for src, dst in step.post_forks:
-            for request in requests:
-                self.apply_fork(request, src, dst)
-        self.last_decode = step if decode else self.last_decode
-
-    @invariant()
-    def consistent(self):
-        if not hasattr(self, "mgr"):
-            return
-        self.mgr.check_invariants()
-        if self.sibling is not None:  # the pool against both managers' owners
-            check_owners(self.pool, self.mgr.owner_counts() + self.sibling.owner_counts())
-        for (request, label), tokens in self.hist.items():
-            assert self.mgr.stored_len(request, label) == len(tokens)
-        for r in REQUESTS:
-            assert set(self.mgr.labels(r)) == {lab for (q, lab) in self.hist if q == r}
-
-
-TestManagerMachine = ManagerMachine.TestCase
-TestManagerMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
-
-
-# --- bad input never changes anything (issue: robustness) -----------------------------------
-
-
-def full_state(mgr, keys):
-    """Free pages, sharing, and every stream's length and page indices."""
-    streams = {}
-    for key in keys:
-        step = KVStep((Segment(*key, 0),))
-        mgr.admit(step)
-        (view,) = [v for out in mgr.plan(step).values() for v in out.views]
-        mgr.abort(step)
-        streams[key] = (view.length, list(view.page_idxs))
-    mgr.check_invariants()
-    return mgr.num_free_pages, mgr.shared_pages(), streams
-
-
-def filled(page_size=4, num_pages=32):
-    cache = TokenCache(num_pages, page_size)
-    mgr = KVManager(num_pages=num_pages, page_size=page_size, cache=cache)
-    plans = run_step(mgr, ("r1", "a", 120 // 8), ("r2", "a", 6))
-    return mgr, cache, plans
-
-
-@pytest.mark.parametrize(
-    "segment, error, match",
-    [
-        (("r1", "a", np.int8(100)), None, None),  # a small numpy int is fine: no wrap
-        (("r1", "a", np.uint64(3)), None, None),
-        (("r1", "a", 1.5), TypeError, "span an int, got 1.5"),
-        (("r1", "a", 2.0), TypeError, "span an int, got 2.0"),
-        (("r1", "a", np.float64(2.0)), TypeError, "span an int"),
-        (("r1", "a", True), TypeError, "span an int, got True"),
-        (("r1", "a", "3"), TypeError, "span an int, got '3'"),
-        (("r1", "a", None), TypeError, "span an int, got None"),
-        (("r1", "a", -1), InvalidStep, "span >= 0"),
-        (("r1", "a", 2**31), InvalidStep, "< 2\\*\\*31"),
-        (("r1", "a", np.uint64(2**63 + 5)), InvalidStep, "< 2\\*\\*31"),
-        (("r1", "a", 2**31 - 10), InvalidStep, "length < 2\\*\\*31"),
-        ((None, "a", 1), TypeError, "request_id and label to be str"),
-        (("r9", None, 1), TypeError, "request_id and label to be str"),
-    ],
-)
-def test_a_bad_span_or_key_is_refused_naming_the_row(segment, error, match):
-    mgr, _, _ = filled()
-    before = full_state(mgr, [("r1", "a"), ("r2", "a")])
-    step = KVStep((Segment("r2", "a", 1), Segment(*segment)))
-    if error is None:
-        mgr.admit(step)
-        mgr.plan(step)
-        mgr.commit(step)
-        assert mgr.stored_len("r1", "a") == 15 + int(segment[2])
-        mgr.check_invariants()
-        return
-    with pytest.raises(error, match=match) as err:
-        mgr.admit(step)
-    if segment[0] is not None and segment[1] is not None:
-        assert repr(segment[0]) in str(err.value) and repr(segment[1]) in str(err.value)
-    assert full_state(mgr, [("r1", "a"), ("r2", "a")]) == before
-    run_step(mgr, ("r1", "a", 3))  # a valid step still works
-    assert mgr.stored_len("r1", "a") == 18
-
-
-@pytest.mark.parametrize(
-    "kwargs, error, match",
-    [
-        ({"post_forks": ("a", "z")}, InvalidStep, "post-fork a \\(src, dst\\) pair"),
-        ({"pre_forks": (("a", 3),)}, InvalidStep, "pre-fork a \\(src, dst\\) pair"),
-        ({"combined_labels": [("a", "b")]}, TypeError, "combined_labels a dict"),
-    ],
-)
-def test_malformed_forks_and_labels_are_refused(kwargs, error, match):
-    mgr, _, _ = filled()
-    before = full_state(mgr, [("r1", "a")])
-    with pytest.raises(error, match=match):
-        mgr.admit(KVStep((Segment("r1", "a", 1), Segment("r1", "b", 1)), **kwargs))
-    assert full_state(mgr, [("r1", "a")]) == before
-
-
-def test_rows_must_be_segments_and_steps_kvsteps():
-    mgr, _, _ = filled()
-    with pytest.raises(TypeError, match="expected Segment rows, got tuple"):
-        mgr.admit(KVStep((("r1", "a", 1),)))
-    with pytest.raises(TypeError, match="expected a KVStep"):
-        mgr.admit((Segment("r1", "a", 1),))
-    with pytest.raises(TypeError, match="label a str or None"):
-        mgr.release("r1", 3)
-
-
-@pytest.mark.parametrize(
-    "num_pages, page_size, match",
-    [
-        (16, 2.5, "page_size an int"),
-        (16, 4.0, "page_size an int"),
-        ("16", 4, "num_pages an int"),
-        (16, True, "page_size an int"),
-        (16, 2**31, "page_size an int in"),
-        (2**20, 2**12, "num_pages \\* page_size < 2\\*\\*31"),
-        (0, 4, "num_pages an int in"),
-    ],
-)
-def test_constructor_refuses_bad_sizes(num_pages, page_size, match):
-    with pytest.raises(ValueError, match=match):
-        KVManager(num_pages, page_size)
-
-
-def test_a_refused_plan_does_not_advance_the_ring():
-    ring = PinnedIndexRing()
-    mgr = KVManager(num_pages=32, page_size=4, ring=ring)
-    first = run_step(mgr, ("r1", "a", 5))["a"].cpu_indptrs.paged_kv_indices
-    kept = first.tolist()
-    for _ in range(3):
-        with pytest.raises(InvalidStep, match="not admitted"):
-            mgr.plan(KVStep((Segment("r1", "a", 1),)))
-    run_step(mgr, ("r2", "a", 9))  # the one plan after the first: a different set
-    assert first.tolist() == kept
-
-
-def test_a_failed_fork_copy_leaks_nothing():
-    mgr, cache, _ = filled()
-    before = full_state(mgr, [("r1", "a"), ("r2", "a")])
-    for when in ("pre_forks", "post_forks"):
-        step = KVStep((Segment("r2", "a", 1),), **{when: (("a", "b"),)})
-        mgr.admit(step)
-        cache.fail = True
-        with pytest.raises(CopyFailed):
-            mgr.plan(step) if when == "pre_forks" else mgr.commit(step)
-        mgr.check_invariants()
-        mgr.abort(step)
-        assert full_state(mgr, [("r1", "a"), ("r2", "a")]) == before
-    mgr.release("r1")
-    mgr.release("r2")
-    assert mgr.num_free_pages == mgr.num_pages  # every page came back
-
-
-def test_abort_restores_a_replaced_fork_target_and_lengths():
-    mgr, _, _ = filled()
-    run_step(mgr, ("r2", "b", 3))
-    before = full_state(mgr, [("r2", "a"), ("r2", "b")])
-    step = KVStep((Segment("r2", "a", 5),), pre_forks=(("a", "b"),))
-    mgr.admit(step)
-    plans = mgr.plan(step)
-    assert one_view(plans, "r2", "a").length == 11
-    mgr.abort(step)  # the forward failed
-    assert full_state(mgr, [("r2", "a"), ("r2", "b")]) == before
-    assert mgr.stored_len("r2", "b") == 3
-    with pytest.raises(InvalidStep, match="not admitted"):
-        mgr.commit(step)
-    plans = run_step(mgr, ("r2", "a", 2))  # scheduled again at once
-    view = one_view(plans, "r2", "a")
-    assert (view.length, view.to_compute) == (8, 2)
-
-
 @pytest.mark.parametrize("splice_rows", [0, 64])
 def test_a_held_plan_keeps_its_indices_while_later_plans_reuse_memory(monkeypatch, splice_rows):
     """Index arrays large enough to be recycled are reused only once nothing
     outside holds them: plans a consumer keeps never change under it."""
     monkeypatch.undo()  # the real recycler, not the test suite's poisoned one
     mgr = KVManager(num_pages=40_000, page_size=1)
-    mgr._splice_rows = splice_rows
+    mgr._paths.splice_rows = splice_rows
     rows = [f"r{i}" for i in range(20)]
     run_step(mgr, *((r, "main", 1000 + i) for i, r in enumerate(rows)))
     held = []
@@ -936,8 +444,8 @@ def test_rows_leaving_ahead_and_joining_behind_keep_every_stream(path):
     the end; each row keeps its own stream and length, and a spliced plan
     copies the kept rows' old indices from where they sat."""
     mgr = KVManager(num_pages=4096, page_size=4)
-    mgr._few_rows = 8 if path == "few" else 0
-    mgr._splice_rows = 0 if path == "splice" else 64
+    mgr._paths.few_rows = 8 if path == "few" else 0
+    mgr._paths.splice_rows = 0 if path == "splice" else 64
     names = [f"r{i}" for i in range(10)]
     length = {r: 3 + i for i, r in enumerate(names)}
     first = run_step(mgr, *((r, "main", n) for r, n in length.items()))["main"]

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 from oracles import dense_attention
 
+from mstar.engine.resources.attn.options import AttentionOptions
 from mstar.engine.resources.attn.paged import paged_attention
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.manager import KVManager
@@ -112,7 +113,9 @@ class Workload:
         ]
         views = context_only_views(out.views, queries, self.page_size)
         q = self._randn(sum(queries), self.num_qo_heads)
-        got = paged_attention(q, layer, build_paged_indptrs(views, self.page_size), causal=False)
+        got = paged_attention(
+            q, layer, build_paged_indptrs(views, self.page_size), AttentionOptions(causal=False)
+        )
         expected = [dense_attention(qr, *h, causal=False) for qr, h in zip(q.split(queries), past)]
         _assert_close(got, torch.cat(expected), "context-only")
         return dict(zip(rows, new))

@@ -2,13 +2,12 @@
 
 import copy
 import inspect
-import itertools
 import pickle
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import event, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mstar.engine.resources.kv import indptrs as indptrs_mod
@@ -47,17 +46,6 @@ def ref_context_only(views, spans, page_size):
         stored = v.length - v.to_compute
         keep = 0 if stored == 0 else -(-(v.start + stored) // page_size)
         out.append((v.request_id, v.label, list(v.page_idxs[:keep]), stored, q, v.start))
-    return out
-
-
-def ref_group(segments, combined):
-    out = {}
-    sources = [label for key in combined for label in key]
-    for key, plan_label in combined.items():
-        out[plan_label] = [s for label in key for s in segments if s.label == label]
-    for s in segments:
-        if s.label not in sources:
-            out.setdefault(s.label, []).append(s)
     return out
 
 
@@ -362,174 +350,6 @@ def test_build_accepts_numpy_integers_lists_and_mixed_rows():
     assert_matches_reference(build_paged_indptrs(big, 2**30), big, 2**30)
 
 
-# --- the two builders: row by row (few rows) and column-wise (numpy) ----------------------
-
-INT32_MAX = 2**31 - 1
-BUILDERS = (indptrs_mod._arrays_by_row, indptrs_mod._arrays_by_column)
-
-
-@st.composite
-def rows_either_side(draw, max_rows=indptrs_mod._FEW_ROWS + 16, sums_in_int32=True):
-    """Valid views of up to ``max_rows`` rows (either side of the threshold):
-    integer fields of assorted types, page ids as lists (ints or numpy
-    scalars) or arrays of assorted integer dtypes, values up to the int32 edge.
-    Without ``sums_in_int32`` a row's kv_lens, and the to_compute total, may
-    reach 2**31 (at the larger page sizes): the views are then invalid."""
-    page_size = draw(st.one_of(st.integers(1, 17), st.sampled_from([2**20, 2**30, INT32_MAX])))
-    n = draw(st.integers(0, max_rows))
-    pages_as = draw(st.sampled_from(["list", "int32 array", "mixed"]))
-    budget = INT32_MAX if sums_in_int32 else 2**64
-    rows = []
-    for i in range(n):
-        num_pages = draw(st.integers(0, 4))
-        end = draw(st.integers(0, min(num_pages * page_size, INT32_MAX)))
-        need = -(-end // page_size)
-        kv_len = max(num_pages - 1, 0) * page_size + (end - 1) % page_size + 1
-        if sums_in_int32 and kv_len > INT32_MAX:
-            num_pages = need  # kv_lens is then end (or page_size), in range
-        start = draw(st.integers(0, end))
-        to_compute = draw(st.integers(0, min(end - start, budget)))
-        budget -= to_compute
-        ids = draw(st.lists(st.integers(0, INT32_MAX), min_size=num_pages, max_size=num_pages))
-        how = pages_as if pages_as != "mixed" else draw(st.sampled_from(["list", "array"]))
-        if how == "int32 array":
-            ids = np.array(ids, dtype=np.int32)
-        elif how == "array":
-            ids = np.array(ids, dtype=draw(st.sampled_from([np.int32, np.int64, np.uint64])))
-        elif draw(st.booleans()):
-            ids = [np.int64(p) for p in ids]
-        as_int = st.sampled_from([int, int, np.int64, np.int32, np.uint64])
-        length, to_compute, start = (draw(as_int)(x) for x in (end - start, to_compute, start))
-        rows.append(
-            SequenceView(f"r{i}", draw(st.sampled_from("ab")), ids, length, to_compute, start)
-        )
-    return rows, page_size
-
-
-def _plain(v):
-    """``v`` with its length, to_compute and start Python ints."""
-    return v._replace(length=int(v.length), to_compute=int(v.to_compute), start=int(v.start))
-
-
-def _as_tensors(arrays_and_lens):
-    arrays, lens = arrays_and_lens
-    return [torch.from_numpy(a) for a in arrays] + [HostLens(lens)]
-
-
-def assert_identical(got, want):
-    for name, a, b in zip(PagedIndptrs._fields, got, want):
-        assert a.dtype == b.dtype == torch.int32, name
-        assert a.shape == b.shape and a.is_contiguous() and b.is_contiguous(), name
-        assert a.numpy().tobytes() == b.numpy().tobytes(), name
-
-
-@settings(max_examples=300, deadline=None)
-@given(rows_either_side())
-def test_builders_agree_byte_for_byte_on_valid_views(case):
-    views, page_size = case
-    by_row, by_column = (_as_tensors(build(views, page_size)) for build in BUILDERS)
-    assert_identical(by_row, by_column)
-    plain = [_plain(v) for v in views]
-    assert_matches_reference(PagedIndptrs(*by_row[:4], HostLens(by_row[4])), plain, page_size)
-    assert_identical(build_paged_indptrs(views, page_size), by_row)
-
-
-def _break(views, i, how, page_size):
-    """Breaks beyond ``_corrupt``'s (same signature)."""
-    v = views[i]
-    covering = -(-(v.start + max(v.length, 1)) // page_size)
-    return {
-        "length beyond int32": lambda: v._replace(length=2**31),
-        "uint64 to_compute 2**63": lambda: v._replace(to_compute=np.uint64(2**63)),
-        "None length": lambda: v._replace(length=None),
-        "negative start": lambda: v._replace(start=-1),
-        "end beyond int32": lambda: v._replace(start=INT32_MAX, length=max(v.length, 1)),
-        "pages an int": lambda: v._replace(page_idxs=5),
-        "2-D page array": lambda: v._replace(
-            length=max(v.length, 1), page_idxs=np.zeros((covering, 1), dtype=np.int32)
-        ),
-        "bool page array": lambda: v._replace(
-            length=max(v.length, 1), page_idxs=np.ones(covering, dtype=bool)
-        ),
-        "uint64 page 2**63": lambda: v._replace(
-            length=max(v.length, 1), page_idxs=np.full(covering, 2**63, dtype=np.uint64)
-        ),
-        "page 2**31": lambda: v._replace(length=max(v.length, 1), page_idxs=[2**31] * covering),
-        "bool page": lambda: v._replace(length=max(v.length, 1), page_idxs=[True] * covering),
-        "to_compute total beyond int32": lambda: v._replace(  # the test appends two
-            start=0,
-            length=INT32_MAX,
-            to_compute=INT32_MAX,
-            page_idxs=[0] * -(-INT32_MAX // page_size),
-        ),
-        "kv_lens beyond int32": lambda: v._replace(page_idxs=list(v.page_idxs) + [0] * 3),
-    }[how]()
-
-
-BREAKS = [
-    *CORRUPTIONS,
-    "length beyond int32",
-    "uint64 to_compute 2**63",
-    "None length",
-    "negative start",
-    "end beyond int32",
-    "pages an int",
-    "2-D page array",
-    "bool page array",
-    "uint64 page 2**63",
-    "page 2**31",
-    "bool page",
-    "to_compute total beyond int32",
-    "kv_lens beyond int32",
-]
-
-
-@pytest.mark.parametrize("how", BREAKS)
-@settings(max_examples=40, deadline=None)
-@given(
-    st.booleans().flatmap(lambda sums_in_int32: rows_either_side(sums_in_int32=sums_in_int32)),
-    st.data(),
-)
-def test_builders_refuse_the_same_views_with_the_same_error(how, case, data):
-    views, page_size = case
-    if not views:
-        views = [SequenceView("r0", "a", [1], 1, 1)]
-    i = data.draw(st.integers(0, len(views) - 1))
-    bad = list(views)
-    if how == "to_compute total beyond int32":  # two rows of 2**31 - 1
-        if page_size >= 2**20:  # else they would take 2**31 / page_size pages
-            bad += [_break([_plain(views[i])], 0, how, page_size)] * 2
-    else:  # the broken row starts plain
-        bad[i] = (_corrupt if how in CORRUPTIONS else _break)([_plain(views[i])], 0, how, page_size)
-    outcomes = []
-    for build in BUILDERS:
-        try:
-            outcomes.append(_as_tensors(build(bad, page_size)))
-        except Exception as err:  # the very error is what is compared
-            outcomes.append((type(err), str(err)))
-    by_row, by_column = outcomes
-    if isinstance(by_row, list) and isinstance(by_column, list):
-        assert_identical(by_row, by_column)  # the break left them valid (say, a spare page)
-        event("both accept")
-    else:
-        assert by_row == by_column
-        assert by_row[0] in (ValueError, TypeError)
-        event(f"both refuse: {by_row[0].__name__}")
-
-
-@pytest.mark.parametrize("n", [0, 1, indptrs_mod._FEW_ROWS, indptrs_mod._FEW_ROWS + 1, 80])
-def test_build_takes_the_row_path_for_few_rows_only(monkeypatch, n):
-    taken = []
-    for name in ("_arrays_by_row", "_arrays_by_column"):
-        real = getattr(indptrs_mod, name)
-        monkeypatch.setattr(
-            indptrs_mod, name, lambda s, p, real=real, name=name: taken.append(name) or real(s, p)
-        )
-    views = [SequenceView(f"r{i}", "a", [i], 3, 1) for i in range(n)]
-    assert_matches_reference(build_paged_indptrs(views, 4), views, 4)
-    assert taken == ["_arrays_by_row" if n <= indptrs_mod._FEW_ROWS else "_arrays_by_column"]
-
-
 # --- HostLens, PagedIndptrs --------------------------------------------------------------
 
 
@@ -561,107 +381,6 @@ def test_paged_indptrs_to_device_and_kwargs():
     assert kwargs["paged_kv_indices"] is built.paged_kv_indices
 
 
-# --- PinnedIndexRing ---------------------------------------------------------------------
-
-
-def _span(t):
-    return t.data_ptr(), t.data_ptr() + 4 * t.numel()
-
-
-def test_ring_takes_of_one_plan_never_alias():
-    ring = PinnedIndexRing(numel=8, depth=2, per_plan=2)
-    ring.begin_plan()
-    taken = [ring.take(list(range(k, k + 5))) for k in range(7)]  # more takes than per_plan
-    spans = sorted(_span(t) for t in taken)
-    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
-    assert [t.tolist() for t in taken] == [list(range(k, k + 5)) for k in range(7)]
-    assert all(t.dtype == torch.int32 and t.numel() == 5 for t in taken)
-
-
-def test_ring_reuses_a_set_after_depth_plans():
-    ring = PinnedIndexRing(numel=8, depth=3, per_plan=2)
-    ptrs = []
-    for _ in range(6):
-        ring.begin_plan()
-        ptrs.append((ring.take([1, 2]).data_ptr(), ring.take([3]).data_ptr()))
-    assert ptrs[0] == ptrs[3] and ptrs[1] == ptrs[4] and ptrs[2] == ptrs[5]
-    assert len({ptrs[0], ptrs[1], ptrs[2]}) == 3
-    assert len({p for pair in ptrs[:3] for p in pair}) == 6
-
-
-def test_ring_grows_a_buffer_for_a_long_value_and_takes_before_begin():
-    ring = PinnedIndexRing(numel=4, depth=2, per_plan=1)
-    values = np.arange(50, dtype=np.int64)
-    got = ring.take(values)  # no begin_plan yet: behaves as if it had been called
-    assert got.tolist() == values.tolist() and got.dtype == torch.int32
-    assert ring.take([]).numel() == 0
-
-
-@pytest.mark.parametrize(
-    "values",
-    [
-        [2**40],
-        [2**31],
-        [-(2**31) - 1],
-        [1.5],
-        [1.0],
-        ["1"],
-        [None],
-        [True],
-        [np.float64(2.0)],
-        [np.int64(2**32 + 1)],
-        np.array([1.5]),
-        np.array([True]),
-        np.array([2**40]),
-        np.array([2**31], dtype=np.uint32),
-        np.array([[1, 2]], dtype=np.int32),
-        np.array([[1, 2]], dtype=np.int64),
-    ],
-)
-def test_ring_take_refuses_what_it_would_wrap_or_truncate(values):
-    ring = PinnedIndexRing(numel=8, depth=2, per_plan=1)
-    ring.begin_plan()
-    first = ring.take([1, 2])
-    with pytest.raises(ValueError, match="expected"):
-        ring.take(values)
-    assert ring._used == 1 and first.tolist() == [1, 2]  # nothing taken, nothing written
-
-
-def test_ring_take_accepts_any_integer_in_int32_range():
-    ring = PinnedIndexRing(numel=4, depth=2, per_plan=1)
-    edge = [-(2**31), 2**31 - 1, 0]
-    assert ring.take(edge).tolist() == edge
-    assert ring.take([np.int64(5), np.uint8(7)]).tolist() == [5, 7]
-    assert ring.take(np.array([2**31 - 1], dtype=np.uint64)).tolist() == [2**31 - 1]
-    assert ring.take(np.array([-3, 4], dtype=np.int8)).tolist() == [-3, 4]
-    assert ring.take(range(3)).tolist() == [0, 1, 2]
-
-
-def test_ring_keeps_the_last_handed_out_plan_when_a_plan_is_refused():
-    """A plan refused before its takes does not advance the ring; one that
-    failed after some takes is dropped with ``discard_plan``: either way the
-    next plan does not overwrite the last plan handed out."""
-    ring = PinnedIndexRing(numel=8, depth=2, per_plan=1)
-    ring.begin_plan()
-    handed = ring.take([1, 2, 3])
-    ring.begin_plan()  # a plan refused before any take
-    ring.begin_plan()
-    nxt = ring.take([9, 9, 9])
-    assert _span(nxt) != _span(handed) and handed.tolist() == [1, 2, 3]
-    ring.begin_plan()  # handed the plan above; this one fails after a take
-    failed = ring.take([4, 4, 4])
-    ring.discard_plan()
-    ring.begin_plan()
-    again = ring.take([5, 5, 5])
-    assert _span(again) == _span(failed) and nxt.tolist() == [9, 9, 9]
-
-
-@pytest.mark.parametrize("kwargs", [{"numel": 0}, {"depth": 0}, {"per_plan": 0}])
-def test_ring_rejects_bad_sizes(kwargs):
-    with pytest.raises(ValueError, match="expected"):
-        PinnedIndexRing(**kwargs)
-
-
 # --- context_only_views ------------------------------------------------------------------
 
 
@@ -681,65 +400,6 @@ def test_context_only_views_matches_reference(case, data):
 def test_context_only_views_rejects_mismatched_spans():
     with pytest.raises(ValueError, match="one query span per view"):
         context_only_views([SequenceView("r", "a", [0], 3, 1)], [1, 2], 16)
-
-
-# --- group_by_plan_label -----------------------------------------------------------------
-
-
-@st.composite
-def step_and_combined(draw):
-    labels = draw(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=6, unique=True))
-    segments = []
-    for r in range(draw(st.integers(1, 5))):
-        for label in draw(st.lists(st.sampled_from(labels), unique=True)):
-            segments.append(Segment(f"r{r}", label, draw(st.integers(0, 4))))
-    draw(st.randoms()).shuffle(segments)
-    present = list(dict.fromkeys(s.label for s in segments))
-    pool = list(present)
-    combined = {}
-    while len(pool) >= 1 and draw(st.booleans()):
-        k = draw(st.integers(1, len(pool)))
-        key = tuple(pool[:k])
-        pool = pool[k:]
-        combined[key] = "+".join(key)
-    return tuple(segments), combined
-
-
-@settings(max_examples=200, deadline=None)
-@given(step_and_combined())
-def test_group_by_plan_label_matches_reference(case):
-    segments, combined = case
-    got = group_by_plan_label(segments, combined)
-    want = ref_group(segments, combined)
-    assert list(got) == list(want)
-    assert got == want
-
-
-def test_group_combined_first_then_standalone_by_first_appearance():
-    segs = (
-        Segment("r1", "x", 1),
-        Segment("r1", "u", 1),
-        Segment("r2", "c", 1),
-        Segment("r2", "u", 1),
-    )
-    got = group_by_plan_label(segs, {("c", "u"): "cfg"})
-    assert list(got) == ["cfg", "x"]
-    assert got["cfg"] == [segs[2], segs[1], segs[3]]
-
-
-def test_group_missing_combined_source_is_key_error_naming_it():
-    with pytest.raises(KeyError) as err:
-        group_by_plan_label((Segment("r", "cond", 1),), {("cond", "uncond"): "cfg"})
-    assert "'uncond'" in str(err.value) and "('cond', 'uncond')" in str(err.value)
-
-
-@pytest.mark.parametrize(
-    "combined",
-    [{("a",): "p", ("a", "b"): "q"}, {("a",): "p", ("b",): "p"}, {("a",): "b"}],
-)
-def test_group_rejects_ambiguous_combined_labels(combined):
-    with pytest.raises(ValueError, match="expected"):
-        group_by_plan_label((Segment("r", "a", 1), Segment("r", "b", 1)), combined)
 
 
 # --- KVPlanOutput, KVPlanOutputs ---------------------------------------------------------

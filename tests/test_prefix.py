@@ -13,7 +13,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from test_manager import TokenCache
+from kvsteps import TokenCache
 
 from mstar.engine.resources.kv.manager import AllocationFailed, InvalidStep, KVManager
 from mstar.engine.resources.step import KVStep, Segment

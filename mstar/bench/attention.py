@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar.bench import Row, time_us
+from mstar.engine.resources.attn.options import AttentionOptions
 from mstar.engine.resources.attn.paged import AttentionSchedule, paged_attention
 from mstar.engine.resources.kv.plan import PagedIndptrs
 
@@ -93,16 +94,17 @@ class Case:
             self.mask[q0 : q0 + n, k0 : k0 + kv] = torch.arange(kv) <= h + i
             q0, k0 = q0 + n, k0 + kv
         self.scale = HEAD_DIM**-0.5
+        self.options = AttentionOptions(sm_scale=self.scale)
         self.schedule = AttentionSchedule(self.indptrs, PAGE_SIZE)
 
     def ours(self) -> torch.Tensor:
-        return paged_attention(self.q, self.layer, self.indptrs, sm_scale=self.scale)
+        return paged_attention(self.q, self.layer, self.indptrs, self.options)
 
     def ours_scheduled(self) -> torch.Tensor:
         """As a layer of ``forward_step`` runs: the step's schedule built by
         an earlier layer."""
         return paged_attention(
-            self.q, self.layer, self.indptrs, sm_scale=self.scale, schedule=self.schedule
+            self.q, self.layer, self.indptrs, self.options, schedule=self.schedule
         )
 
     def old(self) -> torch.Tensor:

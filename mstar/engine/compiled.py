@@ -1,8 +1,8 @@
 """A compiled forward: the model's forward under ``torch.compile``.
 
 Paged attention and the cache write are one custom op per layer
-(``torch.ops.mstar.paged_attention``, see ``mstar.integrations.hf``), opaque
-to the graph, which holds everything else: embeddings, norms, rotary, the
+(``torch.ops.mstar.paged_attention``, see ``mstar.integrations.hf_attention``),
+opaque to the graph, which holds everything else: embeddings, norms, rotary, the
 linear layers (their weights frozen into the graph on the CPU, prepacked for
 oneDNN; in bfloat16 q/k/v and gate/up concatenated into one GEMM each) and
 the head. Token counts are dynamic: a step of one token is

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from mstar.integrations.hf import KVSpec, flashinfer_unsupported, kv_spec
+from mstar.integrations.hf_support import KVSpec, flashinfer_unsupported, kv_spec
 
 # num_pages=None: the pool takes this share of the free device memory (on the
 # CPU, of the free host memory, at most HOST_POOL_BYTES: the host is shared)

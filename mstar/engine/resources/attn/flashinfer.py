@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from mstar.engine.resources.attn.options import AttentionOptions
 from mstar.engine.resources.kv.plan import KVPlanOutput
 
 __all__ = ["FlashInferPagedAttention", "unsupported"]
@@ -66,47 +67,31 @@ class FlashInferPagedAttention:
         num_kv_heads: int,
         head_dim: int,
         page_size: int,
-        causal: bool = True,
-        sm_scale: float | None = None,
-        window_left: int = -1,
-        softcap: float | None = None,
-        sinks: torch.Tensor | None = None,
-        chunk_size: int | None = None,
+        options: AttentionOptions = AttentionOptions(),
         q_dtype: torch.dtype = torch.bfloat16,
         kv_dtype: torch.dtype | None = None,
     ) -> None:
         """Plan the step's attention (decode kernel for decode plans; the
-        prefill kernel, bottom-right ``causal``, otherwise). A decode row's
-        single query sees its whole KV, so ``causal`` does not apply there.
-        ``softcap`` is FlashInfer's ``logits_soft_cap``; ``sinks`` and
-        ``chunk_size`` (``paged_attention``'s) raise ``ValueError``."""
-        reason = unsupported(sinks=sinks is not None, chunk_size=chunk_size)
+        prefill kernel, bottom-right ``options.causal``, otherwise). A decode
+        row's single query sees its whole KV, so ``causal`` does not apply
+        there. ``softcap`` is FlashInfer's ``logits_soft_cap``; ``sinks`` and
+        ``chunk_size`` raise ``ValueError``."""
+        reason = unsupported(sinks=options.sinks is not None, chunk_size=options.chunk_size)
         if reason is not None:
             raise ValueError(f"expected an attention FlashInfer serves, got {reason}")
-        params = (
-            num_qo_heads,
-            num_kv_heads,
-            head_dim,
-            page_size,
-            causal,
-            sm_scale,
-            window_left,
-            softcap,
-            q_dtype,
-            kv_dtype,
-        )
+        params = (num_qo_heads, num_kv_heads, head_dim, page_size, options, q_dtype, kv_dtype)
         if self._planned is not None and self._planned[0] is plan and self._planned[1] == params:
             return
         idx = plan.cpu_indptrs
         shape = (num_qo_heads, num_kv_heads, head_dim, page_size)
-        options: dict[str, Any] = {
-            "sm_scale": sm_scale,
-            "window_left": window_left,
+        kwargs: dict[str, Any] = {
+            "sm_scale": options.sm_scale,
+            "window_left": options.window_left,
             "q_data_type": q_dtype,
             "kv_data_type": q_dtype if kv_dtype is None else kv_dtype,
         }
-        if softcap is not None:
-            options["logits_soft_cap"] = softcap
+        if options.softcap is not None:
+            kwargs["logits_soft_cap"] = options.softcap
         if plan.is_decode:
             if self._decode is None:
                 self._decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -114,7 +99,7 @@ class FlashInferPagedAttention:
                 )
             wrapper = self._decode
             if idx.kv_lens is not None and _accepts_keyword(wrapper.plan, "seq_lens"):
-                options["seq_lens"] = idx.kv_lens
+                kwargs["seq_lens"] = idx.kv_lens
             indices = (idx.paged_kv_indptr, idx.paged_kv_indices, idx.paged_kv_last_page_len)
         else:
             if self._prefill is None:
@@ -122,9 +107,9 @@ class FlashInferPagedAttention:
                     self._workspace, "NHD"
                 )
             wrapper = self._prefill
-            options["causal"] = causal
+            kwargs["causal"] = options.causal
             indices = idx[:4]
-        wrapper.plan(*indices, *shape, **options)
+        wrapper.plan(*indices, *shape, **kwargs)
         self._active = wrapper
         self._planned = (plan, params)
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mstar.engine.resources.attn.options import AttentionOptions
 from mstar.engine.resources.kv.cache import indexed_device
 from mstar.engine.resources.kv.lengths import row_lengths
 from mstar.engine.resources.kv.plan import PagedIndptrs
@@ -32,13 +33,8 @@ def paged_attention(
     q: torch.Tensor,
     kv_layer: KVLayer,
     indptrs: PagedIndptrs,
+    options: AttentionOptions = AttentionOptions(),
     *,
-    causal: bool = True,
-    sm_scale: float | None = None,
-    window_left: int = -1,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    chunk_size: int | None = None,
     schedule: AttentionSchedule | None = None,
 ) -> torch.Tensor:
     """Attention of each row's queries over its pages.
@@ -51,20 +47,15 @@ def paged_attention(
     ``[total_q, num_qo_heads, v_head_dim]`` in q's dtype.
 
     A row's keys are its pages in order, ``kv_len = (num_pages - 1) *
-    page_size + last_page_len`` (0 for a row with no pages). Query ``i`` of a
-    row with ``qo_len`` queries is at position ``p = kv_len - qo_len + i``;
-    under ``causal`` it sees keys ``<= p``, ``window_left >= 0`` also hides
-    keys ``< p - window_left``, and ``chunk_size`` hides keys outside ``p``'s
-    chunk (``k // chunk_size != p // chunk_size``, as Llama 4). Query head
-    ``h`` reads KV head ``h // (H / H_kv)``. Scores are ``q.k * sm_scale``
-    (default ``1 / sqrt(head_dim)``), then ``softcap * tanh(s / softcap)``
-    when ``softcap`` is given. ``sinks`` ``[num_qo_heads]`` (GPT-OSS's
-    ``s_aux``) adds ``exp(sinks[h])`` to head ``h``'s softmax denominator. A
-    query whose keys are all masked gives zeros. Softmax in float32.
+    page_size + last_page_len`` (0 for a row with no pages); ``options``
+    (``AttentionOptions``: causal, window, chunks, scale, softcap, sinks)
+    say which of them each query sees and how it scores them. Query head
+    ``h`` reads KV head ``h // (H / H_kv)``. A query whose keys are all
+    masked gives zeros. Softmax in float32.
     ``schedule`` (an ``AttentionSchedule`` of ``indptrs``) saves a layer the
     host-side work that is the same for every layer of a step.
     """
-    k_pages, v_pages = _check_inputs(q, kv_layer, indptrs, sinks, softcap, chunk_size)
+    k_pages, v_pages = _check_inputs(q, kv_layer, indptrs, options)
     if schedule is None:
         schedule = AttentionSchedule(indptrs, k_pages.shape[1], q.device)
     elif schedule.indptrs is not indptrs or schedule.page_size != k_pages.shape[1]:
@@ -74,11 +65,12 @@ def paged_attention(
         )
     elif schedule.device != q.device:
         raise ValueError(f"expected a schedule for {q.device}, got one for {schedule.device}")
-    scale = q.shape[2] ** -0.5 if sm_scale is None else sm_scale
+    scale = q.shape[2] ** -0.5 if options.sm_scale is None else options.sm_scale
+    softcap, sinks = options.softcap, options.sinks
     sink = None if sinks is None else sinks.to(q.device, torch.float32)
     shape = (q.shape[0], q.shape[1], v_pages.shape[-1])
     out = q.new_empty(shape) if schedule.writes_all else q.new_zeros(shape)
-    masks = schedule.masks(causal, window_left, chunk_size)
+    masks = schedule.masks(options.causal, options.window_left, options.chunk_size)
     for i, (batch, (visible, blind)) in enumerate(zip(schedule.batches, masks)):
         k, v = _gather(kv_layer, k_pages, v_pages, batch, schedule.scratch(i, kv_layer))
         if batch.span is None:
@@ -365,9 +357,7 @@ def _check_inputs(
     q: torch.Tensor,
     kv_layer: KVLayer,
     indptrs: PagedIndptrs,
-    sinks: torch.Tensor | None,
-    softcap: float | None,
-    chunk_size: int | None,
+    options: AttentionOptions,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's K and V pages ``[num_pages, page_size, num_kv_heads, dim]``."""
     if q.dim() != 3:
@@ -404,6 +394,7 @@ def _check_inputs(
         raise ValueError(f"expected q of dtype {k_pages.dtype} (kv_layer's), got {q.dtype}")
     if q.device != k_pages.device:
         raise ValueError(f"expected q on {k_pages.device} (kv_layer's device), got {q.device}")
+    sinks, softcap, chunk_size = options.sinks, options.softcap, options.chunk_size
     if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
         raise ValueError(f"expected sinks of shape ({q.shape[1]},), got {tuple(sinks.shape)}")
     if softcap is not None and not softcap > 0:

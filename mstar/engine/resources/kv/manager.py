@@ -24,8 +24,9 @@ and a refused step change nothing.
 The work is done by collaborators, one job each: ``StreamTable`` (streams'
 slots, pages, lengths), ``Admission`` (checking a step, resolving its rows,
 counting its pages), ``Journal`` (a step's reserved pages and its undo),
-``Forks``, ``IndexBuilder`` (a plan label's arrays) and ``PagePool`` (pages,
-their owners and the prefix cache). This class holds the lock and the order.
+``Forks``, ``StepWriter`` (what a step changes, and its undo), ``IndexBuilder``
+(a plan label's arrays) and ``PagePool`` (pages, their owners and the prefix
+cache). This class holds the lock and the order.
 
 A shared pool (``pool=``, a hybrid model's KV groups: ``KVGroups``): the
 manager allocates from and releases to a ``PagePool`` other managers use too,
@@ -56,13 +57,14 @@ from mstar.engine.resources.kv.errors import (
 from mstar.engine.resources.kv.forks import Forks
 from mstar.engine.resources.kv.index import IndexBuilder
 from mstar.engine.resources.kv.invariants import check_invariants, owner_counts
-from mstar.engine.resources.kv.journal import Advanced, Grew, Journal, Made
+from mstar.engine.resources.kv.journal import Advanced, Journal
 from mstar.engine.resources.kv.lengths import INT32_MAX
 from mstar.engine.resources.kv.pages import PagePool
 from mstar.engine.resources.kv.paths import Paths
 from mstar.engine.resources.kv.plan import KVPlanOutputs, PinnedIndexRing
-from mstar.engine.resources.kv.rewind import check_kept, check_rewind, kept_tokens
+from mstar.engine.resources.kv.rewind import check_kept, check_rewind
 from mstar.engine.resources.kv.streams import StreamTable
+from mstar.engine.resources.kv.writer import StepWriter
 from mstar.engine.resources.step import KVStep
 
 __all__ = [
@@ -86,12 +88,42 @@ def check_sizes(num_pages: int, page_size: int) -> None:
         )
 
 
-def _path_option(name: str) -> property:
-    """A ``Paths`` field read and set through the manager (tests force each path)."""
-    return property(
-        lambda self: getattr(self._paths, name),
-        lambda self, value: setattr(self._paths, name, value),
-    )
+def _check_options(
+    num_pages: int, page_size: int, prefix_cache: bool, window: int | None, pool: PagePool | None
+) -> None:
+    """Refuse ``KVManager``'s arguments before anything is built."""
+    check_sizes(num_pages, page_size)
+    if window is not None:
+        if not is_int(window) or not 1 <= window <= INT32_MAX:
+            raise ValueError(f"expected window None or an int in [1, 2**31), got {window!r}")
+        if prefix_cache:
+            raise ValueError(
+                "expected window=None with prefix_cache=True (a windowed stream's released"
+                f" pages cannot serve as a prefix), got window {window}"
+            )
+    if pool is not None:
+        if not isinstance(pool, PagePool):
+            raise TypeError(f"expected pool a PagePool or None, got {type(pool).__name__}")
+        if (pool.num_pages, pool.page_size) != (num_pages, page_size):
+            raise ValueError(
+                f"expected a pool of {num_pages} pages of {page_size}, got one of"
+                f" {pool.num_pages} pages of {pool.page_size}"
+            )
+        if prefix_cache:
+            raise ValueError(
+                "expected prefix_cache=False with a shared pool (a page registered by one"
+                " manager would be reused by another), got prefix_cache=True"
+            )
+
+
+def _token_ids(tokens: Any, request_id: str, label: str) -> np.ndarray:
+    ids = np.asarray(tokens)
+    if ids.ndim != 1 or (ids.dtype.kind not in "iu" and ids.size):
+        raise TypeError(
+            f"expected tokens a 1-D sequence of int ids, got {ids.dtype} {ids.shape}"
+            f" for request {request_id!r}, label {label!r}"
+        )
+    return ids
 
 
 class KVManager:
@@ -107,10 +139,6 @@ class KVManager:
     allocates from that pool, shared with other managers, under the pool's
     lock (no prefix cache then)."""
 
-    _few_rows = _path_option("few_rows")
-    _splice_rows = _path_option("splice_rows")
-    _tail_rows = _path_option("tail_rows")
-
     def __init__(
         self,
         num_pages: int,
@@ -122,29 +150,7 @@ class KVManager:
         window: int | None = None,
         pool: PagePool | None = None,
     ) -> None:
-        check_sizes(num_pages, page_size)
-        if window is not None:
-            if not is_int(window) or not 1 <= window <= INT32_MAX:
-                raise ValueError(f"expected window None or an int in [1, 2**31), got {window!r}")
-            if prefix_cache:
-                raise ValueError(
-                    "expected window=None with prefix_cache=True (a windowed stream's released"
-                    " pages cannot serve as a prefix), got window"
-                    f" {window}"
-                )
-        if pool is not None:
-            if not isinstance(pool, PagePool):
-                raise TypeError(f"expected pool a PagePool or None, got {type(pool).__name__}")
-            if (pool.num_pages, pool.page_size) != (num_pages, page_size):
-                raise ValueError(
-                    f"expected a pool of {num_pages} pages of {page_size}, got one of"
-                    f" {pool.num_pages} pages of {pool.page_size}"
-                )
-            if prefix_cache:
-                raise ValueError(
-                    "expected prefix_cache=False with a shared pool (a page registered by one"
-                    " manager would be reused by another), got prefix_cache=True"
-                )
+        _check_options(num_pages, page_size, prefix_cache, window, pool)
         self.num_pages = int(num_pages)
         self.page_size = int(page_size)
         self.cache = cache
@@ -162,6 +168,9 @@ class KVManager:
         )
         self._forks = Forks(self._streams, self._pages, self.page_size, cache)
         self._index = IndexBuilder(self._streams, self.page_size, self._paths, self.window)
+        self._writer = StepWriter(
+            self._streams, self._admission, self._forks, self._index, self.window
+        )
 
     # --- queries -----------------------------------------------------------------------
 
@@ -236,17 +245,8 @@ class KVManager:
                     request_id,
                     label,
                 )
-            if self._admission.in_flight({request_id: None}):
-                raise InvalidStep(
-                    f"request {request_id!r} is in an admitted step", request_id, label
-                )
-            ids = np.asarray(tokens)
-            if ids.ndim != 1 or (ids.dtype.kind not in "iu" and ids.size):
-                raise TypeError(
-                    f"expected tokens a 1-D sequence of int ids, got {ids.dtype} {ids.shape}"
-                    f" for request {request_id!r}, label {label!r}"
-                )
-            pages, last = self._prefix.match(ids, namespace)
+            self._check_idle(request_id, label, "")
+            pages, last = self._prefix.match(_token_ids(tokens, request_id, label), namespace)
             self._pages.share(pages)
             stored = len(pages) * self.page_size
             slot = self._streams.make(request_id, label, pages.copy(), stored)
@@ -282,13 +282,13 @@ class KVManager:
                 raise InvalidStep(f"step already planned ({describe(step)})", *first_row(step))
             mark = rec.journal.mark()
             try:
-                self._apply(step, rec)
+                self._writer.apply(step, rec)
                 arrays = [self._index.arrays(label, m, rec) for label, m in rec.groups.items()]
                 if self.ring is not None:  # only a plan that is handed out advances the ring
                     self.ring.begin_plan()
                 outs = [self._index.publish(a, self.ring) for a in arrays]
             except BaseException:
-                self._undo(rec, mark)
+                self._writer.undo(rec, mark)
                 if self.ring is not None:  # its buffers were handed to no one
                     self.ring.discard_plan()
                 raise
@@ -313,7 +313,7 @@ class KVManager:
             mark = journal.mark()
             try:
                 if not rec.planned:
-                    self._apply(step, rec)
+                    self._writer.apply(step, rec)
                 ends = rec.ends if cut is None else np.subtract(rec.ends, cut)
                 if step.commit:
                     self._streams.advance(rec.slots, ends)
@@ -322,20 +322,10 @@ class KVManager:
                         journal.add(Advanced(rec.slots, rec.spans))
                     self._forks.apply(step.post_forks, rec.requests, journal)
             except BaseException:
-                self._undo(rec, mark)
+                self._writer.undo(rec, mark)
                 raise
             assert journal.taken == len(journal.reserved), "a step uses exactly its reserved pages"
-            if cut is not None:
-                self._cut(rec, ends, cut)
-            elif rec.tokens is not None:  # only now is the step's KV final
-                self._prefix.record(rec.slots, rec.ends, rec.spans, rec.tokens)
-                if step.post_forks:  # (request ids are built only when asked)
-                    self._forks.copy_chains(step.post_forks, rec.requests)
-            if rec.forks:
-                for slot in journal.replaced():  # fork targets it replaced go now
-                    self._streams.free(slot)
-            if self.window is not None and step.commit:
-                self._release_behind(rec)
+            self._writer.settle(step, rec, ends, cut)
             self._admission.remember(step, rec)
             del self._admitted[step]
 
@@ -347,7 +337,7 @@ class KVManager:
         be scheduled again at once."""
         with self._lock:
             rec = self._get_admitted(step)
-            self._undo(rec, (0, 0))
+            self._writer.undo(rec, (0, 0))
             self._pages.release(rec.journal.reserved)
             del self._admitted[step]
 
@@ -360,12 +350,7 @@ class KVManager:
                     f"expected request_id a str and label a str or None,"
                     f" got {request_id!r}, {label!r}"
                 )
-            if self._admission.in_flight({request_id: None}):
-                raise InvalidStep(
-                    f"request {request_id!r} is in an admitted step: commit or abort it first",
-                    request_id,
-                    label,
-                )
+            self._check_idle(request_id, label)
             labels = self._streams.labels(request_id)
             if not labels:
                 raise UnknownStream(f"unknown request {request_id!r}", request_id, label)
@@ -385,9 +370,8 @@ class KVManager:
         with self._lock:
             new = self._check_rewind(request_id, label, n)
             slot = self._slot(request_id, label)
-            changed = new != self._streams.stored[slot]
-            if changed and self._streams.shorten(np.array([slot]), np.array([new])):
-                self._index.forget()
+            if new != self._streams.stored[slot]:
+                self._writer.shorten(np.array([slot]), np.array([new]))
 
     def check_rewind(self, request_id: str, label: str, n: int) -> int:
         """Raise as ``rewind`` would, changing nothing; else the stream's
@@ -398,12 +382,7 @@ class KVManager:
     def _check_rewind(self, request_id: str, label: str, n: int) -> int:
         check_key(request_id, label)
         slot = self._slot(request_id, label)
-        if self._admission.in_flight({request_id: None}):
-            raise InvalidStep(
-                f"request {request_id!r} is in an admitted step: commit or abort it first",
-                request_id,
-                label,
-            )
+        self._check_idle(request_id, label)
         if self._prefix is not None:
             self._prefix.flush()  # its full pages registered: what it may not rewind
         return check_rewind(self._streams, slot, request_id, label, n, self.window)
@@ -423,61 +402,6 @@ class KVManager:
         with self._lock:
             return owner_counts(self.num_pages, self._streams, list(self._admitted.values()))
 
-    # --- applying a step -----------------------------------------------------------------
-
-    def _apply(self, step: KVStep, rec: Admitted) -> None:
-        """Pre-forks, then each row's new pages (new streams made)."""
-        streams, journal = self._streams, rec.journal
-        if rec.forks:
-            self._forks.apply(step.pre_forks, rec.requests, journal)
-            rec.slots = streams.resolve(rec.keys)
-            rec.new = (rec.slots == 0).nonzero()[0].tolist()
-            rec.ends, rec.num_pages, rec.grow = self._admission.sizes(rec.slots, rec.spans, rec.few)
-        if rec.new:
-            keys = [rec.keys[i] for i in rec.new]
-            rooms = [rec.grow[i] for i in rec.new] if rec.few else rec.grow[rec.new].tolist()
-            slots = streams.make_empty(keys, rooms)
-            rec.slots[rec.new] = slots
-            journal.entries.extend(map(Made, keys, slots))
-        grow = rec.grow
-        if rec.few:
-            if not any(grow):
-                return
-            grow = np.array(grow, np.int64)
-        growing = grow.nonzero()[0]
-        if len(growing):  # their new pages, in row order, from the reservation
-            slots, grow = rec.slots[growing], grow[growing]
-            pages = journal.take(int(np.add.reduce(grow)))
-            journal.add(Grew(slots, streams.extend(slots, grow, pages)))
-
-    def _cut(self, rec: Admitted, ends: np.ndarray, cut: np.ndarray) -> None:
-        """A short commit's last part, once nothing can fail: the pages past
-        each row's kept tokens go back, and only kept tokens are recorded."""
-        if self._streams.shorten(rec.slots, ends):
-            self._index.forget()  # its arrays name pages that went back
-        if rec.tokens is not None:
-            tokens, keep = kept_tokens(rec.tokens, cut, rec.spans)
-            kept = rec.spans - cut
-            if keep is None:
-                self._prefix.record(rec.slots, ends, kept, tokens)
-            elif len(tokens):
-                self._prefix.record(rec.slots[keep], ends[keep], kept[keep], tokens)
-
-    def _release_behind(self, rec: Admitted) -> None:
-        """Release the full pages of the step's streams (its fork targets
-        too) that no later query's window reaches."""
-        streams, slots = self._streams, rec.slots
-        if rec.forks:
-            slots = np.array([s for r in rec.requests for s in streams.labels(r).values()])
-        if streams.release_behind(slots, self.window):
-            self._index.forget()  # its arrays name released pages
-
-    def _undo(self, rec: Admitted, mark: tuple[int, int]) -> None:
-        """Roll the step back to ``mark`` through its journal."""
-        rec.journal.undo(mark, self._streams)
-        rec.slots = self._streams.resolve(rec.keys)
-        self._index.forget()  # its arrays may name pages that went back
-
     # --- lookups -----------------------------------------------------------------------------
 
     def _slot(self, request_id: str, label: str) -> int:
@@ -487,6 +411,15 @@ class KVManager:
                 f"no stream for request {request_id!r}, label {label!r}", request_id, label
             )
         return slot
+
+    def _check_idle(
+        self, request_id: str, label: str | None, hint: str = ": commit or abort it first"
+    ) -> None:
+        """Refuse a change to a request while it is in an admitted step."""
+        if self._admission.in_flight({request_id: None}):
+            raise InvalidStep(
+                f"request {request_id!r} is in an admitted step{hint}", request_id, label
+            )
 
     def _get_admitted(self, step: KVStep) -> Admitted:
         rec = self._admitted.get(step)
