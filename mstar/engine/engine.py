@@ -1,12 +1,13 @@
 """The serving loop: requests in, tokens out, through the KV plan layer.
 
 Each ``step`` schedules decode rows and prefill chunks under a token budget,
-admits them into ``KVManager`` (when the pool is short, the youngest request
-holding KV is preempted: it keeps its generated tokens and recomputes prompt
-+ generated later), runs one packed forward over the plan with logits only at
-rows that choose a token, samples, and gives a finished stream's pages back at
-once. ``n > 1`` forks the prompt's stream once it is in (full pages shared);
-a guided request decodes ``cond``/``uncond`` in lockstep.
+admits them into ``KVManager`` (``Admitter``: when the pool is short, the
+youngest request holding KV is preempted: it keeps its generated tokens and
+recomputes prompt + generated later), runs one packed forward over the plan
+(``batch.pack``) with logits only at rows that choose a token, samples
+(``Emitter``), and gives a finished stream's pages back at once. ``n > 1``
+forks the prompt's stream once it is in (full pages shared); a guided request
+decodes ``cond``/``uncond`` in lockstep.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Engine:
 
     ``model`` is switched to the paged attention implementation (it serves
     only through the engine afterwards). ``num_pages=None`` sizes the pool to
-    ``KV_MEMORY_FRACTION`` of the free memory (see ``_pool_pages``). String
+    ``KV_MEMORY_FRACTION`` of the free memory (see ``device.pool_pages``). String
     prompts and chats need ``tokenizer`` (a Hugging Face fast tokenizer);
     outputs get ``.text`` with one. With ``prefix_cache`` a stream that starts
     (or restarts after preemption) first takes the longest run of cached full
