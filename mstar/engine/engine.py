@@ -16,7 +16,7 @@ import contextlib
 import itertools
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from mstar.engine.device import check_pool_fits, pool_pages
 from mstar.engine.emitter import Emitter
 from mstar.engine.intake import Intake
 from mstar.engine.logits import LogitsPipeline
-from mstar.engine.prompts import NOT_A_SEQUENCE, chat_ids, prompt_list
+from mstar.engine.prompts import NOT_A_SEQUENCE, chat_ids, chat_list, prompt_list
 from mstar.engine.records import EngineStats, StepFailed
 from mstar.engine.request import Completion, Request
 from mstar.engine.resources.groups import KVGroups
@@ -198,16 +198,7 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Completion]:
         """``generate`` on one conversation or a list of them (see ``encode_chat``)."""
-        if isinstance(conversations, NOT_A_SEQUENCE) or not isinstance(conversations, Sequence):
-            raise TypeError(
-                "expected a conversation (a list of messages) or a list of them,"
-                f" got {type(conversations).__name__}"
-            )
-        if not conversations:
-            raise ValueError("expected at least one message, got []")
-        one = isinstance(conversations[0], Mapping)
-        batch = [conversations] if one else conversations
-        return self.generate([self.encode_chat(c) for c in batch], params)
+        return self.generate([self.encode_chat(c) for c in chat_list(conversations)], params)
 
     def generate(
         self,
