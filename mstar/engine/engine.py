@@ -408,7 +408,8 @@ class Engine:
 
     def _fork(self, req: Request, logits: torch.Tensor) -> None:
         """The prompt is in: fork ``main`` into a stream per unfinished sample
-        (``Admitter.fork``), which feeds on from the prompt (``Emitter.forked``)."""
+        (``Admitter.fork``); each feeds on from the prompt, one with no token
+        yet drawing its first from ``logits`` (``Emitter.forked``)."""
         live = self.admitter.fork(req, self.stats)
         if live is None:
             return  # preempted: recomputed later, and forked then
