@@ -294,7 +294,7 @@ def test_engine_on_cuda_equals_hf_generate(models):
 @needs_cuda
 def test_engine_on_cuda_through_flashinfer_answers_smollm2(smollm2):
     pytest.importorskip("flashinfer")
-    from mstar.engine.engine import flashinfer_or_none
+    from mstar.engine.device import flashinfer_or_none
     from mstar.engine.loader import chat_prompt
 
     reference, tokenizer = smollm2

@@ -141,6 +141,6 @@ def test_flashinfer_window(adapter, kind):
 def test_flashinfer_adapter_is_the_engines_default_on_cuda():
     """``flashinfer_or_none("cuda")`` builds the adapter when flashinfer imports."""
     pytest.importorskip("flashinfer")
-    from mstar.engine.engine import flashinfer_or_none
+    from mstar.engine.device import flashinfer_or_none
 
     assert isinstance(flashinfer_or_none("cuda"), FlashInferPagedAttention)

@@ -16,10 +16,10 @@ _EXPORTS = MappingProxyType(
         "Completion": "mstar.engine.request",
         "CompletionOutput": "mstar.engine.request",
         "Engine": "mstar.engine.engine",
-        "EngineStats": "mstar.engine.engine",
+        "EngineStats": "mstar.engine.records",
         "RequestTooLarge": "mstar.engine.intake",
         "SamplingParams": "mstar.engine.sampling",
-        "StepFailed": "mstar.engine.engine",
+        "StepFailed": "mstar.engine.records",
         "StructuredOutputs": "mstar.engine.structured",
     }
 )

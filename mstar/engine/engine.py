@@ -1,94 +1,52 @@
 """The serving loop: requests in, tokens out, through the KV plan layer.
 
 Each ``step`` schedules decode rows and prefill chunks under a token budget,
-admits them into ``KVManager`` (when the pool is short, the youngest request
-holding KV is preempted: it keeps its generated tokens and recomputes prompt
-+ generated later), runs one packed forward over the plan with logits only at
-rows that choose a token, samples, and gives a finished stream's pages back at
-once. ``n > 1`` forks the prompt's stream once it is in (full pages shared);
-a guided request decodes ``cond``/``uncond`` in lockstep.
+admits them into ``KVManager`` (``Admitter``: when the pool is short, the
+youngest request holding KV is preempted: it keeps its generated tokens and
+recomputes prompt + generated later), runs one packed forward over the plan
+(``batch.pack``) with logits only at rows that choose a token, samples
+(``Emitter``), and gives a finished stream's pages back at once. ``n > 1``
+forks the prompt's stream once it is in (full pages shared); a guided request
+decodes ``cond``/``uncond`` in lockstep.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import os
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from mstar.engine.admitter import Admitter
+from mstar.engine.batch import pack
+from mstar.engine.build import (
+    check_options,
+    eos_ids,
+    from_pretrained,
+    kv_managers,
+    stops_workers_on_error,
+)
 from mstar.engine.compiled import compiled_or_why
-from mstar.engine.device import check_pool_fits, checked_device, flashinfer_or_none, pool_pages
-from mstar.engine.dtypes import resolve_dtype
-from mstar.engine.intake import Intake, RequestTooLarge
+from mstar.engine.device import check_pool_fits, pool_pages
+from mstar.engine.emitter import Emitter
+from mstar.engine.intake import Intake
 from mstar.engine.logits import LogitsPipeline
-from mstar.engine.prompts import NOT_A_SEQUENCE, chat_ids, prompt_list
-from mstar.engine.request import GUIDED, Completion, Request, Sample
-from mstar.engine.resources.groups import KVGroups, group_size
-from mstar.engine.resources.kv.cache import KVCache
-from mstar.engine.resources.kv.manager import AllocationFailed, KVManager
-from mstar.engine.resources.kv.ring import PinnedIndexRing
-from mstar.engine.resources.step import KVStep, Segment
-from mstar.engine.sampling import SamplingParams, sample_token
-from mstar.engine.scheduler import requests_before, schedule
+from mstar.engine.prompts import NOT_A_SEQUENCE, chat_ids, chat_list, prompt_list
+from mstar.engine.records import EngineStats, StepFailed
+from mstar.engine.request import Completion, Request
+from mstar.engine.resources.groups import KVGroups
+from mstar.engine.resources.step import KVStep
+from mstar.engine.sampling import SamplingParams
 from mstar.engine.speculative import speculator
-from mstar.engine.tp import TensorParallel, check_size, load_sharded, shard
+from mstar.engine.tp import shard
 from mstar.integrations.hf import forward_step, kv_spec, register
 
 Prompt = str | Sequence[int]
 Message = dict[str, str]
-PLAN_SAMPLES = 100_000
-
-
-class StepFailed(RuntimeError):
-    """The model's forward or the sampling failed inside ``step``: the
-    requests that step scheduled (``request_ids``) were aborted, their pages
-    freed; the cause is chained. The other requests go on at the next step."""
-
-    def __init__(self, request_ids: tuple[str, ...]) -> None:
-        super().__init__(f"step failed; aborted the requests it scheduled: {list(request_ids)}")
-        self.request_ids = request_ids
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    decode_steps: int = 0
-    mixed_steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    preemptions: int = 0
-    refused: int = 0
-    peak_pages: int = 0
-    peak_shared: int = 0
-    spec_proposed: int = 0  # speculative draft tokens verified
-    spec_accepted: int = 0  # of them, accepted
-    plan_s: float = 0.0  # admit + plan + commit (and forks), the plan layer
-    step_s: float = 0.0  # whole steps
-    # KVManager.plan per step, the latest PLAN_SAMPLES steps
-    plan_us: deque[float] = field(default_factory=lambda: deque(maxlen=PLAN_SAMPLES))
-
-
-def _stops_workers_on_error(init: Callable[..., None]) -> Callable[..., None]:
-    """A constructor that, when it raises, first stops the tensor-parallel
-    workers it started."""
-
-    @functools.wraps(init)
-    def checked(self: Engine, *args: Any, **kwargs: Any) -> None:
-        try:
-            init(self, *args, **kwargs)
-        except BaseException:
-            if getattr(self, "tp", None) is not None:
-                self.tp.close()
-            raise
-
-    return checked
 
 
 class Engine:
@@ -96,7 +54,7 @@ class Engine:
 
     ``model`` is switched to the paged attention implementation (it serves
     only through the engine afterwards). ``num_pages=None`` sizes the pool to
-    ``KV_MEMORY_FRACTION`` of the free memory (see ``_pool_pages``). String
+    ``KV_MEMORY_FRACTION`` of the free memory (see ``device.pool_pages``). String
     prompts and chats need ``tokenizer`` (a Hugging Face fast tokenizer);
     outputs get ``.text`` with one. With ``prefix_cache`` a stream that starts
     (or restarts after preemption) first takes the longest run of cached full
@@ -127,7 +85,7 @@ class Engine:
     stays queued, no page leaks.
     """
 
-    @_stops_workers_on_error
+    @stops_workers_on_error
     def __init__(
         self,
         model: Any,
@@ -143,23 +101,7 @@ class Engine:
         num_speculative_tokens: int = 4,
         compile: bool = False,
     ) -> None:
-        options = {"page_size": page_size, "token_budget": token_budget, "num_pages": num_pages}
-        for name, value in options.items():
-            if value is None and name == "num_pages":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"expected {name} an int, got {value!r}")
-            if value < 1:
-                raise ValueError(f"expected {name} >= 1, got {value!r}")
-        if not isinstance(compile, bool):
-            raise TypeError(f"expected compile a bool, got {compile!r}")
-        if prefix_cache is not None and not isinstance(prefix_cache, bool):
-            raise TypeError(f"expected prefix_cache a bool or None, got {prefix_cache!r}")
-        if tokenizer is not None and not hasattr(tokenizer, "backend_tokenizer"):
-            raise TypeError(
-                "expected tokenizer a Hugging Face fast tokenizer (with .backend_tokenizer)"
-                f" or None, got {type(tokenizer).__name__}"
-            )
+        check_options(tokenizer, num_pages, page_size, token_budget, prefix_cache, compile)
         self.spec = speculator(speculative, num_speculative_tokens)  # see speculative.py
         self.tp = shard(model, tensor_parallel_size)  # refuses before starting workers
         model = model if self.tp is None else self.tp.model
@@ -174,13 +116,14 @@ class Engine:
         model.set_attn_implementation(register())
         self.model, self.tokenizer, self.flashinfer = model, tokenizer, flashinfer
         self.device, self.budget = param.device, token_budget
-        self.mgr, self.cache = _kv_managers(
+        self.mgr, self.cache = kv_managers(
             spec, num_pages, page_size, param, prefix_cache, self.tp, flashinfer
         )
         windows = self.mgr.windows if isinstance(self.mgr, KVGroups) else (self.mgr.window,)
         self.prefix_cache = prefix_cache
-        self.eos_token_ids = _eos_ids(model, tokenizer)
-        self.pipeline = LogitsPipeline(tokenizer, model.config.vocab_size, self.eos_token_ids)
+        eos = eos_ids(model, tokenizer)
+        self.pipeline = LogitsPipeline(tokenizer, model.config.vocab_size, eos)
+        self.emitter = Emitter(self.pipeline, eos)
         self.max_len = getattr(model.config, "max_position_embeddings", None)
         self.intake = Intake(
             tokenizer,
@@ -196,6 +139,9 @@ class Engine:
         self.stats = EngineStats()
         self._running: dict[str, Request] = {}  # unfinished, oldest first
         self._ids = itertools.count()
+        self.admitter = Admitter(
+            self.mgr, self._running, token_budget, self.intake.max_chunk, prefix_cache
+        )
         # None: eager as asked; else "compiled" or why it runs eager (mstar.engine.compiled)
         self.compiled = compiled_or_why(self) if compile else None
 
@@ -217,26 +163,7 @@ class Engine:
         ``device="cuda"`` uses FlashInfer when it is installed and serves the
         model (fp16/bf16 weights, head width 64/128/256); else ``paged_attention``.
         With ``tensor_parallel_size=N > 1`` each rank loads only its shard."""
-        from mstar.engine.loader import load
-
-        if not isinstance(name, str | os.PathLike):
-            raise TypeError(f"expected name a str or a path, got {name!r}")
-        device = checked_device(device)
-        dtype = resolve_dtype(dtype, device).dtype
-        size = check_size(kwargs.get("tensor_parallel_size", 1))
-        if size > 1:
-            model, tokenizer = load_sharded(os.fspath(name), size, device, dtype)
-        else:
-            model, tokenizer = load(os.fspath(name), dtype=dtype)
-            model = model.to(device)
-        try:
-            if device.type == "cuda" and "flashinfer" not in kwargs:
-                kwargs["flashinfer"] = flashinfer_or_none(str(device), model)
-            return cls(model, tokenizer, **kwargs)
-        except BaseException:
-            if size > 1:
-                shard(model, size).close()  # the group load_sharded started
-            raise
+        return from_pretrained(cls, name, device, dtype, kwargs)
 
     # --- requests ------------------------------------------------------------------------
 
@@ -271,16 +198,7 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Completion]:
         """``generate`` on one conversation or a list of them (see ``encode_chat``)."""
-        if isinstance(conversations, NOT_A_SEQUENCE) or not isinstance(conversations, Sequence):
-            raise TypeError(
-                "expected a conversation (a list of messages) or a list of them,"
-                f" got {type(conversations).__name__}"
-            )
-        if not conversations:
-            raise ValueError("expected at least one message, got []")
-        one = isinstance(conversations[0], Mapping)
-        batch = [conversations] if one else conversations
-        return self.generate([self.encode_chat(c) for c in batch], params)
+        return self.generate([self.encode_chat(c) for c in chat_list(conversations)], params)
 
     def generate(
         self,
@@ -324,14 +242,19 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Drop a running request; its pages return at once."""
-        req = self._running.pop(request_id, None)
-        if req is None:
-            raise KeyError(f"expected a running request id, got {request_id!r}")
-        if self.mgr.labels(request_id):
-            self.mgr.release(request_id)
+        self.admitter.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self._running)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokens that end a sample (unless ``ignore_eos``); settable."""
+        return self.emitter.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: frozenset[int]) -> None:
+        self.emitter.eos_token_ids = ids
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent); the engine
@@ -420,7 +343,7 @@ class Engine:
             self.spec.settle(self.stats)
 
     def _step(self, t_step: float) -> list[Completion]:
-        step = self._admit()
+        step = self.admitter.next_step(self.stats)
         if step is None:
             return []
         committed = False
@@ -430,7 +353,7 @@ class Engine:
             self.mgr.commit(step, None if self.spec is None else self.spec.kept(step))
             committed = True
             for req in touched:
-                self._release_unused(req)
+                self.admitter.release_unused(req)
             for req, row in forks:
                 if req.fed.get("main") == len(req.prompt):  # not preempted meanwhile
                     self._fork(req, row)
@@ -445,8 +368,8 @@ class Engine:
             if isinstance(err, Exception):
                 raise StepFailed(failed) from err
             raise
-        self._account(step, time.perf_counter() - t_step)
-        return [self._completion(req) for req in touched if req.has_news()]
+        self.stats.account(step, time.perf_counter() - t_step, self.mgr)
+        return [req.completion() for req in touched if req.has_news()]
 
     def _compute(self, step: KVStep) -> tuple[list[Request], list[tuple[Request, torch.Tensor]]]:
         """Plan, forward and sample ``step``: the requests it touched, and the
@@ -457,29 +380,12 @@ class Engine:
         self.stats.plan_s += time.perf_counter() - t0
         touched: dict[str, Request] = {}
         forks: list[tuple[Request, torch.Tensor]] = []
+        on_logits = self.emitter.on_logits
         for plan in plans.values():
-            ids: list[int] = []
-            at: list[int] = []
-            chosen: list[tuple[Request, str]] = []
-            prompt_rows: list[tuple[Request, int]] = []  # logits at prompt positions
-            at_prompt: list[int] = []
-            starts = plan.cpu_indptrs.qo_indptr.tolist()
-            for (rid, label), start, end in zip(plan.rows, starts, starts[1:]):
-                req = touched[rid] = self._running[rid]
-                fed = req.fed[label]
-                for p in req.prompt_positions(label, fed, end - start):
-                    prompt_rows.append((req, p))
-                    at_prompt.append(start + p - fed)
-                tokens, choose = req.feed(label, end - start)
-                ids += tokens
-                if choose:
-                    at.append(end - 1)
-                    chosen.append((req, label))
-                    if label in req.draft:  # a verify row: logits at its draft's positions too
-                        at[-1:] = range(end - 1 - len(req.draft[label]), end)
-            logits = self._logits(ids, plan, at_prompt + at)
-            self.pipeline.prompt(logits[: len(at_prompt)], prompt_rows)
-            logits = logits[len(at_prompt) :]
+            ids, at, prompt_rows, chosen = pack(plan, self._running, touched)
+            logits = self._logits(ids, plan, at)
+            self.pipeline.prompt(logits[: len(prompt_rows)], prompt_rows)
+            logits = logits[len(prompt_rows) :]
             rows = (
                 zip(chosen, self.pipeline.rows(logits, chosen))
                 if self.spec is None
@@ -489,82 +395,8 @@ class Engine:
                 if label == "main" and not req.forked:
                     forks.append((req, row))  # forked after the commit
                 else:
-                    self._on_logits(req, label, row)
+                    on_logits(req, label, row)
         return list(touched.values()), forks
-
-    def _admit(self) -> KVStep | None:
-        """The step to run: everything scheduled, or the requests before the
-        first that did not fit; with nothing fitting, preempt the youngest
-        request holding KV and schedule again. None when nothing is running.
-        A request preempted here takes no cached prefix again until the next
-        step (it would hold the pages it just gave back: a livelock). A request
-        that cannot fit even alone is dropped: ``StepFailed`` names it, its
-        cause is the ``RequestTooLarge``; the others go on at the next step."""
-        t0 = time.perf_counter()
-        preempted: set[str] = set()
-        try:
-            while self._running:
-                step = schedule(self._running.values(), self.budget, self.intake.max_chunk)
-                while self._reuse_prefixes(step.segments, preempted):  # less to compute:
-                    step = schedule(self._running.values(), self.budget, self.intake.max_chunk)
-                assert step.segments, "every running request has a token to feed"
-                owner = self._running[step.segments[0].request_id]
-                try:
-                    step, victim = self._admit_or_preempt(step, owner)
-                except RequestTooLarge as err:
-                    raise StepFailed((owner.id,)) from err
-                if step is not None:
-                    return step
-                preempted.add(victim.id)
-            return None
-        finally:
-            self.stats.plan_s += time.perf_counter() - t0
-
-    def _admit_or_preempt(
-        self, step: KVStep, owner: Request
-    ) -> tuple[KVStep | None, Request | None]:
-        """Admit ``step`` or, when the pool refuses it, the segments of its
-        requests before the one refused (``owner``'s come first). When none of
-        it fits, preempt the youngest request holding KV and return it: the
-        caller builds its step again. ``(admitted step, None)`` or ``(None,
-        preempted request)``. When no request but ``owner`` holds KV, it can
-        never fit (it would hold as much again the next time it got here): it
-        is dropped and ``RequestTooLarge`` raised, nothing else changed."""
-        while True:
-            try:
-                self.mgr.admit(step)
-                return step, None
-            except AllocationFailed as err:
-                self.stats.refused += 1
-                step = requests_before(step, err.request_id)
-                if step is None:
-                    break
-        holding = [r for r in self._running.values() if r.holds_kv()]
-        if not holding or holding == [owner]:
-            self.abort(owner.id)
-            raise RequestTooLarge(
-                f"request {owner.id!r} does not fit the pool of {self.mgr.num_pages} KV pages"
-                " even with every other request preempted; dropped"
-            )
-        return None, self._preempt(holding[-1])
-
-    def _reuse_prefixes(self, segments: tuple[Segment, ...], skip: set[str]) -> bool:
-        """Streams about to start (scheduled, nothing in the KV cache yet)
-        take their longest cached prefix, the requests in ``skip`` excepted;
-        True when one did. Matched only when scheduled: pages are registered
-        as steps commit, so a stream matched early would miss them."""
-        if not self.prefix_cache:
-            return False
-        matched = False
-        for rid, label, _, _ in segments:
-            req = self._running[rid]
-            if req.fed[label] or rid in skip or req.prompt_logprobs is not None:
-                continue  # (prompt logprobs need every prompt position computed)
-            if label in self.mgr.labels(rid):  # matched nothing before: match anew
-                self.mgr.release(rid, label)
-            req.fed[label] = self.mgr.match_prefix(rid, label, req.streams[label])
-            matched = matched or req.fed[label] > 0
-        return matched
 
     def _logits(self, ids: list[int], plan: Any, at: list[int]) -> torch.Tensor:
         """Logits ``[len(at), vocab]`` at packed positions ``at`` of the step."""
@@ -574,163 +406,12 @@ class Engine:
             self.model, input_ids, plan, self.cache, flashinfer=self.flashinfer, logits_at=index
         )
 
-    def _on_logits(self, req: Request, label: str, logits: torch.Tensor) -> None:
-        """A stream's last token is in: choose its sample's next token."""
-        if label in GUIDED:
-            req.pending[label] = logits
-            if len(req.pending) < 2:
-                return
-            cond, uncond = req.pending.pop("cond"), req.pending.pop("uncond")
-            logits = uncond + req.guidance_scale * (cond - uncond)
-        sample = req.by_label[label]
-        self._emit(req, sample, self._choose(req, sample, logits))
-
-    def _choose(self, req: Request, sample: Sample, logits: torch.Tensor) -> int:
-        token = sample_token(logits, req.params, sample.generator)
-        self.pipeline.chose(req, sample, logits, token)
-        return token
-
-    def _emit(self, req: Request, sample: Sample, token: int) -> None:
-        """Append ``token`` to ``sample`` and its text; feed it next, unless it
-        ends the sample (its streams are then dropped, and their pages released
-        after the step). An EOS/stop token is not part of the text."""
-        params, text = req.params, sample.text
-        sample.token_ids.append(token)
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.eos_token_ids
-        ):
-            sample.finish_reason = "stop"
-            if text is not None:
-                text.close()
-        elif text is not None and text.add(token):
-            sample.finish_reason = "stop"  # a stop string
-        elif len(sample.token_ids) >= params.max_new_tokens:
-            sample.finish_reason = "stop" if text is not None and text.close() else "length"
-        for label in sample.labels:
-            if sample.finish_reason is None:
-                req.streams[label].append(token)
-            else:
-                req.streams.pop(label, None)
-                req.fed.pop(label, None)
-
     def _fork(self, req: Request, logits: torch.Tensor) -> None:
         """The prompt is in: fork ``main`` into a stream per unfinished sample
-        (full pages shared, the partial tail copied). A sample with no token yet
-        draws its first from ``logits``; one recomputed after a preemption
-        feeds its generated tokens on from the prompt. A fork that cannot fit
-        even alone raises ``RequestTooLarge`` (the request is dropped)."""
-        live = [s for s in req.samples if s.finish_reason is None]
-        forks = tuple(("main", s.labels[0]) for s in live)
-        step = KVStep((Segment(req.id, "main", 0, ()),), post_forks=forks)
-        while True:
-            admitted, victim = self._admit_or_preempt(step, req)
-            if admitted is not None:
-                break
-            if victim is req:
-                return  # recomputed later, and forked then
-        try:
-            self.mgr.commit(step)
-        except BaseException:
-            self.mgr.abort(step)
-            raise
-        del req.streams["main"], req.fed["main"]
-        for sample in live:
-            label = sample.labels[0]
-            req.streams[label], req.fed[label] = req.prompt + sample.token_ids, len(req.prompt)
-            if not sample.token_ids:
-                self._emit(req, sample, self._choose(req, sample, logits))
-        self._release_unused(req)
-
-    def _release_unused(self, req: Request) -> None:
-        """Give back the pages of streams the request no longer has; a finished
-        request leaves the engine."""
-        held = self.mgr.labels(req.id)
-        if req.finished:
-            if held:
-                self.mgr.release(req.id)
-            del self._running[req.id]
-            return
-        for label in held:
-            if label not in req.streams:
-                self.mgr.release(req.id, label)
-
-    def _preempt(self, req: Request) -> Request:
-        """Free ``req``'s KV; it is recomputed later."""
-        self.mgr.release(req.id)
-        req.restart()
-        self.stats.preemptions += 1
-        return req
-
-    # --- records -------------------------------------------------------------------------
-
-    def _completion(self, req: Request) -> Completion:
-        outputs = [s.output() for s in req.samples]
-        prompt_lp = None if req.prompt_logprobs is None else list(req.prompt_logprobs)
-        return Completion(req.id, list(req.prompt), outputs, prompt_lp)
-
-    def _account(self, step: KVStep, seconds: float) -> None:
-        s = self.stats
-        spans = [seg.span for seg in step.segments]
-        s.steps += 1
-        s.step_s += seconds
-        s.decode_steps += all(x == 1 for x in spans)
-        s.mixed_steps += any(x == 1 for x in spans) and any(x > 1 for x in spans)
-        s.prefill_tokens += sum(x for x in spans if x > 1)
-        s.decode_tokens += sum(x for x in spans if x == 1)
-        s.peak_pages = max(s.peak_pages, self.mgr.num_pages - self.mgr.num_free_pages)
-        s.peak_shared = max(s.peak_shared, self.mgr.shared_pages())
-
-
-def _kv_managers(
-    spec: Any,
-    num_pages: int,
-    page_size: int,
-    param: torch.Tensor,
-    prefix_cache: bool,
-    tp: TensorParallel | None,
-    flashinfer: Any,
-) -> tuple[KVManager | KVGroups, KVCache]:
-    """The engine's pages and cache. A windowed model's streams release the
-    pages behind its windows, unless the prefix cache keeps them (the two do
-    not combine yet); a hybrid one's (windowed and full layers) then has a
-    manager per KV group of ``k`` layers, on one pool of the memory of
-    ``num_pages`` pages over every layer (not under tensor parallelism: its
-    workers hold one cache over every layer). On CUDA the plan's index arrays
-    leave from pinned memory, so their copies are asynchronous."""
-    cuda = param.device.type == "cuda"
-    if not prefix_cache and len(spec.groups) > 1 and tp is None:
-        groups = KVGroups(
-            spec.groups,
-            num_pages * spec.num_layers // group_size(spec.groups),
-            page_size,
-            cache=spec.cache_kwargs(),
-            dtype=param.dtype,
-            device=param.device,
-            rings=cuda,
-        )
-        return groups, groups.cache
-    cache = KVCache(
-        num_pages=num_pages,
-        page_size=page_size,
-        dtype=param.dtype,
-        device=param.device,
-        **spec.cache_kwargs(),
-    )
-    mgr = KVManager(
-        num_pages,
-        page_size,
-        cache=cache if tp is None else tp.attach(cache, flashinfer),
-        prefix_cache=prefix_cache,
-        ring=PinnedIndexRing() if cuda else None,
-        window=None if prefix_cache else spec.window,
-    )
-    return mgr, cache
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    """EOS ids from the model's generation config, else its config, else the tokenizer."""
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
-        if eos is not None:
-            return frozenset([eos] if isinstance(eos, int) else eos)
-    return frozenset()
+        (``Admitter.fork``); each feeds on from the prompt, one with no token
+        yet drawing its first from ``logits`` (``Emitter.forked``)."""
+        live = self.admitter.fork(req, self.stats)
+        if live is None:
+            return  # preempted: recomputed later, and forked then
+        self.emitter.forked(req, live, logits)
+        self.admitter.release_unused(req)

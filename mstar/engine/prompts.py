@@ -34,6 +34,20 @@ def prompt_list(prompts: object) -> list[Any]:
     return list(prompts)
 
 
+def chat_list(conversations: object) -> Sequence[Any]:
+    """``conversations`` as a sequence of conversations: a list of messages
+    (its first a dict) is one, any other non-empty sequence holds them (each
+    checked by ``chat_ids``)."""
+    if isinstance(conversations, NOT_A_SEQUENCE) or not isinstance(conversations, Sequence):
+        raise TypeError(
+            "expected a conversation (a list of messages) or a list of them,"
+            f" got {type(conversations).__name__}"
+        )
+    if not conversations:
+        raise ValueError("expected at least one message, got []")
+    return [conversations] if isinstance(conversations[0], Mapping) else conversations
+
+
 def token_ids(rid: str, prompt: object, tokenizer: Any, vocab: int) -> list[int]:
     """The non-empty token ids of ``prompt`` (each in ``[0, vocab)``), or a
     ``TypeError``/``ValueError`` naming request ``rid``."""

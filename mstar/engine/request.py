@@ -134,6 +134,12 @@ class Request:
         """True when a sample got tokens since the request was last handed out."""
         return any(len(s.token_ids) > s.handed for s in self.samples)
 
+    def completion(self) -> Completion:
+        """Its record now (each sample's ``Sample.output``)."""
+        outputs = [s.output() for s in self.samples]
+        prompt_lp = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
+        return Completion(self.id, list(self.prompt), outputs, prompt_lp)
+
     def holds_kv(self) -> bool:
         return any(self.fed.values())
 

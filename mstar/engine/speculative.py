@@ -8,7 +8,7 @@ plan and forward), with logits at every one of its positions.
 
 Verification goes position by position through the engine's own token choice
 (``Engine.pipeline.rows``' penalties and grammar masks, then
-``Engine._on_logits``: the sampler, its generator, ``_emit``'s stops): the
+``Emitter.on_logits``: the sampler, its generator, the stops): the
 token chosen at a position is emitted; when it equals the draft's token there
 the next position's logits hold (they saw exactly the emitted tokens), else
 the row ends. For a deterministic draft this is rejection sampling: the draft
@@ -141,7 +141,7 @@ class Speculator:
         self, engine: Any, chosen: list[tuple[Request, str]], logits: torch.Tensor
     ) -> Iterator:
         """Emit the tokens of the verify rows among ``chosen`` (logits: one
-        row per position of each, in order) through ``engine._on_logits``;
+        row per position of each, in order) through ``engine.emitter.on_logits``;
         yield ``((request, label), logits)`` of the other rows."""
         sizes = [1 + len(req.draft.get(label, ())) for req, label in chosen]
         if len(sizes) == len(logits):
@@ -158,7 +158,7 @@ class Speculator:
             sample, taken = req.by_label[label], 0
             for i, row in enumerate(block):  # each position's penalties and grammar mask
                 row = engine.pipeline.rows(row[None], [(req, label)])[0]  # see the tokens before it
-                engine._on_logits(req, label, row)
+                engine.emitter.on_logits(req, label, row)
                 if sample.finish_reason is not None or i == len(draft):
                     break
                 if sample.token_ids[-1] != draft[i]:

@@ -1,0 +1,169 @@
+"""Admission and preemption: which of the engine's running requests hold KV pages.
+
+Each step schedules the running requests under the token budget and admits
+the step into the KV manager. When the pool refuses it, the requests before
+the one refused are admitted; when none of it fits, the youngest request
+holding KV is preempted (it keeps its generated tokens and recomputes prompt
++ generated later) and the step is scheduled again. Streams that ended give
+their pages back after the step; finished and aborted requests leave.
+"""
+
+from __future__ import annotations
+
+import time
+
+from mstar.engine.intake import RequestTooLarge
+from mstar.engine.records import EngineStats, StepFailed
+from mstar.engine.request import Request, Sample
+from mstar.engine.resources.groups import KVGroups
+from mstar.engine.resources.kv.manager import AllocationFailed, KVManager
+from mstar.engine.resources.step import KVStep, Segment
+from mstar.engine.scheduler import requests_before, schedule
+
+
+class Admitter:
+    """One engine's admission policy over ``running`` (its unfinished
+    requests, oldest first: the engine's own dict, from which this removes
+    the requests that finish or are dropped) and the pool of ``mgr``. A step
+    feeds at most ``budget`` tokens, at most ``max_chunk`` to one stream
+    (None: the budget's); with ``prefix_cache`` a stream about to start first
+    takes its longest cached prefix. Counts go to the ``EngineStats`` each
+    call is given."""
+
+    def __init__(
+        self,
+        mgr: KVManager | KVGroups,
+        running: dict[str, Request],
+        budget: int,
+        max_chunk: int | None,
+        prefix_cache: bool,
+    ) -> None:
+        self.mgr, self.running = mgr, running
+        self.budget, self.max_chunk, self.prefix_cache = budget, max_chunk, prefix_cache
+
+    def next_step(self, stats: EngineStats) -> KVStep | None:
+        """The step to run, admitted: everything scheduled, or the requests
+        before the first that did not fit; with nothing fitting, preempt the
+        youngest request holding KV and schedule again. None when nothing is
+        running. A request preempted here takes no cached prefix again until
+        the next step (it would hold the pages it just gave back: a livelock).
+        A request that cannot fit even alone is dropped: ``StepFailed`` names
+        it, its cause is the ``RequestTooLarge``; the others go on at the next
+        step. The time spent counts to ``stats.plan_s``."""
+        t0 = time.perf_counter()
+        preempted: set[str] = set()
+        try:
+            while self.running:
+                step = schedule(self.running.values(), self.budget, self.max_chunk)
+                while self._reuse_prefixes(step.segments, preempted):  # less to compute:
+                    step = schedule(self.running.values(), self.budget, self.max_chunk)
+                assert step.segments, "every running request has a token to feed"
+                owner = self.running[step.segments[0].request_id]
+                try:
+                    step, victim = self._admit_or_preempt(step, owner, stats)
+                except RequestTooLarge as err:
+                    raise StepFailed((owner.id,)) from err
+                if step is not None:
+                    return step
+                preempted.add(victim.id)
+            return None
+        finally:
+            stats.plan_s += time.perf_counter() - t0
+
+    def fork(self, req: Request, stats: EngineStats) -> list[Sample] | None:
+        """Admit and commit the step that forks ``req``'s prompt stream
+        ``main`` into the first stream of each unfinished sample (full pages
+        shared, the partial tail copied), preempting others as it must; those
+        samples, or None when ``req`` itself was preempted (it is recomputed
+        later, and forked then). A fork that cannot fit even alone raises
+        ``RequestTooLarge`` (the request is dropped)."""
+        live = [s for s in req.samples if s.finish_reason is None]
+        forks = tuple(("main", s.labels[0]) for s in live)
+        step = KVStep((Segment(req.id, "main", 0, ()),), post_forks=forks)
+        while True:
+            admitted, victim = self._admit_or_preempt(step, req, stats)
+            if admitted is not None:
+                break
+            if victim is req:
+                return None
+        try:
+            self.mgr.commit(step)
+        except BaseException:
+            self.mgr.abort(step)
+            raise
+        return live
+
+    def release_unused(self, req: Request) -> None:
+        """Give back the pages of streams the request no longer has; a finished
+        request leaves the engine."""
+        held = self.mgr.labels(req.id)
+        if req.finished:
+            if held:
+                self.mgr.release(req.id)
+            del self.running[req.id]
+            return
+        for label in held:
+            if label not in req.streams:
+                self.mgr.release(req.id, label)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a running request; its pages return at once. ``KeyError``
+        when no running request has that id."""
+        req = self.running.pop(request_id, None)
+        if req is None:
+            raise KeyError(f"expected a running request id, got {request_id!r}")
+        if self.mgr.labels(request_id):
+            self.mgr.release(request_id)
+
+    def _admit_or_preempt(
+        self, step: KVStep, owner: Request, stats: EngineStats
+    ) -> tuple[KVStep | None, Request | None]:
+        """Admit ``step`` or, when the pool refuses it, the segments of its
+        requests before the one refused (``owner``'s come first). When none of
+        it fits, preempt the youngest request holding KV and return it: the
+        caller builds its step again. ``(admitted step, None)`` or ``(None,
+        preempted request)``. When no request but ``owner`` holds KV, it can
+        never fit (it would hold as much again the next time it got here): it
+        is dropped and ``RequestTooLarge`` raised, nothing else changed."""
+        while True:
+            try:
+                self.mgr.admit(step)
+                return step, None
+            except AllocationFailed as err:
+                stats.refused += 1
+                step = requests_before(step, err.request_id)
+                if step is None:
+                    break
+        holding = [r for r in self.running.values() if r.holds_kv()]
+        if not holding or holding == [owner]:
+            self.abort(owner.id)
+            raise RequestTooLarge(
+                f"request {owner.id!r} does not fit the pool of {self.mgr.num_pages} KV pages"
+                " even with every other request preempted; dropped"
+            )
+        return None, self._preempt(holding[-1], stats)
+
+    def _reuse_prefixes(self, segments: tuple[Segment, ...], skip: set[str]) -> bool:
+        """Streams about to start (scheduled, nothing in the KV cache yet)
+        take their longest cached prefix, the requests in ``skip`` excepted;
+        True when one did. Matched only when scheduled: pages are registered
+        as steps commit, so a stream matched early would miss them."""
+        if not self.prefix_cache:
+            return False
+        matched = False
+        for rid, label, _, _ in segments:
+            req = self.running[rid]
+            if req.fed[label] or rid in skip or req.prompt_logprobs is not None:
+                continue  # (prompt logprobs need every prompt position computed)
+            if label in self.mgr.labels(rid):  # matched nothing before: match anew
+                self.mgr.release(rid, label)
+            req.fed[label] = self.mgr.match_prefix(rid, label, req.streams[label])
+            matched = matched or req.fed[label] > 0
+        return matched
+
+    def _preempt(self, req: Request, stats: EngineStats) -> Request:
+        """Free ``req``'s KV; it is recomputed later."""
+        self.mgr.release(req.id)
+        req.restart()
+        stats.preemptions += 1
+        return req

@@ -1,0 +1,154 @@
+"""Building an engine: its arguments checked, a named model loaded
+(``Engine.from_pretrained``), its KV pages and cache, its EOS ids."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from mstar.engine.device import checked_device, flashinfer_or_none
+from mstar.engine.dtypes import resolve_dtype
+from mstar.engine.resources.groups import KVGroups, group_size
+from mstar.engine.resources.kv.cache import KVCache
+from mstar.engine.resources.kv.manager import KVManager
+from mstar.engine.resources.kv.ring import PinnedIndexRing
+from mstar.engine.tp import TensorParallel, check_size, load_sharded, shard
+
+Built = TypeVar("Built")
+
+
+def check_options(
+    tokenizer: Any,
+    num_pages: object,
+    page_size: object,
+    token_budget: object,
+    prefix_cache: object,
+    compile: object,
+) -> None:
+    """``TypeError``/``ValueError`` naming the first bad one of ``Engine``'s
+    arguments checked before anything is built."""
+    options = {"page_size": page_size, "token_budget": token_budget, "num_pages": num_pages}
+    for name, value in options.items():
+        if value is None and name == "num_pages":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"expected {name} an int, got {value!r}")
+        if value < 1:
+            raise ValueError(f"expected {name} >= 1, got {value!r}")
+    if not isinstance(compile, bool):
+        raise TypeError(f"expected compile a bool, got {compile!r}")
+    if prefix_cache is not None and not isinstance(prefix_cache, bool):
+        raise TypeError(f"expected prefix_cache a bool or None, got {prefix_cache!r}")
+    if tokenizer is not None and not hasattr(tokenizer, "backend_tokenizer"):
+        raise TypeError(
+            "expected tokenizer a Hugging Face fast tokenizer (with .backend_tokenizer)"
+            f" or None, got {type(tokenizer).__name__}"
+        )
+
+
+def stops_workers_on_error(init: Callable[..., None]) -> Callable[..., None]:
+    """A constructor that, when it raises, first stops the tensor-parallel
+    workers it started (``self.tp``)."""
+
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            if getattr(self, "tp", None) is not None:
+                self.tp.close()
+            raise
+
+    return checked
+
+
+def from_pretrained(
+    make: Callable[..., Built],
+    name: object,
+    device: str | torch.device,
+    dtype: str | torch.dtype,
+    kwargs: dict[str, Any],
+) -> Built:
+    """``make(model, tokenizer, **kwargs)`` on the model ``name`` names,
+    loaded in ``dtype`` on ``device`` (each rank's shard only with
+    ``tensor_parallel_size > 1``; FlashInfer attached on CUDA unless
+    ``kwargs`` say). Workers started for it stop when ``make`` raises."""
+    from mstar.engine.loader import load
+
+    if not isinstance(name, str | os.PathLike):
+        raise TypeError(f"expected name a str or a path, got {name!r}")
+    device = checked_device(device)
+    dtype = resolve_dtype(dtype, device).dtype
+    size = check_size(kwargs.get("tensor_parallel_size", 1))
+    if size > 1:
+        model, tokenizer = load_sharded(os.fspath(name), size, device, dtype)
+    else:
+        model, tokenizer = load(os.fspath(name), dtype=dtype)
+        model = model.to(device)
+    try:
+        if device.type == "cuda" and "flashinfer" not in kwargs:
+            kwargs["flashinfer"] = flashinfer_or_none(str(device), model)
+        return make(model, tokenizer, **kwargs)
+    except BaseException:
+        if size > 1:
+            shard(model, size).close()  # the group load_sharded started
+        raise
+
+
+def kv_managers(
+    spec: Any,
+    num_pages: int,
+    page_size: int,
+    param: torch.Tensor,
+    prefix_cache: bool,
+    tp: TensorParallel | None,
+    flashinfer: Any,
+) -> tuple[KVManager | KVGroups, KVCache]:
+    """The engine's pages and cache. A windowed model's streams release the
+    pages behind its windows, unless the prefix cache keeps them (the two do
+    not combine yet); a hybrid one's (windowed and full layers) then has a
+    manager per KV group of ``k`` layers, on one pool of the memory of
+    ``num_pages`` pages over every layer (not under tensor parallelism: its
+    workers hold one cache over every layer). On CUDA the plan's index arrays
+    leave from pinned memory, so their copies are asynchronous."""
+    cuda = param.device.type == "cuda"
+    if not prefix_cache and len(spec.groups) > 1 and tp is None:
+        groups = KVGroups(
+            spec.groups,
+            num_pages * spec.num_layers // group_size(spec.groups),
+            page_size,
+            cache=spec.cache_kwargs(),
+            dtype=param.dtype,
+            device=param.device,
+            rings=cuda,
+        )
+        return groups, groups.cache
+    cache = KVCache(
+        num_pages=num_pages,
+        page_size=page_size,
+        dtype=param.dtype,
+        device=param.device,
+        **spec.cache_kwargs(),
+    )
+    mgr = KVManager(
+        num_pages,
+        page_size,
+        cache=cache if tp is None else tp.attach(cache, flashinfer),
+        prefix_cache=prefix_cache,
+        ring=PinnedIndexRing() if cuda else None,
+        window=None if prefix_cache else spec.window,
+    )
+    return mgr, cache
+
+
+def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """EOS ids from the model's generation config, else its config, else the tokenizer."""
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            return frozenset([eos] if isinstance(eos, int) else eos)
+    return frozenset()
