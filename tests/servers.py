@@ -53,3 +53,14 @@ def wait_until(predicate: Any, timeout: float = 10.0, every: float = 0.05) -> bo
             return True
         time.sleep(every)
     return bool(predicate())
+
+
+async def stream_token_ids(api: Any, prompt: Any, **create: Any) -> list[int]:
+    """The token ids of one streamed completion (``create`` as for
+    ``api.completions.create``; its ``extra_body`` must ask ``return_token_ids``),
+    chunk after chunk; every chunk must carry a choice."""
+    stream = await api.completions.create(prompt=prompt, stream=True, **create)
+    ids: list[int] = []
+    async for chunk in stream:
+        ids += chunk.choices[0].model_extra["token_ids"]
+    return ids

@@ -23,7 +23,7 @@ pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
 from ray import serve  # noqa: E402
-from servers import ServerThread, wait_until  # noqa: E402
+from servers import ServerThread, stream_token_ids, wait_until  # noqa: E402
 from vllm_events import BlockRemoved, BlockStored, Subscriber  # noqa: E402
 
 from mstar.demo import build_model  # noqa: E402
@@ -104,29 +104,29 @@ def client(c) -> openai.OpenAI:
     return openai.OpenAI(base_url=c.url, api_key="none", max_retries=0, timeout=TIMEOUT_S)
 
 
-def test_greedy_outputs_equal_one_engines(prefix_routed, offline):
-    api = client(prefix_routed)
-    want = offline(PROMPTS[:8], SamplingParams(max_new_tokens=6, temperature=0))
-    for prompt, done in zip(PROMPTS[:8], want):
+def assert_greedy_as_offline(c, offline, n: int, max_tokens: int) -> None:
+    """The first ``n`` prompts, one request each, complete as one engine offline."""
+    api = client(c)
+    want = offline(PROMPTS[:n], SamplingParams(max_new_tokens=max_tokens, temperature=0))
+    for prompt, done in zip(PROMPTS[:n], want):
         got = api.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=6, temperature=0, extra_body=TOKENS
+            model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=TOKENS
         )
         assert got.choices[0].token_ids == done.outputs[0].token_ids
         assert got.usage.prompt_tokens == len(prompt)
 
 
+def test_greedy_outputs_equal_one_engines(prefix_routed, offline):
+    assert_greedy_as_offline(prefix_routed, offline, 8, 6)
+
+
 def test_concurrent_streams_each_get_their_offline_output(prefix_routed, offline):
     want = offline(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0))
 
-    async def one(api, prompt) -> list[int]:
-        stream = await api.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True,
-            extra_body=TOKENS,
-        )  # fmt: skip
-        ids: list[int] = []
-        async for chunk in stream:
-            ids += chunk.choices[0].token_ids if chunk.choices else []
-        return ids
+    def one(api, prompt):
+        return stream_token_ids(
+            api, prompt, model=MODEL, max_tokens=8, temperature=0, extra_body=TOKENS
+        )
 
     async def all_of_them() -> list[list[int]]:
         api = openai.AsyncOpenAI(base_url=prefix_routed.url, api_key="none", max_retries=0)
@@ -270,16 +270,11 @@ def test_a_replica_killed_mid_run_fails_its_requests_and_the_next_ones_succeed(
     """12 long streams (the pool runs one at a time per replica); one replica
     is killed while they run: its streams end in an error, the others'
     finish, nothing hangs, and the next requests succeed."""
-    long = {"max_tokens": 300, "temperature": 0, "stream": True}
+    long = {"max_tokens": 300, "temperature": 0}
 
     async def one(api, prompt) -> int:
-        stream = await api.completions.create(
-            model=MODEL, prompt=prompt, **long, extra_body={"ignore_eos": True, **TOKENS}
-        )
-        n = 0
-        async for chunk in stream:
-            n += len(chunk.choices[0].token_ids) if chunk.choices else 0
-        return n
+        extra = {"ignore_eos": True, **TOKENS}
+        return len(await stream_token_ids(api, prompt, model=MODEL, **long, extra_body=extra))
 
     async def run() -> list:
         api = openai.AsyncOpenAI(base_url=prefix_routed.url, api_key="none", max_retries=0)
@@ -300,13 +295,7 @@ def test_a_replica_killed_mid_run_fails_its_requests_and_the_next_ones_succeed(
     assert failed and len(failed) < len(results), results
     assert all(isinstance(r, openai.APIError) for r in failed), failed
     assert all(r == 300 for r in results if not isinstance(r, Exception))
-    api = client(prefix_routed)
-    want = offline(PROMPTS[:4], SamplingParams(max_new_tokens=4, temperature=0))
-    for prompt, done in zip(PROMPTS[:4], want):
-        got = api.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=4, temperature=0, extra_body=TOKENS
-        )
-        assert got.choices[0].token_ids == done.outputs[0].token_ids
+    assert_greedy_as_offline(prefix_routed, offline, 4, 4)
     assert wait_until(lambda: len(prefix_routed.replicas()) == 2, timeout=TIMEOUT_S)
 
 

@@ -17,7 +17,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from servers import ServerThread, wait_until  # noqa: E402
+from servers import ServerThread, stream_token_ids, wait_until  # noqa: E402
 
 from mstar.demo import build_model  # noqa: E402
 from mstar.engine import Engine, SamplingParams  # noqa: E402
@@ -137,15 +137,10 @@ def test_32_concurrent_streaming_clients_each_get_their_offline_output(server, o
     want = [c.outputs[0].token_ids for c in offline(PROMPTS, sp)]
     api = openai.AsyncOpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=120)
 
-    async def one(prompt: list[int]) -> list[int]:
-        stream = await api.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=5, temperature=0, stream=True,
-            extra_body=TOKENS,
-        )  # fmt: skip
-        ids: list[int] = []
-        async for chunk in stream:
-            ids += chunk.choices[0].model_extra["token_ids"]
-        return ids
+    def one(prompt: list[int]):
+        return stream_token_ids(
+            api, prompt, model=MODEL, max_tokens=5, temperature=0, extra_body=TOKENS
+        )
 
     async def all_of_them() -> list[list[int]]:
         try:
