@@ -98,6 +98,9 @@ class DiskStore:
             out, self.evicted = self.evicted, []
         return out
 
+    def describe(self) -> str:
+        return f"disk {self.path} ({self.used} of {self.budget} bytes used)"
+
     def close(self) -> None:
         pass
 

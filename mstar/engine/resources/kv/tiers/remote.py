@@ -84,6 +84,9 @@ class RemoteStore:
     def take_evicted(self) -> list[str]:
         return []  # the server evicts on its own, unseen
 
+    def describe(self) -> str:
+        return f"store {self.url}"
+
     def close(self) -> None:
         self._client.close()
 

@@ -188,5 +188,10 @@ class KVTiers:
         """``TierIO``'s counters, with the engine's install time."""
         return {**self.io.stats(), "install_seconds": self.load_wait_s}
 
+    def describe(self) -> str:
+        """The tiers in read order and the offload mode, for a banner."""
+        names = ", ".join(s.describe() for s in self.io.stores)
+        return f"{names}; offload {'eager' if self.eager else 'lazy'}"
+
     def close(self) -> None:
         self.io.close()
