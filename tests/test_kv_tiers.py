@@ -264,3 +264,29 @@ def test_a_store_stopped_mid_run_is_a_warning_not_an_error(models, store, caplog
     assert token_ids(done) == cold(models, batch[1:])
     assert token_ids(again) == cold(models, batch)
     assert "unavailable" in caplog.text
+
+
+def test_metrics_count_each_tier(models, tmp_path):
+    pytest.importorskip("fastapi")
+    import httpx
+    from servers import ServerThread
+    from test_serve_metrics import scrape
+
+    from mstar.serve.app import create_app
+
+    batch = shared_prompts(1)
+    eng = engine(models[1])
+    tiers = kv_tiers.attach(eng, disk=tmp_path, offload="eager")
+    eng.generate(batch, PARAMS)
+    tiers.close()
+    eng = engine(models[1])
+    tiers = kv_tiers.attach(eng, disk=tmp_path)
+    body = {"prompt": batch[0], "max_tokens": 4, "temperature": 0}
+    with ServerThread(create_app(eng, model_name="random")) as srv:
+        assert httpx.post(f"{srv.url}/completions", json=body, timeout=60).status_code == 200
+        got = scrape(srv.base)
+    tiers.close()
+    assert got['mstar_kv_tier_pages_total{event="hit",tier="disk"}'] >= 12
+    assert got['mstar_kv_tier_bytes_total{direction="read",tier="disk"}'] > 0
+    assert got['mstar_kv_tier_hit_rate{tier="disk"}'] > 0.5
+    assert got["mstar_kv_tier_load_seconds_count"] == 1
