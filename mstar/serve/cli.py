@@ -98,6 +98,9 @@ def add_bench_options(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--bench-pages", type=int, default=512, help="--workload shared-prefix: pages a replica"
     )  # fmt: skip
+    from mstar.serve.kv_tiers import add_restart_options
+
+    add_restart_options(bench)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -241,6 +244,10 @@ def _run_shared_prefix(args: argparse.Namespace, rates: list[float]) -> int:
 
     from mstar.options import UsageError
 
+    if args.restart:
+        from mstar.serve.kv_tiers import run_restart
+
+        return run_restart(args)
     routers = [r.strip() for r in args.routers.split(",")]
     if bad := [r for r in routers if r not in ("prefix", "round-robin", "least-loaded")]:
         raise UsageError(f"--routers: expected prefix, round-robin or least-loaded, got {bad[0]!r}")
