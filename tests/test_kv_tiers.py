@@ -164,7 +164,7 @@ class GatedStore:
     """A disk store whose reads wait for ``gate``."""
 
     def __init__(self, inner, gate: threading.Event) -> None:
-        self.inner, self.gate, self.medium = inner, gate, "REMOTE"
+        self.inner, self.gate, self.medium, self.local = inner, gate, "REMOTE", False
 
     def get(self, keys):
         assert self.gate.wait(30)

@@ -27,6 +27,7 @@ class DiskStore:
     """Pages as files under ``path`` (made if missing), at most ``budget`` bytes."""
 
     medium = "DISK"
+    local = True  # answers contains() at once, on any thread
 
     def __init__(self, path: str | os.PathLike[str], budget: int) -> None:
         if budget < 1:

@@ -26,6 +26,7 @@ class RemoteStore:
     """Pages in the Valkey/Redis server at ``url`` (``redis://HOST:PORT[/DB]``)."""
 
     medium = "REMOTE"
+    local = False  # a round trip: asked only off the engine thread
 
     def __init__(self, url: str) -> None:
         if urlparse(url).scheme not in ("redis", "rediss", "valkey"):

@@ -156,7 +156,7 @@ class KVTiers:
         """Whether a tier may hold the page ``key``: the disk index answers
         now; a shared store is only asked off the engine thread."""
         name = store_key(self.identity, key)
-        return any(s.medium != "DISK" or s.contains([name])[0] for s in self.io.stores)
+        return any(not s.local or s.contains([name])[0] for s in self.io.stores)
 
     def _fetched(self, stream: Hashable, start: int, found: list[bytes], seconds: float) -> None:
         with self._cond:
@@ -177,8 +177,10 @@ class KVTiers:
         n = min(len(found), pool.num_free)
         fresh = pool.alloc(n)
         if n:
-            data = torch.frombuffer(bytearray(b"".join(found[:n])), dtype=torch.uint8)
-            write_pages(self.cache, fresh, data.view(n, -1))
+            data = np.empty((n, self.io.kv_len), dtype=np.uint8)
+            for row, kv in zip(data, found):
+                row[:] = np.frombuffer(kv, dtype=np.uint8)
+            write_pages(self.cache, fresh, torch.from_numpy(data))
             part = PageKeys(keys.hashes[m : m + n], keys.tokens[m : m + n], keys.namespace)
             pool.registry.register(fresh, part, int(held[-1]) if m else -1)
         pool.release(np.concatenate((held, fresh)))

@@ -33,7 +33,8 @@ BATCH = 16  # pages per store round trip when reading
 class Store(Protocol):
     """One tier: values by string key. Failures are misses, never raised."""
 
-    medium: str
+    medium: str  # its name in metrics and KV events
+    local: bool  # contains() is cheap enough for the engine thread
 
     def put(self, keys: Sequence[str], values: Sequence[bytes]) -> int: ...
     def get(self, keys: Sequence[str]) -> list[bytes | None]: ...
