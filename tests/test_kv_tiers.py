@@ -304,3 +304,32 @@ def test_remote_store_round_trip_on_the_ci_server():
     assert remote.contains(keys) == [True, True, False]
     remote._client.delete(*keys)
     remote.close()
+
+
+def test_serve_tier_options_are_checked_before_anything_loads():
+    import argparse
+
+    from mstar.serve.kv_tiers import parse_size, tier_options
+
+    def args(**kw):
+        base = {"kv_disk": None, "kv_remote": None, "kv_disk_size": "8G", "kv_offload": "lazy"}
+        return argparse.Namespace(**(base | kw))
+
+    assert tier_options(args()) is None
+    assert parse_size("512M") == 512 << 20 and parse_size("20g") == 20 << 30
+    got = tier_options(args(kv_disk="/d", kv_remote="redis://h:1"), rank=2)
+    assert got == {"disk": "/d/replica-2", "disk_size": 8 << 30, "remote": "redis://h:1",
+                   "offload": "lazy"}  # fmt: skip
+    with pytest.raises(ValueError, match="--kv-disk-size"):
+        tier_options(args(kv_disk="/d", kv_disk_size="lots"))
+    with pytest.raises(ValueError, match="redis://HOST:PORT"):
+        tier_options(args(kv_remote="http://h:1"))
+    with pytest.raises(ValueError, match="prefix cache"):
+        tier_options(args(kv_disk="/d", no_prefix_cache=True))
+
+
+def test_attach_refuses_an_engine_without_the_prefix_cache(models, tmp_path):
+    with pytest.raises(ValueError, match="prefix cache"):
+        kv_tiers.attach(engine(models[1], prefix_cache=False), disk=tmp_path)
+    with pytest.raises(ValueError, match="lazy or eager"):
+        kv_tiers.attach(engine(models[1]), disk=tmp_path, offload="sometimes")
