@@ -60,13 +60,20 @@ def cold(models, batch) -> list[list[int]]:
     return token_ids(engine(models[1], prefix_cache=False).generate(batch, PARAMS))
 
 
+def computed(models, batch, **where) -> dict:
+    """Run ``batch`` on an engine writing its pages eagerly to the tiers
+    ``where`` names (``attach``'s arguments); its tiers' counters once closed."""
+    eng = engine(models[1])
+    tiers = kv_tiers.attach(eng, offload="eager", **where)
+    eng.generate(batch, PARAMS)
+    tiers.close()
+    return tiers.stats()
+
+
 def test_disk_tier_survives_a_restart_exactly(models, tmp_path):
     batch = shared_prompts()
-    first = engine(models[1])
-    tiers = kv_tiers.attach(first, disk=tmp_path, offload="eager")
-    first.generate(batch[:1], PARAMS)
-    tiers.close()  # stores what is pending
-    assert tiers.stats()["DISK_pages_stored"] >= 12  # the 100-token system prompt, 8 a page
+    stored = computed(models, batch[:1], disk=tmp_path)
+    assert stored["DISK_pages_stored"] >= 12  # the 100-token system prompt, 8 a page
     again = engine(models[1])  # a new process's engine: an empty pool
     tiers = kv_tiers.attach(again, disk=tmp_path)
     done = again.generate(batch, PARAMS)
@@ -110,10 +117,7 @@ def test_a_full_disk_budget_evicts_and_never_fails(models, tmp_path):
 
 def test_a_corrupted_page_file_is_a_miss(models, tmp_path, caplog):
     batch = shared_prompts(1)
-    eng = engine(models[1])
-    tiers = kv_tiers.attach(eng, disk=tmp_path, offload="eager")
-    eng.generate(batch, PARAMS)
-    tiers.close()
+    computed(models, batch, disk=tmp_path)
     for name in os.listdir(tmp_path):  # one flipped byte in each page's KV
         data = bytearray((tmp_path / name).read_bytes())
         data[-100] ^= 0xFF
@@ -131,10 +135,7 @@ def test_a_corrupted_page_file_is_a_miss(models, tmp_path, caplog):
 
 def test_another_model_or_dtype_never_reads_a_page(models, tmp_path):
     batch = shared_prompts(1)
-    eng = engine(models[1])
-    tiers = kv_tiers.attach(eng, disk=tmp_path, offload="eager")
-    eng.generate(batch, PARAMS)
-    tiers.close()
+    computed(models, batch, disk=tmp_path)
     other = build_model(seed=1)[1]  # the same shapes, other weights
     for model in (other, copy.deepcopy(models[1]).to(torch.bfloat16)):
         eng = engine(model)
@@ -176,10 +177,7 @@ class GatedStore:
 
 def test_a_fetch_in_flight_does_not_hold_other_requests(models, tmp_path):
     batch = shared_prompts(1)
-    eng = engine(models[1])
-    tiers = kv_tiers.attach(eng, disk=tmp_path, offload="eager")
-    eng.generate(batch, PARAMS)
-    tiers.close()
+    computed(models, batch, disk=tmp_path)
     eng = engine(models[1])
     tiers = kv_tiers.attach(eng, disk=tmp_path)
     gate = threading.Event()
@@ -202,10 +200,7 @@ def test_a_fetch_in_flight_does_not_hold_other_requests(models, tmp_path):
 
 def test_a_second_engine_reads_the_shared_store_exactly(models, store):
     batch = shared_prompts()
-    first = engine(models[1])
-    tiers = kv_tiers.attach(first, remote=store.url, offload="eager")
-    first.generate(batch[:1], PARAMS)
-    tiers.close()
+    computed(models, batch[:1], remote=store.url)
     assert store.client.dbsize() >= 12
     second = engine(models[1])  # another replica
     tiers = kv_tiers.attach(second, remote=store.url)
@@ -217,10 +212,7 @@ def test_a_second_engine_reads_the_shared_store_exactly(models, store):
 
 def test_a_corrupt_store_value_is_a_miss(models, store):
     batch = shared_prompts(1)
-    eng = engine(models[1])
-    tiers = kv_tiers.attach(eng, remote=store.url, offload="eager")
-    eng.generate(batch, PARAMS)
-    tiers.close()
+    computed(models, batch, remote=store.url)
     for key in store.client.keys("mstar-kv:*"):
         store.client.setrange(key, 40, b"\x00\x01\x02")
     again = engine(models[1])
@@ -275,10 +267,7 @@ def test_metrics_count_each_tier(models, tmp_path):
     from mstar.serve.app import create_app
 
     batch = shared_prompts(1)
-    eng = engine(models[1])
-    tiers = kv_tiers.attach(eng, disk=tmp_path, offload="eager")
-    eng.generate(batch, PARAMS)
-    tiers.close()
+    computed(models, batch, disk=tmp_path)
     eng = engine(models[1])
     tiers = kv_tiers.attach(eng, disk=tmp_path)
     body = {"prompt": batch[0], "max_tokens": 4, "temperature": 0}
