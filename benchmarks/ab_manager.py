@@ -338,8 +338,11 @@ def main() -> None:
     for (tokens, stat), parts in prefix.items():
         r = parts[:, 0] / parts[:, 1]
         print(f"prefix on/off, {tokens} tokens, {stat}: before {r[0]:.2f}x, after {r[1]:.2f}x")
+    # the step with tiers idle against the same step of the checkout without (the ratio
+    # within one checkout leans on which manager steps first: compare it with before's)
     r = idle[:, 0] / idle[:, 1]
-    print(f"tiers idle / none, mean of 16: before {r[0]:.2f}x, after {r[1]:.2f}x")
+    print(f"tiers idle / none beside, mean of 16: before {r[0]:.2f}x, after {r[1]:.2f}x")
+    print(f"tiers idle, after / before, mean of 16: {idle[1, 0] / idle[0, 0]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from mstar.engine.resources.kv.tiers.pagebytes import page_bytes, read_pages, wr
 from mstar.engine.resources.kv.tiers.worker import Fetch, Store, TierIO
 
 MODES = ("lazy", "eager")
+FLUSH_PAGES = 64  # pages offered at a time by ``flush``
 
 
 class KVTiers:
@@ -80,8 +81,11 @@ class KVTiers:
         """Offer every page the pool holds registered, and wait until stored
         (a graceful shutdown: a lazy tier then survives a restart)."""
         with self.pool.lock:
-            self.offer(np.flatnonzero(self.pool.registry.registered))
-        self.io.drain()
+            pages = np.flatnonzero(self.pool.registry.registered)
+        for at in range(0, len(pages), FLUSH_PAGES):  # under the writer's bound on pending bytes
+            with self.pool.lock:
+                self.offer(pages[at : at + FLUSH_PAGES])
+            self.io.drain()
 
     def _chain(self, page: int, memo: dict) -> tuple[np.ndarray, str] | None:
         """The tokens from position 0 to ``page``'s end and its namespace
