@@ -22,8 +22,10 @@ steps each time: on with the new tokens one array on the step (``KVStep.tokens``
 makes its steps; a checkout without it gets them on its Segments) and with each
 Segment carrying its token, off with neither (medians, and ``runs_mean``: the
 recording of decode steps, batched ``PS`` at a time, spread over them); and
-``match_prefix`` of 4096 tokens with 3504 cached. The last lines give the ratios the
-targets name, for each checkout.
+``match_prefix`` of 4096 tokens with 3504 cached; the steady decode with the prefix cache
+on and KV tiers configured but idle (a disk tier below the pool, where the checkout has
+``kv/tiers``) beside the same without. The last lines give the ratios the targets name,
+for each checkout.
 ``--quick`` runs ~5x fewer steps (~40 s; the full run ~3 min). Comparing a checkout
 with itself gives ratios within a few % of 1.
 """
@@ -200,8 +202,32 @@ def prefix_decode(tokens: str) -> Case:
     return case
 
 
-def _prefix_decode(api: Api, tokens: str) -> Iteration:
+def tiers_idle(api: Api, n: int) -> Iteration:
+    """The steady 256 x 4k decode, the prefix cache on, tokens on the step,
+    with KV tiers configured but idle (a disk tier below the pool; a
+    checkout without ``kv/tiers`` runs it without) and without, a step of
+    each in turn: parts (with, without)."""
+    with_tiers, without = _prefix_decode(api, "step", tiers=True), _prefix_decode(api, "step")
+    return lambda i: with_tiers(i) + without(i)
+
+
+def _idle_tiers(api: Api, m: Any) -> None:
+    """A disk tier (a temp dir) below ``m``'s pool, when the checkout has them."""
+    pkg = api.KVManager.__module__.split(".")[0]
+    try:
+        tiers = importlib.import_module(f"{pkg}.engine.resources.kv.tiers")
+    except ImportError:
+        return
+    cache = importlib.import_module(f"{pkg}.engine.resources.kv.cache").KVCache
+    store = tiers.DiskStore(tempfile.mkdtemp(prefix="ab_tiers_"), 1 << 30)
+    pool = m._pages
+    pool.tiers = tiers.KVTiers(pool, cache(1, m.num_pages, PS, 1, 1), bytes(16), [store])
+
+
+def _prefix_decode(api: Api, tokens: str, tiers: bool = False) -> Iteration:
     m = api.KVManager(256 * (4096 // PS + 300), PS, prefix_cache=tokens != "off")
+    if tiers:
+        _idle_tiers(api, m)
     rng = np.random.default_rng(0)
     names = [f"r{i}" for i in range(256)]
     lens = [4096 + i % PS for i in range(256)]
@@ -295,6 +321,9 @@ def main() -> None:
                 rows[f"prefix on, {tokens} tokens, {stat}"] = parts[:, 0]
                 rows[f"prefix off, beside {tokens} tokens, {stat}"] = parts[:, 1]
         rows["match_prefix 4k"] = compare(match_prefix, apis, 200, warm)[:, 0]
+        idle = compare(tiers_idle, apis, 12 * PS, warm, runs_mean)
+        rows["prefix on, tiers idle, mean of 16"] = idle[:, 0]
+        rows["prefix on, no tiers beside them, mean of 16"] = idle[:, 1]
     print("| step | before µs | after µs | after/before |\n|---|---:|---:|---:|")
     for name, (b, a) in rows.items():
         print(f"| {name} | {b:.1f} | {a:.1f} | {a / b:.2f} |")
@@ -309,6 +338,11 @@ def main() -> None:
     for (tokens, stat), parts in prefix.items():
         r = parts[:, 0] / parts[:, 1]
         print(f"prefix on/off, {tokens} tokens, {stat}: before {r[0]:.2f}x, after {r[1]:.2f}x")
+    # the step with tiers idle against the same step of the checkout without (the ratio
+    # within one checkout leans on which manager steps first: compare it with before's)
+    r = idle[:, 0] / idle[:, 1]
+    print(f"tiers idle / none beside, mean of 16: before {r[0]:.2f}x, after {r[1]:.2f}x")
+    print(f"tiers idle, after / before, mean of 16: {idle[1, 0] / idle[0, 0]:.2f}x")
 
 
 if __name__ == "__main__":

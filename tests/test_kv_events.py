@@ -102,3 +102,26 @@ def test_endpoints_offset_by_rank_and_bad_ones_are_refused():
     assert offset_port("tcp://10.0.0.1:5557", 3) == "tcp://10.0.0.1:5560"
     with pytest.raises(ValueError, match="tcp://HOST:PORT"):
         offset_port("ipc:///tmp/x", 1)
+
+
+def test_tier_stores_and_evictions_publish_with_their_medium(published, tmp_path):
+    from mstar.engine.resources.kv import tiers as kv_tiers
+
+    engine, publisher, sub = published
+    tiers = kv_tiers.attach(engine, disk=tmp_path, disk_size=4 * 2300, offload="eager")
+    tiers.io.events = publisher  # as a replica wires them
+    for i in range(3):
+        engine.generate(
+            [[(i * 31 + j) % 250 + 1 for j in range(17)]], SamplingParams(max_new_tokens=2)
+        )
+    tiers.close()
+    events = collect(sub, publisher)
+    in_pool = {
+        e.block_hashes[0] for e in events if isinstance(e, BlockStored) and e.medium == "CPU"
+    }
+    on_disk = [e for e in events if isinstance(e, BlockStored) and e.medium == "DISK"]
+    assert on_disk and {e.block_hashes[0] for e in on_disk} <= in_pool
+    assert all(len(e.token_ids) == PAGE for e in on_disk)
+    gone = [h for e in events if isinstance(e, BlockRemoved) and e.medium == "DISK"
+            for h in e.block_hashes]  # fmt: skip
+    assert gone and set(gone) <= {e.block_hashes[0] for e in on_disk}

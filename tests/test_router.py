@@ -133,6 +133,13 @@ def test_builder_args_read_as_the_fields_they_set():
         parse_args({"colour": "blue"})
 
 
+def test_builder_args_take_kv_tier_paths_as_they_are():
+    config, _ = parse_args({"kv_disk": "/var/kv", "kv_remote": "redis://10.0.0.5:6379",
+                            "kv_offload": "eager", "kv_disk_size": "2G"})  # fmt: skip
+    assert (config.kv_disk, config.kv_remote) == ("/var/kv", "redis://10.0.0.5:6379")
+    assert (config.kv_offload, config.kv_disk_size) == ("eager", "2G")
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -141,6 +148,9 @@ def test_builder_args_read_as_the_fields_they_set():
         (["--replicas", "2", "--kv-events-endpoint", "ipc:///x"], "tcp://HOST:PORT"),
         (["--replicas", "2", "--kv-events-endpoint", "tcp://*:5557", "--no-prefix-cache"],
          "needs the prefix cache"),
+        (["--replicas", "2", "--kv-remote", "http://h:1"], "redis://HOST:PORT"),
+        (["--kv-disk", "/tmp/x", "--kv-disk-size", "lots"], "--kv-disk-size"),
+        (["--kv-remote", "redis://h:1", "--no-prefix-cache"], "need the prefix cache"),
     ],
 )  # fmt: skip
 def test_replica_option_mistakes_exit_2_with_one_line_before_ray_starts(capsys, args, message):

@@ -27,8 +27,10 @@ class Admitter:
     the requests that finish or are dropped) and the pool of ``mgr``. A step
     feeds at most ``budget`` tokens, at most ``max_chunk`` to one stream
     (None: the budget's); with ``prefix_cache`` a stream about to start first
-    takes its longest cached prefix. Counts go to the ``EngineStats`` each
-    call is given."""
+    takes its longest cached prefix, and with ``tiers`` (a ``KVTiers``, set by
+    ``kv.tiers.attach``) the pages below the pool that continue it: a request
+    whose pages are being fetched is not scheduled until they are in the
+    pool. Counts go to the ``EngineStats`` each call is given."""
 
     def __init__(
         self,
@@ -40,6 +42,8 @@ class Admitter:
     ) -> None:
         self.mgr, self.running = mgr, running
         self.budget, self.max_chunk, self.prefix_cache = budget, max_chunk, prefix_cache
+        self.tiers = None
+        self._loading: set[str] = set()  # requests whose pages the tiers are fetching
 
     def next_step(self, stats: EngineStats) -> KVStep | None:
         """The step to run, admitted: everything scheduled, or the requests
@@ -54,9 +58,12 @@ class Admitter:
         preempted: set[str] = set()
         try:
             while self.running:
-                step = schedule(self.running.values(), self.budget, self.max_chunk)
+                step = schedule(self._schedulable(), self.budget, self.max_chunk)
                 while self._reuse_prefixes(step.segments, preempted):  # less to compute:
-                    step = schedule(self.running.values(), self.budget, self.max_chunk)
+                    step = schedule(self._schedulable(), self.budget, self.max_chunk)
+                if not step.segments and self._loading:  # all wait for the tiers
+                    self.tiers.wait(0.05)
+                    continue
                 assert step.segments, "every running request has a token to feed"
                 owner = self.running[step.segments[0].request_id]
                 try:
@@ -110,6 +117,9 @@ class Admitter:
         """Drop a running request; its pages return at once. ``KeyError``
         when no running request has that id."""
         req = self.running.pop(request_id, None)
+        if self.tiers is not None:
+            self.tiers.cancel(request_id)
+            self._loading.discard(request_id)
         if req is None:
             raise KeyError(f"expected a running request id, got {request_id!r}")
         if self.mgr.labels(request_id):
@@ -157,9 +167,21 @@ class Admitter:
                 continue  # (prompt logprobs need every prompt position computed)
             if label in self.mgr.labels(rid):  # matched nothing before: match anew
                 self.mgr.release(rid, label)
+            if self.tiers is not None and not self.tiers.load((rid, label), req.streams[label]):
+                self._loading.add(rid)  # its pages are on their way: schedule the others
+                matched = True
+                continue
             req.fed[label] = self.mgr.match_prefix(rid, label, req.streams[label])
             matched = matched or req.fed[label] > 0
         return matched
+
+    def _schedulable(self):
+        """The running requests, less those waiting for pages from the tiers."""
+        if self._loading:
+            self._loading = {r for r in self._loading if self.tiers.busy(r)}
+        if not self._loading:
+            return self.running.values()
+        return [r for r in self.running.values() if r.id not in self._loading]
 
     def _preempt(self, req: Request, stats: EngineStats) -> Request:
         """Free ``req``'s KV; it is recomputed later."""

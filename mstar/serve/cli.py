@@ -39,6 +39,9 @@ def add_parser(subparsers: Any) -> None:
     add_tensor_parallel_option(p)
     add_speculative_options(p)
     add_replica_options(p)
+    from mstar.serve.kv_tiers import add_tier_options
+
+    add_tier_options(p)
 
 
 def add_replica_options(p: argparse.ArgumentParser) -> None:
@@ -95,6 +98,9 @@ def add_bench_options(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--bench-pages", type=int, default=512, help="--workload shared-prefix: pages a replica"
     )  # fmt: skip
+    from mstar.serve.kv_tiers import add_restart_options
+
+    add_restart_options(bench)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
             msg = f"--replicas needs pip install 'mstar-kv[replicas]' ({err.name} is missing)"
             raise UsageError(msg) from None
         return run_replicas(args)
+    attach_tiers = _tiers(args)  # checked before the model loads
     engine, mode = build_engine(args)
+    tiers = attach_tiers(engine) if attach_tiers else None
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("mstar").setLevel(logging.INFO)  # a line per request
     name = model_name(args)
@@ -131,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
         f"prefix cache {'on' if engine.prefix_cache else 'off'}, max waiting {args.max_waiting})",
         flush=True,
     )
+    if tiers is not None:
+        print(f"KV tiers: {tiers.describe()}", flush=True)
     if (windows := windows_note(engine)) != "none":
         print(f"sliding windows: {windows}", flush=True)
     config = uvicorn.Config(
@@ -141,7 +151,34 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     GracefulServer(config, app.state.engine).run()
+    from mstar.serve.kv_tiers import close_tiers
+
+    close_tiers(tiers)
     return 0
+
+
+def _tiers(args: argparse.Namespace) -> Any:
+    """None without ``--kv-disk``/``--kv-remote``, else what puts their
+    tiers below an engine's pool; ``UsageError`` for a bad option."""
+    from mstar.options import UsageError
+    from mstar.serve.kv_tiers import tier_options
+
+    try:
+        options = tier_options(args)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    if options is None:
+        return None
+
+    def attach_to(engine: Any) -> Any:
+        from mstar.engine.resources.kv.tiers import attach
+
+        try:
+            return attach(engine, **options)
+        except (ValueError, ImportError) as err:
+            raise UsageError(str(err)) from err
+
+    return attach_to
 
 
 @contextlib.contextmanager
@@ -207,6 +244,10 @@ def _run_shared_prefix(args: argparse.Namespace, rates: list[float]) -> int:
 
     from mstar.options import UsageError
 
+    if args.restart:
+        from mstar.serve.kv_tiers import run_restart
+
+        return run_restart(args)
     routers = [r.strip() for r in args.routers.split(",")]
     if bad := [r for r in routers if r not in ("prefix", "round-robin", "least-loaded")]:
         raise UsageError(f"--routers: expected prefix, round-robin or least-loaded, got {bad[0]!r}")

@@ -18,6 +18,10 @@ tokens and page size). A ROUTER replay socket answers a client's 8-byte
 sequence number with every buffered batch from it on, ``[b"", seq,
 payload]`` each, then ``[b"", -1 as 8 signed bytes, b""]``.
 
+Pages stored to and removed from a tier below the pool (``kv/tiers``) are
+published the same way with the tier's ``medium`` (``"DISK"``, ``"REMOTE"``),
+the pool's own with the publisher's (``"CPU"``/``"GPU"``).
+
 The engine thread only appends the registry's arrays to a list; a publisher
 thread encodes and sends them, so events cost the plan path next to nothing.
 """
@@ -93,7 +97,7 @@ class KVEventPublisher:
             self._replay.bind(replay_at)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer)
         self._seq = 0
-        self._pending: list[tuple[str, tuple]] = [("cleared", ())]
+        self._pending: list[tuple[str, tuple, str]] = [("cleared", (), medium)]
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mstar-kv-events", daemon=True)
@@ -102,13 +106,21 @@ class KVEventPublisher:
     # --- the registry listener (the engine thread): append, nothing else ---------------
 
     def stored(self, keys, parent_keys, has_parent, tokens) -> None:
-        item = ("stored", (keys.copy(), parent_keys.copy(), has_parent.copy(), tokens.copy()))
-        with self._lock:
-            self._pending.append(item)
+        self.tier_stored(self.medium, keys, parent_keys, has_parent, tokens)
 
     def removed(self, keys) -> None:
+        self.tier_removed(self.medium, keys)
+
+    # --- a tier's writer thread (kv/tiers' TierEvents), and the two above -------------
+
+    def tier_stored(self, medium, keys, parent_keys, has_parent, tokens) -> None:
+        args = (keys.copy(), parent_keys.copy(), has_parent.copy(), tokens.copy())
         with self._lock:
-            self._pending.append(("removed", (keys.copy(),)))
+            self._pending.append(("stored", args, medium))
+
+    def tier_removed(self, medium, keys) -> None:
+        with self._lock:
+            self._pending.append(("removed", (keys.copy(),), medium))
 
     # --- the publisher thread ----------------------------------------------------------
 
@@ -140,11 +152,11 @@ class KVEventPublisher:
         if not pending:
             return
         events: list[list] = []
-        for kind, args in pending:
+        for kind, args, medium in pending:
             if kind == "stored":
-                events += block_stored(*args, self.medium)
+                events += block_stored(*args, medium)
             elif kind == "removed":
-                events.append(["BlockRemoved", args[0].tolist(), self.medium])
+                events.append(["BlockRemoved", args[0].tolist(), medium])
             else:
                 events.append(["AllBlocksCleared"])
         payload = self._pack([time.time(), events, self.rank])

@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from mstar.engine import Engine
 from mstar.engine.async_engine import AsyncEngine
+from mstar.engine.resources.kv.tiers import KVTiers, tiers_of
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -43,6 +44,7 @@ class ServerMetrics:
         self.drafts = Counter("mstar_spec_draft_tokens", "Draft tokens verified", registry=r)
         self.accepted = Counter("mstar_spec_accepted_tokens", "Draft tokens accepted", registry=r)
         self._spec_seen = (0, 0)  # the engine's counts at the last read
+        self.tiers = TierMetrics(r)
         self.ttft = Histogram(
             "mstar_time_to_first_token_seconds", "From request to its first output",
             buckets=LATENCY_BUCKETS, registry=r,
@@ -68,6 +70,60 @@ class ServerMetrics:
         self.accepted.inc(self._spec_seen[1] - seen[1])
         stats = mgr.prefix_stats()
         self.hit_rate.set(stats["tokens_hit"] / max(1, stats["tokens_queried"]))
+        self.tiers.read(tiers_of(engine))
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class TierMetrics:
+    """The KV tiers' counters (``KVTiers.stats``) per tier: pages asked and
+    found, bytes read and written, pages stored, evicted and bad; hit rates;
+    the time a fetch took."""
+
+    _PAGES = ("queried", "hit", "stored", "evicted")
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.pages = Counter(
+            "mstar_kv_tier_pages", "KV pages per tier: queried, hit, stored, evicted, bad",
+            ["tier", "event"], registry=r,
+        )  # fmt: skip
+        self.bytes = Counter(
+            "mstar_kv_tier_bytes", "KV bytes moved per tier", ["tier", "direction"], registry=r
+        )
+        self.hit_rate = Gauge(
+            "mstar_kv_tier_hit_rate", "Pages found of pages asked, per tier", ["tier"], registry=r
+        )
+        self.dropped = Counter(
+            "mstar_kv_tier_offers_dropped", "Pages not written back: the writer was behind",
+            registry=r,
+        )  # fmt: skip
+        self.load = Histogram(
+            "mstar_kv_tier_load_seconds", "Fetching a stream's pages from the tiers",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self._seen: dict[str, float] = {}
+
+    def read(self, tiers: KVTiers | None) -> None:
+        if tiers is None:
+            return
+        stats, seen = tiers.stats(), self._seen
+        self._seen = stats
+
+        def delta(name: str) -> float:
+            return stats.get(name, 0) - seen.get(name, 0)
+
+        for store in tiers.io.stores:
+            tier = store.medium.lower()
+            for event in self._PAGES:
+                self.pages.labels(tier, event).inc(delta(f"{store.medium}_pages_{event}"))
+            self.pages.labels(tier, "bad").inc(delta(f"{store.medium}_bad_values"))
+            self.bytes.labels(tier, "read").inc(delta(f"{store.medium}_bytes_read"))
+            self.bytes.labels(tier, "written").inc(delta(f"{store.medium}_bytes_written"))
+            asked = stats.get(f"{store.medium}_pages_queried", 0)
+            self.hit_rate.labels(tier).set(
+                stats.get(f"{store.medium}_pages_hit", 0) / max(1, asked)
+            )
+        self.dropped.inc(delta("offers_dropped"))
+        for seconds in tiers.io.take_load_seconds():
+            self.load.observe(seconds)

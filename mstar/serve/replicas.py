@@ -67,6 +67,10 @@ class ReplicaConfig:
     enforce_eager: bool = True
     speculative: str | None = None
     num_speculative_tokens: int = 4
+    kv_disk: str | None = None  # replica i keeps its pages under kv_disk/replica-i
+    kv_disk_size: str = "8G"
+    kv_remote: str | None = None  # one store every replica reads
+    kv_offload: str = "lazy"
     kv_events: EventsConfig | None = None
 
 
@@ -102,6 +106,7 @@ class EngineReplica:
             medium = "GPU" if config.device.startswith("cuda") else "CPU"
             self.publisher = KVEventPublisher(config.kv_events, self.rank, medium)
             attach(engine, self.publisher)
+        self.tiers = _tiers(engine, config, self.rank, self.publisher)
         self.app = create_app(engine, model_name=model_name(args), max_waiting=config.max_waiting)
         self._life = self.app.router.lifespan_context(self.app)
         await self._life.__aenter__()
@@ -156,6 +161,10 @@ class EngineReplica:
 
     async def __del__(self) -> None:
         await self._life.__aexit__(None, None, None)
+        if self.tiers is not None:
+            from mstar.serve.kv_tiers import close_tiers
+
+            close_tiers(self.tiers)
         if self.publisher is not None:
             self.publisher.close()
 
@@ -303,6 +312,9 @@ def app_builder(args: dict[str, str]) -> Any:
     return build_app(*parse_args(args))
 
 
+_PATHS = ("kv_disk", "kv_remote")  # str-or-None fields taken as they are
+
+
 def parse_args(args: dict[str, Any]) -> tuple[ReplicaConfig, Scaling]:
     """``ReplicaConfig``'s and ``Scaling``'s fields by name (strings are read
     as JSON where the field is not a string), plus ``kv_events_endpoint``
@@ -316,7 +328,7 @@ def parse_args(args: dict[str, Any]) -> tuple[ReplicaConfig, Scaling]:
         if key not in target.__dataclass_fields__ or key == "kv_events":
             raise ValueError(f"expected an mstar-kv replicas option, got {key!r}")
         default = getattr(target, key)
-        if isinstance(value, str) and not isinstance(default, str):
+        if isinstance(value, str) and not isinstance(default, str) and key not in _PATHS:
             value = json.loads(value) if value not in ("", "None") else None
         if target is config:
             config = replace(config, **{key: value})
@@ -362,6 +374,21 @@ def _last_line(err: BaseException) -> str:
     return lines[-1] if lines else repr(err)
 
 
+def _tiers(engine: Any, config: ReplicaConfig, rank: int, publisher: Any) -> Any:
+    """The replica's KV tiers (None without ``kv_disk``/``kv_remote``); their
+    stored/removed pages go to the KV events ``publisher`` when there is one."""
+    from mstar.serve.kv_tiers import tier_options
+
+    options = tier_options(config, rank)
+    if options is None:
+        return None
+    from mstar.engine.resources.kv.tiers import attach
+
+    tiers = attach(engine, **options)
+    tiers.io.events = publisher
+    return tiers
+
+
 def _rank() -> int:
     rank = serve.get_replica_context().rank
     return rank if isinstance(rank, int) else rank.rank
@@ -386,6 +413,7 @@ def run_replicas(args: argparse.Namespace) -> int:
 
     from mstar.options import UsageError
     from mstar.serve.kv_events import offset_port
+    from mstar.serve.kv_tiers import tier_options
 
     if args.replicas < 1:
         raise UsageError(f"--replicas must be >= 1, got {args.replicas}")
@@ -405,6 +433,10 @@ def run_replicas(args: argparse.Namespace) -> int:
                 offset_port(events.replay_endpoint, 0)
         except ValueError as err:
             raise UsageError(f"--kv-events-endpoint: {err}") from err
+    try:
+        tier_options(args)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
     fields = {f: getattr(args, f) for f in ReplicaConfig.__dataclass_fields__ if f != "kv_events"}
     config = ReplicaConfig(**fields, kv_events=events)
     scaling = Scaling(

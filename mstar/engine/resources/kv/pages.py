@@ -56,6 +56,7 @@ class PagePool:
         self.registry = PrefixRegistry(num_pages, page_size)
         self._queue = EvictionQueue(num_pages)
         self._hasher = ChainHasher(page_size)
+        self.tiers = None  # a KVTiers (kv/tiers), set by kv.tiers.attach
 
     @property
     def num_registered(self) -> int:
@@ -134,6 +135,8 @@ class PagePool:
         if keys.tokens.shape[1:] != (self.page_size,):
             raise ValueError(f"expected keys of pages of {self.page_size}, got {keys.tokens.shape}")
         self.registry.register(pages, keys, parent)
+        if self.tiers is not None:
+            self.tiers.filled(pages)
 
     def register_next(
         self, pages: np.ndarray, tokens: np.ndarray, parent_keys: np.ndarray, parents: np.ndarray
@@ -144,6 +147,8 @@ class PagePool:
         Returns the pages' keys (uint64)."""
         hashes = self._hasher.next_keys(tokens, parent_keys)
         self.registry.register_next(pages, PageKeys(hashes, tokens, ""), parents)
+        if self.tiers is not None:
+            self.tiers.filled(pages)
         return hashes
 
     def lookup(self, keys: PageKeys, parent: int = -1) -> np.ndarray:
@@ -183,6 +188,8 @@ class PagePool:
         unregistered (the caller counts them out of ``num_free``). Their
         registered descendants go too: those cached-unowned to the free stack."""
         pages = self._queue.pop(n)
+        if self.tiers is not None:
+            self.tiers.offer(pages)  # their KV is copied out before it is overwritten
         self.num_cached -= len(pages)
         self.num_evicted += len(pages)
         cut = self.registry.unregister(pages)

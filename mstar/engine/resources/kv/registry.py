@@ -72,6 +72,10 @@ class PrefixRegistry:
         """Pages registered now."""
         return self.table.size
 
+    def namespace_of(self, page: int) -> str | None:
+        """A registered first page's namespace (None for any other page)."""
+        return self._namespace.get(page)
+
     def reused(self, pages: np.ndarray) -> None:
         """``pages`` were allocated anew: a twin named by their last life is gone."""
         if self.used:
