@@ -18,6 +18,7 @@ from mstar.serve.tools.protocol import NamedToolChoice, Tool
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 ANY_OBJECT: dict = {"type": "object"}
+CHOICES = ("none", "auto", "required")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -67,6 +68,11 @@ def plan(
     ``ParamError`` naming the field: a bad name, a name given twice,
     parameters xgrammar cannot compile, ``tool_choice`` without tools or
     naming none of them, a choice the format cannot constrain."""
+    if isinstance(choice, str) and choice not in CHOICES:
+        raise ParamError(
+            f"expected tool_choice one of {CHOICES} or a named function, got {choice!r:.80}",
+            "tool_choice",
+        )
     if not tools:
         if choice not in (None, "none"):
             raise ParamError(

@@ -29,7 +29,7 @@ class NamedToolChoice(BaseModel):
     function: FunctionName
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+ToolChoice = StrictStr | NamedToolChoice  # "none" | "auto" | "required" (checked by the plan)
 
 
 class CalledFunction(BaseModel):
