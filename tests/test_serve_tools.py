@@ -82,7 +82,7 @@ NAMED = {"type": "function", "function": {"name": "add"}}
 
 @pytest.mark.parametrize(
     "choice, parallel",
-    [("required", False), (NAMED, False), ("required", True)],
+    [("required", False), (NAMED, True), ("required", True)],
     ids=["required", "named", "required-parallel"],
 )
 def test_required_and_named_calls_parse_and_validate_streamed_or_not(api, choice, parallel):
@@ -91,6 +91,7 @@ def test_required_and_named_calls_parse_and_validate_streamed_or_not(api, choice
     calls = check_calls(c.message.tool_calls or [])
     if c.finish_reason == "tool_calls":
         assert calls and (parallel or len(calls) == 1)
+        assert c.message.content is None
     else:  # cut by max_tokens in the middle of a later parallel call
         assert parallel and c.finish_reason == "length"
     if choice == NAMED:
@@ -263,3 +264,31 @@ def test_fuzzed_tool_fields_get_4xx_or_a_completion_never_5xx(server, body):
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     else:
         json.dumps(r.json()["choices"][0]["message"])
+
+
+def test_the_agent_loop_in_the_serving_docs_runs(server, capsys):
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    code = re.search(r"<!-- test: tools -->\n```python\n(.*?)^```", page, re.S | re.M).group(1)
+    code = code.replace("http://127.0.0.1:8000/v1", server.url).replace('"smollm2"', repr(MODEL))
+    scope: dict = {"__name__": "docs"}
+    exec(compile(code, "serving.md", "exec"), scope)
+    roles = [m["role"] for m in scope["messages"]]
+    assert roles[:4] == ["user", "assistant", "tool", "assistant"], roles
+    assert scope["messages"][2]["content"].startswith("sunny")
+
+
+def test_bench_serve_has_a_tools_row_counting_tokens_of_held_back_calls(server):
+    import asyncio
+
+    from mstar.bench.serve import BURST, TOOLS, TOOLS_BODY, format_serve, run_load, summarize
+
+    samples, seconds = asyncio.run(
+        run_load(server.url, MODEL, 2, BURST, 8, lambda: None, TOOLS_BODY)
+    )
+    assert all(s.error is None and s.tokens == 8 and s.ttft is not None for s in samples)
+    rows = [summarize(TOOLS, BURST, samples, seconds)]
+    result = {"requests": 2, "max_tokens": 8, "threads": 2, "rows": rows, "peak_rss_bytes": {}}
+    assert TOOLS in format_serve(result)

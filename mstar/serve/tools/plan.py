@@ -45,18 +45,16 @@ class ToolPlan:
         return self.choice != "none"
 
     def structured(self) -> StructuredOutputs | None:
-        """The grammar calls are generated under: ``required`` and a named
-        choice, calls alone; ``auto``, free text until the format's start
+        """The grammar calls are generated under: ``required``, calls alone
+        (one without ``parallel``); a named choice, that one call; ``auto``, free text until the format's start
         opens the calls; None for ``none`` or a format without a grammar."""
         if self.choice == "none":
             return None
-        required = self.choice != "auto"
-        functions = (
-            self.functions
-            if self.choice in ("auto", "required")
-            else [f for f in self.functions if f[0] == self.choice]
-        )
-        tag = self.fmt.structural_tag(functions, required, self.parallel)
+        if self.choice in ("auto", "required"):
+            functions, parallel = self.functions, self.parallel
+        else:  # named: that one call
+            functions, parallel = [f for f in self.functions if f[0] == self.choice], False
+        tag = self.fmt.structural_tag(functions, self.choice != "auto", parallel)
         return None if tag is None else StructuredOutputs(structural_tag=tag)
 
 
