@@ -19,11 +19,12 @@ pytest.importorskip("fastapi")
 pytest.importorskip("xgrammar")
 pytest.importorskip("jsonschema")
 
+import toolcases  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 from servers import ServerThread  # noqa: E402
-from toolcases import ASK_WEATHER, HERMES_TEMPLATE, TOOLS, check_calls  # noqa: E402
+from toolcases import ASK_WEATHER, HERMES_TEMPLATE, TOOLS, check_calls, same_calls  # noqa: E402
 
 from mstar.engine import Engine  # noqa: E402
 from mstar.serve.app import create_app  # noqa: E402
@@ -55,26 +56,11 @@ def api(server):
 
 
 def create(api, **kwargs):
-    args = {"model": MODEL, "messages": ASK_WEATHER, "tools": TOOLS, "max_tokens": NEW,
-            "temperature": 0} | kwargs  # fmt: skip
-    return api.chat.completions.create(**args)
+    return toolcases.create(api, MODEL, max_tokens=NEW, **kwargs)
 
 
-def streamed_calls(api, **kwargs) -> tuple[str, list[dict], str, object]:
-    """Content, calls (accumulated by index), finish reason and usage of a stream."""
-    content, calls, finish, usage = "", {}, None, None
-    for chunk in create(api, stream=True, stream_options={"include_usage": True}, **kwargs):
-        usage = chunk.usage or usage
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            finish = choice.finish_reason or finish
-            for d in choice.delta.tool_calls or ():
-                call = calls.setdefault(d.index, {"id": d.id, "type": d.type, "function": {}})
-                if d.function.name:
-                    call["function"]["name"] = d.function.name
-                args = call["function"].get("arguments", "")
-                call["function"]["arguments"] = args + (d.function.arguments or "")
-    return content, [calls[k] for k in sorted(calls)], finish, usage
+def streamed_calls(api, **kwargs):
+    return toolcases.streamed_calls(api, MODEL, max_tokens=NEW, **kwargs)
 
 
 NAMED = {"type": "function", "function": {"name": "add"}}
@@ -100,10 +86,7 @@ def test_required_and_named_calls_parse_and_validate_streamed_or_not(api, choice
         api, tool_choice=choice, parallel_tool_calls=parallel
     )
     assert finish == c.finish_reason and (content or None) == c.message.content
-    assert [(x["function"]["name"], x["function"]["arguments"]) for x in streamed] == [
-        (x.function.name, x.function.arguments) for x in c.message.tool_calls
-    ]
-    assert all(x["id"].startswith("call_") and x["type"] == "function" for x in streamed)
+    assert same_calls(streamed, c.message.tool_calls)
     assert usage.completion_tokens == got.usage.completion_tokens > 0
 
 

@@ -15,10 +15,11 @@ pytest.importorskip("fastapi")
 pytest.importorskip("xgrammar")
 pytest.importorskip("jsonschema")
 
+import toolcases  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 from servers import ServerThread  # noqa: E402
-from test_serve_tools import NAMED, streamed_calls  # noqa: E402
-from toolcases import ASK_WEATHER, TOOLS, check_calls  # noqa: E402
+from test_serve_tools import NAMED  # noqa: E402
+from toolcases import check_calls, same_calls  # noqa: E402
 
 from mstar.engine import Engine  # noqa: E402
 from mstar.serve.app import create_app  # noqa: E402
@@ -46,9 +47,7 @@ def api(server):
 
 
 def create(api, **kwargs):
-    args = {"model": MODEL, "messages": ASK_WEATHER, "tools": TOOLS, "max_tokens": NEW,
-            "temperature": 0} | kwargs  # fmt: skip
-    return api.chat.completions.create(**args)
+    return toolcases.create(api, MODEL, max_tokens=NEW, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -64,14 +63,11 @@ def test_required_named_and_parallel_calls_validate_streamed_or_not(api, choice,
     assert parallel or len(calls) == 1
     if choice == NAMED:
         assert [name for name, _ in calls] == ["add"]
-    content, streamed, finish, usage = streamed_calls(
-        api, tool_choice=choice, parallel_tool_calls=parallel,
-        model=MODEL, max_tokens=NEW,
-    )  # fmt: skip
+    content, streamed, finish, usage = toolcases.streamed_calls(
+        api, MODEL, max_tokens=NEW, tool_choice=choice, parallel_tool_calls=parallel
+    )
     assert finish == "tool_calls" and (content or None) == c.message.content
-    assert [(x["function"]["name"], x["function"]["arguments"]) for x in streamed] == [
-        (x.function.name, x.function.arguments) for x in c.message.tool_calls
-    ]
+    assert same_calls(streamed, c.message.tool_calls)
     assert usage.completion_tokens == got.usage.completion_tokens
 
 

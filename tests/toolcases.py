@@ -74,6 +74,39 @@ For each function call, return a json object with function name and arguments wi
 {% endif %}"""
 
 
+def create(api, model: str, **kwargs):
+    """A greedy chat completion asking for the weather with ``TOOLS``."""
+    args = {"model": model, "messages": ASK_WEATHER, "tools": TOOLS, "max_tokens": 64,
+            "temperature": 0} | kwargs  # fmt: skip
+    return api.chat.completions.create(**args)
+
+
+def streamed_calls(api, model: str, **kwargs) -> tuple[str, list[dict], str, object]:
+    """Content, calls (accumulated by index), finish reason and usage of a
+    streamed ``create``."""
+    content, calls, finish, usage = "", {}, None, None
+    chunks = create(api, model, stream=True, stream_options={"include_usage": True}, **kwargs)
+    for chunk in chunks:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            for d in choice.delta.tool_calls or ():
+                call = calls.setdefault(d.index, {"id": d.id, "type": d.type, "function": {}})
+                if d.function.name:
+                    call["function"]["name"] = d.function.name
+                args = call["function"].get("arguments", "")
+                call["function"]["arguments"] = args + (d.function.arguments or "")
+    return content, [calls[k] for k in sorted(calls)], finish, usage
+
+
+def same_calls(streamed: list[dict], whole: list) -> bool:
+    """Whether accumulated streamed calls are the non-streamed ones (ids aside)."""
+    return [(x["function"]["name"], x["function"]["arguments"]) for x in streamed] == [
+        (x.function.name, x.function.arguments) for x in whole
+    ] and all(x["id"].startswith("call_") and x["type"] == "function" for x in streamed)
+
+
 def check_calls(calls: list, names: set[str] | None = None) -> list[tuple[str, dict]]:
     """``(name, arguments)`` of OpenAI ``tool_calls`` (client objects or
     dicts), each validated against its function's schema."""
