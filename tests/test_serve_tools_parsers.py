@@ -146,3 +146,21 @@ def test_pythonic_cannot_constrain_a_required_call():
     with pytest.raises(ParamError, match="grammar") as err:
         tools.plan(body(tools=one, tool_choice="required"))
     assert err.value.param == "tool_choice"
+
+
+def test_a_matcher_in_free_text_leaves_the_logits_untouched(tok):
+    """``auto`` before a call's start allows every token: no copy, no apply;
+    once the start is written, the row is masked."""
+    import torch
+
+    from mstar.engine.structured import Grammars, StructuredOutputs
+
+    grammars = Grammars(tok, len(tok), [tok.convert_tokens_to_ids("<|im_end|>")])
+    tag = Hermes().structural_tag([("add", {"type": "object"})], False, True)
+    matcher = grammars.matcher(StructuredOutputs(structural_tag=tag))
+    logits = torch.randn(2, len(tok))
+    assert grammars.mask(logits, [matcher, None]) is logits
+    assert matcher.accept_string("Sure. <tool_call>")
+    masked = grammars.mask(logits, [matcher, None])
+    assert masked is not logits and torch.isinf(masked[0]).sum() > len(tok) // 2
+    assert torch.equal(masked[1], logits[1])

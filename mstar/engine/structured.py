@@ -121,14 +121,20 @@ class Grammars:
     def mask(self, logits: torch.Tensor, matchers: Sequence[Any]) -> torch.Tensor:
         """``logits`` ``[R, vocab]`` with the tokens each row's matcher (None:
         unconstrained) refuses at -inf, in one batched apply; a float32 copy
-        when any row is constrained, else ``logits`` itself."""
+        when a row's matcher refuses any token, else ``logits`` itself (a
+        matcher in free text, as ``auto`` tool calls before their start,
+        costs its fill alone)."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return logits
-        out = logits.float().contiguous().clone()
         bitmask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
         for i in rows:
             matchers[i].fill_next_token_bitmask(bitmask, i)
+        refusing = (bitmask[rows] != -1).any(dim=1).tolist()  # -1: every bit set
+        rows = [i for i, refuses in zip(rows, refusing) if refuses]
+        if not rows:
+            return logits
+        out = logits.float().contiguous().clone()
         self._xgr.apply_token_bitmask_inplace(out, bitmask, indices=rows)
         return out
 
