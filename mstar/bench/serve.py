@@ -81,7 +81,8 @@ def arrivals(n: int, rate: float, seed: int = SEED) -> list[float]:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Sample:
-    """Stream one chat completion; the first non-empty content is its first token."""
+    """Stream one chat completion; the first non-empty content (or tool
+    call, or token ids with ``return_token_ids``) is its first token."""
     t0 = time.perf_counter()
     ttft, chunks, tokens = None, 0, None
     try:
@@ -98,9 +99,10 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Sample
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
                 for choice in chunk.get("choices", ()):
-                    if (choice.get("delta") or {}).get("content"):
+                    delta, ids = choice.get("delta") or {}, choice.get("token_ids")
+                    if delta.get("content") or delta.get("tool_calls") or ids:
                         ttft = time.perf_counter() - t0 if ttft is None else ttft
-                        chunks += 1
+                        chunks += len(ids) if ids else 1
     except httpx.HTTPError as err:
         return Sample(ttft, time.perf_counter() - t0, chunks, repr(err))
     return Sample(ttft, time.perf_counter() - t0, chunks if tokens is None else tokens)
@@ -214,22 +216,29 @@ def model_of(url: str) -> str:
 
 
 STRUCTURED = "mstar-kv serve, json_schema"
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "maxLength": 80},
+        "confidence": {"enum": ["low", "medium", "high"]},
+    },
+    "required": ["answer", "confidence"],
+}
 JSON_SCHEMA_BODY = {
     "response_format": {
         "type": "json_schema",
-        "json_schema": {
-            "name": "answer",
-            "schema": {
-                "type": "object",
-                "properties": {
-                    "answer": {"type": "string", "maxLength": 80},
-                    "confidence": {"enum": ["low", "medium", "high"]},
-                },
-                "required": ["answer", "confidence"],
-            },
-        },
+        "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA},
     }
 }
+TOOLS = "mstar-kv serve, tools required"
+# the same answer as a required tool call; token ids stream while the call is held back
+TOOLS_BODY = {
+    "tools": [{"type": "function", "function": {"name": "answer", "parameters": ANSWER_SCHEMA}}],
+    "tool_choice": "required",
+    "return_token_ids": True,
+}
+# our server's rows beside plain decoding: what a grammar costs per token
+CONSTRAINED = ((STRUCTURED, JSON_SCHEMA_BODY), (TOOLS, TOOLS_BODY))
 
 
 def run_serve_bench(
@@ -255,14 +264,15 @@ def run_serve_bench(
                     )  # fmt: skip
                     progress.remove_task(task)
                     rows.append(summarize(target, rate, samples, seconds))
-                if own:  # structured output's cost per token, beside plain decoding
-                    task = progress.add_task(f"{STRUCTURED} @ {rates[0]}/s", total=requests)
+                for row, body in CONSTRAINED if own else ():
+                    task = progress.add_task(f"{row} @ {rates[0]}/s", total=requests)
                     samples, seconds = asyncio.run(
                         run_load(url, model, requests, rates[0], max_tokens,
-                                 lambda t=task: progress.advance(t), JSON_SCHEMA_BODY)
+                                 lambda t=task: progress.advance(t), body)
                     )  # fmt: skip
                     progress.remove_task(task)
-                    rows.append(summarize(STRUCTURED, rates[0], samples, seconds))
+                    rows.append(summarize(row, rates[0], samples, seconds))
+                if own:
                     memory[target] = own.peak_rss_bytes()
     return {
         "requests": requests,
@@ -284,8 +294,9 @@ def format_serve(result: dict) -> str:
     head = (
         f"{result['requests']} streamed chat requests, max {result['max_tokens']} tokens, greedy;"
         f" TTFT/TPOT p50/p90/p99 in ms; x: how many times better the first target"
-        f" ({rows[0]['target'] if rows else ''}) does than this one; '{STRUCTURED}': the"
-        " same requests under a JSON schema (structured output's cost: its TPOT beside plain)"
+        f" ({rows[0]['target'] if rows else ''}) does than this one; '{STRUCTURED}' and"
+        f" '{TOOLS}': the same requests under a JSON schema and as a required tool call"
+        " (a grammar's cost: its TPOT beside plain)"
     )
     cols = ["target", "rate/s", "done", "out tok/s", "TTFT ms", "TPOT ms", "tok/s x",
             "TTFT p50 x"]  # fmt: skip

@@ -17,15 +17,17 @@ from typing import Any
 
 import torch
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
 class StructuredOutputs:
     """Exactly one of: ``json`` (a JSON schema, a dict or its text),
     ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these
-    strings) or ``grammar`` (EBNF, xgrammar's dialect). JSON is compact (no
-    whitespace between tokens). A sample that stops at ``max_new_tokens``
+    strings), ``grammar`` (EBNF, xgrammar's dialect) or ``structural_tag``
+    (xgrammar's structural tag, a dict or its JSON text: free text and tagged
+    regions such as tool calls). JSON is compact (no whitespace between
+    tokens; a structural tag's own JSON regions set their whitespace). A sample that stops at ``max_new_tokens``
     may be cut short of a match; one that stops at EOS always matches."""
 
     json: str | dict | None = None
@@ -33,17 +35,19 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    structural_tag: str | dict | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.json, dict):
-            object.__setattr__(self, "json", json.dumps(self.json))  # keeps key order
+        for name in ("json", "structural_tag"):
+            if isinstance(getattr(self, name), dict):  # keeps key order
+                object.__setattr__(self, name, json.dumps(getattr(self, name)))
         if self.choice is not None:
             if isinstance(self.choice, str) or not isinstance(self.choice, Sequence):
                 raise TypeError(f"expected choice a list of str, got {self.choice!r:.60}")
             object.__setattr__(self, "choice", tuple(self.choice))
         if not isinstance(self.json_object, bool):
             raise TypeError(f"expected json_object a bool, got {self.json_object!r}")
-        for name in ("json", "regex", "grammar"):
+        for name in ("json", "regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"expected structured_outputs.{name} a str, got {value!r:.60}")
@@ -107,6 +111,8 @@ class Grammars:
                 return c.compile_regex(spec.regex)
             if kind == "choice":
                 return c.compile_grammar("root ::= " + " | ".join(map(json.dumps, spec.choice)))
+            if kind == "structural_tag":
+                return c.compile_structural_tag(spec.structural_tag)
             return c.compile_grammar(spec.grammar)
         except (RuntimeError, ValueError) as err:
             problem = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
@@ -115,14 +121,20 @@ class Grammars:
     def mask(self, logits: torch.Tensor, matchers: Sequence[Any]) -> torch.Tensor:
         """``logits`` ``[R, vocab]`` with the tokens each row's matcher (None:
         unconstrained) refuses at -inf, in one batched apply; a float32 copy
-        when any row is constrained, else ``logits`` itself."""
+        when a row's matcher refuses any token, else ``logits`` itself (a
+        matcher in free text, as ``auto`` tool calls before their start,
+        costs its fill alone)."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return logits
-        out = logits.float().contiguous().clone()
         bitmask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
         for i in rows:
             matchers[i].fill_next_token_bitmask(bitmask, i)
+        refusing = (bitmask[rows] != -1).any(dim=1).tolist()  # -1: every bit set
+        rows = [i for i, refuses in zip(rows, refusing) if refuses]
+        if not rows:
+            return logits
+        out = logits.float().contiguous().clone()
         self._xgr.apply_token_bitmask_inplace(out, bitmask, indices=rows)
         return out
 

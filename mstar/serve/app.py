@@ -33,10 +33,13 @@ from mstar.serve.metrics import ServerMetrics
 from mstar.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    ParamError,
     param_named,
     sampling_params,
 )
 from mstar.serve.responses import DONE, Call, event, events, merged
+from mstar.serve.tools.chat import ChatTools
+from mstar.serve.tools.plan import ToolPlan
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -45,11 +48,15 @@ METRICS_WAIT_S = 1.0
 
 
 def create_app(
-    engine: Engine, *, model_name: str, max_waiting: int | None = None, retry_after: int = 1
-) -> FastAPI:
+    engine: Engine, *, model_name: str, max_waiting: int | None = None, retry_after: int = 1,
+    tool_call_parser: str = "auto",
+) -> FastAPI:  # fmt: skip
     """The app serving ``engine`` as ``model_name``. Past ``max_waiting``
     requests without a first token, a request gets 503 with ``Retry-After:
-    retry_after``."""
+    retry_after``. Chat tool calls are read by ``tool_call_parser``
+    (``mstar.serve.tools.PARSERS``; ``auto``: the chat template's format)."""
+    tools = ChatTools(engine.tokenizer, tool_call_parser)
+    log.info("%s", tools.describe())
     aengine = AsyncEngine(engine, max_waiting=max_waiting)
     metrics = ServerMetrics(aengine)
     aengine.on_step = metrics.on_step
@@ -64,7 +71,7 @@ def create_app(
             await aengine.stop()
 
     app = FastAPI(title="mstar-kv", lifespan=lifespan)
-    app.state.engine, app.state.metrics = aengine, metrics
+    app.state.engine, app.state.metrics, app.state.tools = aengine, metrics, tools
     errors.install(app)
     created = int(time.time())
 
@@ -107,22 +114,45 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         front.check(body)
-        messages = [m.as_dict() for m in body.messages]
-        try:
-            ids = await aengine.run(lambda e: e.encode_chat(messages))
-        except (TypeError, ValueError) as err:
-            raise APIError(400, str(err), param="messages") from err
+        ids, planned = await chat_prompt(aengine, tools, body)
         max_tokens = next(
             (m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
             front.room(len(ids)),
         )
-        params = sampling_params(body, max_tokens)
+        params = tools.params(sampling_params(body, max_tokens), planned)
         call = front.call("chat.completion", "chatcmpl", body)
+        call.tools = tools.reader(planned)
         return await front.respond(
             request, call, ids, params, param="messages", streamed=body.stream
         )
 
     return app
+
+
+async def chat_prompt(
+    aengine: AsyncEngine, tools: ChatTools, body: ChatCompletionRequest
+) -> tuple[list[int], ToolPlan | None]:
+    """A chat body's prompt ids and tool plan, its messages and tools
+    checked (and the calls' grammar compiled) before anything is queued;
+    a body without tools or calls renders as before (``Engine.encode_chat``)."""
+    if body.with_tools:
+        messages, planned = tools.plan(body)
+
+        def render(e: Engine) -> list[int]:
+            tools.compile(e, planned)
+            return tools.ids(messages, planned)
+    else:
+        plain, planned = [m.as_dict(i) for i, m in enumerate(body.messages)], None
+
+        def render(e: Engine) -> list[int]:
+            return e.encode_chat(plain)
+
+    try:
+        return await aengine.run(render), planned
+    except ParamError:
+        raise
+    except (TypeError, ValueError) as err:
+        raise APIError(400, str(err), param="messages") from err
 
 
 class Front:

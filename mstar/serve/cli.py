@@ -34,6 +34,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="the random model's seed")
     p.add_argument("--grace", type=float, default=10.0, help="seconds to finish at shutdown")
     p.add_argument("--served-model-name", help="the model's name in the API (default: --model's)")
+    p.add_argument(
+        "--tool-call-parser", default="auto",
+        choices=("auto", "hermes", "llama3_json", "mistral", "pythonic"),
+        help="how chat tool calls are written and read (default auto: the chat template's)",
+    )  # fmt: skip
     from mstar.options import add_speculative_options, add_tensor_parallel_option
 
     add_tensor_parallel_option(p)
@@ -130,7 +135,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("mstar").setLevel(logging.INFO)  # a line per request
     name = model_name(args)
-    app = create_app(engine, model_name=name, max_waiting=args.max_waiting)
+    app = create_app(
+        engine, model_name=name, max_waiting=args.max_waiting,
+        tool_call_parser=args.tool_call_parser,
+    )  # fmt: skip
     mgr = engine.mgr
     print(
         f"mstar-kv serve: {name} on http://{args.host}:{args.port}/v1 ({args.device}, "
@@ -141,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if tiers is not None:
         print(f"KV tiers: {tiers.describe()}", flush=True)
+    print(app.state.tools.describe(), flush=True)
     if (windows := windows_note(engine)) != "none":
         print(f"sliding windows: {windows}", flush=True)
     config = uvicorn.Config(

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, 
 from mstar.engine import SamplingParams
 from mstar.engine.sampling import MAX_LOGPROBS
 from mstar.engine.structured import StructuredOutputs
+from mstar.serve.tools.protocol import Tool, ToolCallIn, ToolChoice
 
 # fields with no effect at these values; any other value is refused
 NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -158,13 +159,28 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    role: StrictStr
-    content: StrictStr | list[TextPart]
+    """A message; ``content`` may be null beside an assistant's ``tool_calls``
+    (checked with the tools, ``mstar.serve.tools.plan.conversation``)."""
 
-    def as_dict(self) -> dict[str, str]:
+    role: StrictStr
+    content: StrictStr | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: StrictStr | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str | None:
         text = self.content
-        if not isinstance(text, str):
-            text = "".join(part.text for part in text)
+        if text is None or isinstance(text, str):
+            return text
+        return "".join(part.text for part in text)
+
+    def as_dict(self, i: int) -> dict[str, str]:
+        """The message as ``Engine.encode_chat`` takes it (no tool fields)."""
+        text = self.text()
+        if text is None:
+            raise ParamError(
+                f"expected messages[{i}].content a string, got null", f"messages.{i}.content"
+            )
         return {"role": self.role, "content": text}
 
 
@@ -176,6 +192,18 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+
+    @property
+    def with_tools(self) -> bool:
+        """Whether tools, or calls in the history, take the tool path."""
+        return (
+            bool(self.tools)
+            or self.tool_choice not in (None, "none")
+            or any(m.tool_calls or m.role == "tool" for m in self.messages)
+        )
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         if self.top_logprobs is not None and not self.logprobs:

@@ -11,6 +11,7 @@ from typing import Literal
 
 from mstar.engine import Completion, CompletionOutput
 from mstar.engine.logprobs import Logprob, TokenLogprobs, TokenNames
+from mstar.serve.tools.stream import CallReader, CallStream, finish_reason
 
 DONE = "data: [DONE]\n\n"
 
@@ -28,6 +29,7 @@ class Call:
     names: TokenNames | None = None  # token text and bytes for logprobs
     echo: str | None = None  # completions: the prompt's text, first in each choice
     nothing: bool = False  # max_tokens 0 (with echo): the one token generated is not shown
+    tools: CallReader | None = None  # chat with tools: the text read for calls
     created: int = field(default_factory=lambda: int(time.time()))
 
     def envelope(self, obj: str, choices: list[dict], **extra: object) -> dict:
@@ -51,7 +53,11 @@ class Call:
                 "logprobs": self.logprobs(done, out, 0, first=True),
                 "finish_reason": out.finish_reason,
             }
-            if self.kind == "chat.completion":
+            if self.tools is not None:
+                choice["message"], choice["finish_reason"] = self.tools.message(
+                    text, out.finish_reason
+                )
+            elif self.kind == "chat.completion":
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = (self.echo or "") + text
@@ -150,29 +156,36 @@ def count(c: Completion) -> dict[str, int]:
 class Chunker:
     """Stream chunks of one call: per completion, a chunk with each choice
     that has new text, new tokens (when asked for) or its finish reason;
-    a chat choice's first chunk carries ``role``."""
+    a chat choice's first chunk carries ``role``. With tools, a call's
+    ``id``, ``type`` and name come in one chunk and its arguments in the
+    next (its choice's finish reason with the last)."""
 
     def __init__(self, call: Call) -> None:
         self.call = call
         self.obj = "chat.completion.chunk" if call.kind == "chat.completion" else call.kind
         self.sent: dict[int, int] = {}  # choice -> tokens sent
         self.finished: set[int] = set()
+        self.calls: dict[int, CallStream] = {}  # choice -> its calls read so far
 
-    def chunk(self, c: Completion) -> dict | None:
+    def chunks(self, c: Completion) -> list[dict]:
         c = self.call.shown(c)
-        choices = [ch for out in c.outputs if (ch := self._choice(c, out)) is not None]
-        if not choices:
-            return None
+        rounds: list[list[dict]] = []
+        for out in c.outputs:
+            for k, choice in enumerate(self._choice(c, out)):
+                if k == len(rounds):
+                    rounds.append([])
+                rounds[k].append(choice)
         extra = {"usage": None} if self.call.include_usage else {}
-        return self.call.envelope(self.obj, choices, **extra)
+        return [self.call.envelope(self.obj, choices, **extra) for choices in rounds]
 
     def usage_chunk(self, c: Completion) -> dict:
         return self.call.envelope(self.obj, [], usage=count(self.call.shown(c)))
 
-    def _choice(self, c: Completion, out: CompletionOutput) -> dict | None:
+    def _choice(self, c: Completion, out: CompletionOutput) -> list[dict]:
+        """The pieces of ``out`` this completion adds, one per chunk."""
         i = out.index
         if i in self.finished:
-            return None
+            return []
         first, sent = i not in self.sent, self.sent.get(i, 0)
         new_ids = out.token_ids[sent:]
         self.sent[i] = len(out.token_ids)
@@ -182,9 +195,14 @@ class Chunker:
         worth = out.delta or out.finish_reason or (tokens_wanted and new_ids)
         echo = first and self.call.echo is not None
         if not (worth or echo or (first and self.call.kind == "chat.completion")):
-            return None
+            return []
         choice: dict = {"index": i}
-        if self.call.kind == "chat.completion":
+        after: list[dict] = []
+        if self.call.tools is not None:
+            choice["delta"], after = self._tool_delta(out, first)
+            if not (choice["delta"] or after or out.finish_reason or (tokens_wanted and new_ids)):
+                return []  # text held back: it may open a call
+        elif self.call.kind == "chat.completion":
             delta = {"role": "assistant"} if first else {}
             if out.delta or first:
                 delta["content"] = out.delta
@@ -192,10 +210,39 @@ class Chunker:
         else:
             choice["text"] = (self.call.echo if echo else "") + out.delta
         choice["logprobs"] = self.call.logprobs(c, out, sent, first)
-        choice["finish_reason"] = out.finish_reason
+        reason = out.finish_reason
+        if self.call.tools is not None:
+            reason = finish_reason(reason, self.calls[i].calls > 0)
+        choice["finish_reason"] = None if after else reason
         if self.call.return_token_ids:
             choice["token_ids"] = list(new_ids)
-        return choice
+        if after:
+            after[-1]["finish_reason"] = reason
+        return [choice, *after]
+
+    def _tool_delta(self, out: CompletionOutput, first: bool) -> tuple[dict, list[dict]]:
+        """The delta of a choice read for calls, and the pieces with the
+        arguments of the calls it completes."""
+        stream = self.calls.setdefault(out.index, CallStream(self.call.tools))
+        text, calls = stream.feed(out.delta, out.finish_reason is not None)
+        delta: dict = {"role": "assistant"} if first else {}
+        if text or first:
+            delta["content"] = text
+        if calls:
+            delta["tool_calls"] = [
+                {"index": k, "id": call_id, "type": "function",
+                 "function": {"name": call.name, "arguments": ""}}
+                for k, call_id, call in calls
+            ]  # fmt: skip
+        after = [
+            {"index": out.index, "delta": {"tool_calls": [
+                {"index": k, "function": {"arguments": call.arguments}}]}, "logprobs": None}
+            for k, _, call in calls
+        ]  # fmt: skip
+        if self.call.return_token_ids:
+            for piece in after:
+                piece["token_ids"] = []
+        return delta, after
 
 
 def event(obj: dict) -> str:
@@ -207,8 +254,7 @@ async def events(call: Call, completions: AsyncIterator[Completion]) -> AsyncIte
     chunker, last = Chunker(call), None
     async for c in completions:
         last = c
-        chunk = chunker.chunk(c)
-        if chunk is not None:
+        for chunk in chunker.chunks(c):
             yield event(chunk)
     if call.include_usage and last is not None:
         yield event(chunker.usage_chunk(last))
