@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import signal
 from collections.abc import Iterator
@@ -99,13 +100,8 @@ def add_bench_options(bench: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``mstar-kv serve``: serve until SIGINT/SIGTERM, then exit 0."""
-    from mstar.options import UsageError, build_engine, model_name
-    from mstar.report import windows_note
-
-    with serve_extra("serve"):
-        import uvicorn
-
-        from mstar.serve.app import GracefulServer, create_app
+    from mstar.options import UsageError, check_model_exists
+    from mstar.serve.startup import bind
 
     for name in ("port", "pages", "page_size", "budget", "max_waiting"):
         least, value = int(name != "port"), getattr(args, name)
@@ -118,7 +114,41 @@ def run(args: argparse.Namespace) -> int:
             msg = f"--replicas needs pip install 'mstar-kv[replicas]' ({err.name} is missing)"
             raise UsageError(msg) from None
         return run_replicas(args)
-    engine, mode = build_engine(args)
+    check_model_exists(args.model)
+    try:  # first: a port in use is reported before anything loads
+        sock = bind(args.host, args.port)
+    except OSError as err:
+        raise UsageError(f"--port {args.port}: {args.host}:{args.port} {reason(err)}") from None
+    with contextlib.closing(sock):
+        with serve_extra("serve"):
+            import uvicorn  # noqa: F401
+
+            import mstar.serve.app  # noqa: F401
+        return _serve(args, sock)
+
+
+def reason(err: OSError) -> str:
+    """Why a port could not be bound, in a few words."""
+    return "is in use" if err.errno == errno.EADDRINUSE else f"cannot be bound ({err.strerror})"
+
+
+def _serve(args: argparse.Namespace, sock: Any) -> int:
+    """Serve on the bound ``sock``: ``503 starting`` while the engine is
+    built, then its eager forward at once, the compiled one swapped in when
+    ready (``mstar.serve.startup``) unless ``--enforce-eager``."""
+    import uvicorn
+
+    from mstar.options import build_engine, model_name, say
+    from mstar.report import windows_note
+    from mstar.serve.app import GracefulServer, create_app
+    from mstar.serve.startup import Starting, compile_in_background
+
+    compiling = not args.enforce_eager and args.tensor_parallel_size == 1
+    with Starting(sock):
+        engine, mode = build_engine(
+            args, enforce_eager=True, forward="eager, compiling in the background" if compiling
+            else None,
+        )  # fmt: skip
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("mstar").setLevel(logging.INFO)  # a line per request
     name = model_name(args)
@@ -140,7 +170,9 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn re-raises the signal it stopped on once it has shut down: let that be a no-op
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    GracefulServer(config, app.state.engine).run()
+    if compiling:
+        compile_in_background(engine, say)
+    GracefulServer(config, app.state.engine).run(sockets=[sock])
     return 0
 
 
