@@ -176,28 +176,36 @@ def checked_forward(engine: Any, compile: bool) -> tuple[str | None, ModeCheck |
     ``Engine.compiled`` and ``Engine.mode_check`` hold them. A compiled
     forward that disagrees falls back to eager (``compiled`` says why); an
     eager one that disagrees raises ``ModeMismatch`` (the caller serves
-    float32 instead). float32 eager is the reference itself, and tensor
-    parallel shards are not checked: ``check`` None."""
-    dtype = next(engine.model.parameters()).dtype
-    if engine.tp is not None or (dtype == torch.float32 and not compile):
+    float32 instead). Eager float32 weights are the reference itself, and
+    tensor parallel shards are not checked: ``check`` None."""
+    weights = weights_mode(engine.model)
+    if engine.tp is not None or (weights is None and not compile):
         return (compiled_or_why(engine) if compile else None), None
     reference = float32_reference(engine.model)
     compiled = compiled_or_why(engine) if compile else None
     if compiled is not None and compiled.startswith("compiled"):
-        check = check_mode(engine, reference, Tolerance.of(dtype, compiled=True))
+        check = check_mode(engine, reference, Tolerance.of(exact=weights is None))
         if check.ok:
             return compiled, check
         restore_eager(engine.model)
-        compiled = (
-            f"eager: compiled {dtype_name(dtype)} disagrees with eager float32 ({check.failure})"
-        )
-    if dtype == torch.float32:
+        what = f"compiled {weights or 'float32'}"
+        compiled = f"eager: {what} disagrees with eager float32 ({check.failure})"
+    if weights is None:
         return compiled, None
-    check = check_mode(engine, reference, Tolerance.of(dtype, compiled=False))
+    check = check_mode(engine, reference, Tolerance.of(exact=False))
     if not check.ok:
-        raise ModeMismatch(f"{dtype_name(dtype)} disagrees with eager float32: {check.failure}")
+        raise ModeMismatch(f"{weights} disagrees with eager float32: {check.failure}")
     return compiled, check
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def weights_mode(model: Any) -> str | None:
+    """What ``model``'s weights are when not plain float32 (their dtype, or
+    the quantization its config names), None when they are."""
+    quantized = getattr(model.config, "quantization_config", None)
+    if quantized is not None:
+        method = getattr(quantized, "quant_method", None) or (
+            quantized.get("quant_method") if isinstance(quantized, dict) else None
+        )
+        return f"quantized ({method or 'unknown'})"
+    dtypes = {p.dtype for p in model.parameters()} - {torch.float32}
+    return ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes)) or None
