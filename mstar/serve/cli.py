@@ -7,7 +7,9 @@ import argparse
 import contextlib
 import errno
 import logging
+import os
 import signal
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -100,8 +102,8 @@ def add_bench_options(bench: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``mstar-kv serve``: serve until SIGINT/SIGTERM, then exit 0."""
-    from mstar.options import UsageError, check_model_exists
-    from mstar.serve.startup import bind
+    from mstar.options import UsageError, build_engine, check_model_exists
+    from mstar.serve.startup import Starting, bind
 
     for name in ("port", "pages", "page_size", "budget", "max_waiting"):
         least, value = int(name != "port"), getattr(args, name)
@@ -120,11 +122,21 @@ def run(args: argparse.Namespace) -> int:
     except OSError as err:
         raise UsageError(f"--port {args.port}: {args.host}:{args.port} {reason(err)}") from None
     with contextlib.closing(sock):
-        with serve_extra("serve"):
-            import uvicorn  # noqa: F401
+        with Starting(sock):  # 503 starting while the imports and the engine load
+            with serve_extra("serve"):
+                import uvicorn  # noqa: F401
 
-            import mstar.serve.app  # noqa: F401
-        return _serve(args, sock)
+                import mstar.serve.app  # noqa: F401
+            engine, mode = build_engine(
+                args, enforce_eager=True, forward="eager, compiling in the background"
+                if compiling(args) else None,
+            )  # fmt: skip
+        return _serve(args, sock, engine, mode)
+
+
+def compiling(args: argparse.Namespace) -> bool:
+    """Whether ``serve`` compiles the forward behind the eager one."""
+    return not args.enforce_eager and args.tensor_parallel_size == 1
 
 
 def reason(err: OSError) -> str:
@@ -132,23 +144,17 @@ def reason(err: OSError) -> str:
     return "is in use" if err.errno == errno.EADDRINUSE else f"cannot be bound ({err.strerror})"
 
 
-def _serve(args: argparse.Namespace, sock: Any) -> int:
-    """Serve on the bound ``sock``: ``503 starting`` while the engine is
-    built, then its eager forward at once, the compiled one swapped in when
-    ready (``mstar.serve.startup``) unless ``--enforce-eager``."""
+def _serve(args: argparse.Namespace, sock: Any, engine: Any, mode: str) -> int:
+    """Serve ``engine`` on the bound ``sock``: its eager forward at once,
+    the compiled one swapped in when ready (``mstar.serve.startup``) unless
+    ``--enforce-eager``."""
     import uvicorn
 
-    from mstar.options import build_engine, model_name, say
+    from mstar.options import model_name, say
     from mstar.report import windows_note
     from mstar.serve.app import GracefulServer, create_app
-    from mstar.serve.startup import Starting, compile_in_background
+    from mstar.serve.startup import compile_in_background
 
-    compiling = not args.enforce_eager and args.tensor_parallel_size == 1
-    with Starting(sock):
-        engine, mode = build_engine(
-            args, enforce_eager=True, forward="eager, compiling in the background" if compiling
-            else None,
-        )  # fmt: skip
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("mstar").setLevel(logging.INFO)  # a line per request
     name = model_name(args)
@@ -170,9 +176,14 @@ def _serve(args: argparse.Namespace, sock: Any) -> int:
     # uvicorn re-raises the signal it stopped on once it has shut down: let that be a no-op
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    if compiling:
-        compile_in_background(engine, say)
+    compile_thread = compile_in_background(engine, say) if compiling(args) else None
     GracefulServer(config, app.state.engine).run(sockets=[sock])
+    if compile_thread is not None and compile_thread.is_alive():
+        # a compile in flight cannot be stopped, and a thread inside C++ at the
+        # interpreter's exit aborts it: leave at once, the server is shut down
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

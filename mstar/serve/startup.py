@@ -39,7 +39,7 @@ class Starting:
     until ``stop``; the socket stays open for the real server."""
 
     def __init__(self, sock: socket.socket) -> None:
-        self.server = http.server.HTTPServer(
+        self.server = _QuietServer(
             sock.getsockname()[:2], _StartingHandler, bind_and_activate=False
         )
         self.server.socket.close()
@@ -55,6 +55,11 @@ class Starting:
     def __exit__(self, *exc: Any) -> None:
         self.server.shutdown()
         self.thread.join()
+
+
+class _QuietServer(http.server.HTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that gave up waiting: nothing to report
 
 
 class _StartingHandler(http.server.BaseHTTPRequestHandler):
