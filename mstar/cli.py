@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -15,7 +16,10 @@ from mstar.options import (
     add_speculative_options,
     add_speed_options,
     add_tensor_parallel_option,
+    check_model_exists,
     checked_device,
+    compile_now,
+    float32_unless_checked,
     load_model,
     make_engine,
     mode_line,
@@ -119,12 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     add_speculative_options(bench, "with no other mode: n-gram drafts against none on SmolLM2")
     serve_cli.add_parser(sub)
     args = parser.parse_args(argv)
-    try:
-        from transformers.utils import logging
-
-        logging.disable_progress_bar()  # the weights' loading bar: noise in a CLI
-    except ImportError:
-        pass  # the plan benchmarks run without transformers
+    # the weights' loading bar: noise in a CLI (set, not imported: serve binds its port first)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     commands = {"demo": run_demo, "generate": run_generate, "bench": run_bench}
     commands["serve"] = serve_cli.run
     try:
@@ -235,14 +235,17 @@ def run_generate(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(str(err)) from err
     size = args.tensor_parallel_size
-    choice = resolved_dtype(args.dtype, args.device)
-    model, tokenizer = load_model(args.model, args.device, size, choice.dtype)
-    engine = make_engine(
-        model, tokenizer, args.device, page_size=16, tensor_parallel_size=size,
-        enforce_eager=args.enforce_eager,
-        **speculative_options(args),
-    )  # fmt: skip
-    chat = not args.raw and tokenizer.chat_template is not None
+    check_model_exists(args.model)
+
+    def build(dtype: Any) -> Any:  # eager: the request is checked before any compile
+        model, tokenizer = load_model(args.model, args.device, size, dtype)
+        return make_engine(
+            model, tokenizer, args.device, page_size=16, tensor_parallel_size=size,
+            **speculative_options(args),
+        )  # fmt: skip
+
+    engine, choice = float32_unless_checked(build, resolved_dtype(args.dtype, args.device))
+    chat = not args.raw and engine.tokenizer.chat_template is not None
     if (args.chat or args.system) and not chat:
         raise UsageError(f"--model {args.model} has no chat template: use --raw")
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -252,9 +255,12 @@ def run_generate(args: argparse.Namespace) -> int:
             if chat
             else args.prompt
         )
-        completions = engine.stream(prompt, params)
+        engine.intake.request("generate", prompt, params)  # checked, not queued
     except ValueError as err:
         raise UsageError(str(err)) from err
+    if not args.enforce_eager:
+        compile_now(engine)
+    completions = engine.stream(prompt, params)
     say(mode_line(choice, engine))
     start, last = time.perf_counter(), None
     for last in completions:

@@ -56,9 +56,16 @@ def resolved_dtype(value: str, device: str, exact: bool = False) -> Any:
     return choice
 
 
-def mode_line(choice: Any, engine: Any) -> str:
-    """What the start-up line says of the dtype and the forward."""
-    return f"{choice.describe()} weights, forward {engine.compiled or 'eager (--enforce-eager)'}"
+def mode_line(choice: Any, engine: Any, forward: str | None = None) -> str:
+    """What the start-up line says of the dtype, the forward (``forward``,
+    else ``engine.compiled``), the mode check and speculation."""
+    forward = forward or engine.compiled or "eager (--enforce-eager)"
+    parts = [f"{choice.describe()} weights", f"forward {forward}"]
+    if engine.mode_check is not None:
+        parts.append(f"checked: {engine.mode_check.describe()}")
+    if engine.spec is not None:
+        parts.append(f"speculative ngram (up to {engine.spec.k} draft tokens)")
+    return ", ".join(parts)
 
 
 def add_speculative_options(parser: argparse.ArgumentParser, what: str = "") -> None:
@@ -125,13 +132,32 @@ def make_engine(
     flashinfer = flashinfer_or_none(device, model) if device.startswith("cuda") else None
     if not enforce_eager:
         say("compiling the forward (cached for later runs)...")
+    from mstar.engine.verify import ModeMismatch
+
     try:
         engine = Engine(
             model, tokenizer, flashinfer=flashinfer, compile=not enforce_eager, **kwargs
         )
+    except ModeMismatch:
+        raise  # the caller serves float32 instead (float32_unless_checked)
     except (TypeError, ValueError) as err:
         raise UsageError(str(err)) from err
     return engine
+
+
+def compile_now(engine: Any) -> None:
+    """Compile an eager ``engine``'s forward and check it (``Engine(compile=True)``'s
+    start-up, later: once its options and first request are checked)."""
+    from mstar.engine.build import checked_forward
+
+    say("compiling the forward (cached for later runs)...")
+    engine.compiled, engine.mode_check = checked_forward(engine, True)
+
+
+def check_model_exists(name: str) -> None:
+    """A usage error saying ``--model name`` is not found, before anything loads."""
+    if name not in ("smollm2", "random") and not Path(name).exists():
+        raise UsageError(f"--model {name}: not found (expected smollm2, a GGUF file or a folder)")
 
 
 def say(line: str) -> None:
@@ -144,21 +170,45 @@ def model_name(args: argparse.Namespace) -> str:
     return args.served_model_name or ("random" if args.model == "random" else Path(args.model).stem)
 
 
-def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
-    """The engine ``serve``'s options describe, and its dtype and forward (``mode_line``)."""
+def build_engine(
+    args: argparse.Namespace, enforce_eager: bool | None = None, forward: str | None = None
+) -> tuple[Any, str]:
+    """The engine ``serve``'s options describe (eager when ``enforce_eager``,
+    default ``--enforce-eager``), and its dtype and forward (``mode_line``,
+    ``forward`` saying what the forward is when given)."""
     choice = resolved_dtype(args.dtype, args.device)
-    dtype = choice.dtype
-    if args.model == "random":
-        from mstar.demo import build_model
+    eager = args.enforce_eager if enforce_eager is None else enforce_eager
 
-        model = build_model(args.seed, str(checked_device(args.device)))[1].to(dtype)
-        tokenizer = None
-    else:
-        model, tokenizer = load_model(args.model, args.device, args.tensor_parallel_size, dtype)
-    engine = make_engine(
-        model, tokenizer, args.device, num_pages=args.pages, page_size=args.page_size,
-        token_budget=args.budget, prefix_cache=False if args.no_prefix_cache else None,
-        tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-        **speculative_options(args),
-    )  # fmt: skip
-    return engine, mode_line(choice, engine)
+    def build(dtype: Any) -> Any:
+        if args.model == "random":
+            from mstar.demo import build_model
+
+            model = build_model(args.seed, str(checked_device(args.device)))[1].to(dtype)
+            tokenizer = None
+        else:
+            model, tokenizer = load_model(args.model, args.device, args.tensor_parallel_size, dtype)
+        return make_engine(
+            model, tokenizer, args.device, num_pages=args.pages, page_size=args.page_size,
+            token_budget=args.budget, prefix_cache=False if args.no_prefix_cache else None,
+            tensor_parallel_size=args.tensor_parallel_size, enforce_eager=eager,
+            **speculative_options(args),
+        )  # fmt: skip
+
+    engine, choice = float32_unless_checked(build, choice)
+    return engine, mode_line(choice, engine, forward)
+
+
+def float32_unless_checked(build: Any, choice: Any) -> tuple[Any, Any]:
+    """``(build(choice.dtype), choice)``, or, when that mode disagrees with
+    eager float32 (``ModeMismatch``), ``build(torch.float32)`` and a choice
+    whose reason says why."""
+    import torch
+
+    from mstar.engine.dtypes import DtypeChoice
+    from mstar.engine.verify import ModeMismatch
+
+    try:
+        return build(choice.dtype), choice
+    except ModeMismatch as err:
+        say(f"{err}: serving float32 instead")
+        return build(torch.float32), DtypeChoice(torch.float32, f"{choice.name} refused: {err}")

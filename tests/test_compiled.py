@@ -82,7 +82,7 @@ def test_the_cli_compiles_unless_told_not_to(flag, compiles, monkeypatch, capsys
         return "compiled (0 s)"
 
     monkeypatch.delenv("MSTAR_KV_ENFORCE_EAGER", raising=False)
-    monkeypatch.setattr("mstar.engine.engine.compiled_or_why", record)
+    monkeypatch.setattr("mstar.engine.build.compiled_or_why", record)
     args = ["demo", "--model", "random", "--quiet", "--requests", "2", "--max-new-tokens", "2"]
     assert main([*args, *flag]) == 0
     err = capsys.readouterr().err

@@ -274,7 +274,10 @@ def test_a_request_that_can_never_fit_the_pool_gets_400_naming_its_pages(models)
 def test_models_and_health(server):
     models = client(server).models.list()
     assert [m.id for m in models.data] == [MODEL]
-    assert httpx.get(f"{server.base}/health", timeout=30).json() == {"status": "ok"}
+    assert httpx.get(f"{server.base}/health", timeout=30).json() == {
+        "status": "ok",
+        "forward": "eager",
+    }
 
 
 def gated(engine: Engine) -> threading.Event:

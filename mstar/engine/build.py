@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
+from mstar.engine.compiled import compiled_or_why, restore_eager
 from mstar.engine.device import checked_device, flashinfer_or_none
 from mstar.engine.dtypes import resolve_dtype
 from mstar.engine.resources.groups import KVGroups, group_size
@@ -17,6 +19,7 @@ from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.manager import KVManager
 from mstar.engine.resources.kv.ring import PinnedIndexRing
 from mstar.engine.tp import TensorParallel, check_size, load_sharded, shard
+from mstar.engine.verify import ModeCheck, ModeMismatch, Tolerance, check_mode, float32_reference
 
 Built = TypeVar("Built")
 
@@ -76,18 +79,31 @@ def from_pretrained(
     """``make(model, tokenizer, **kwargs)`` on the model ``name`` names,
     loaded in ``dtype`` on ``device`` (each rank's shard only with
     ``tensor_parallel_size > 1``; FlashInfer attached on CUDA unless
-    ``kwargs`` say). Workers started for it stop when ``make`` raises."""
-    from mstar.engine.loader import load
-
+    ``kwargs`` say). Workers started for it stop when ``make`` raises. A
+    half-precision ``dtype`` that disagrees with float32 (``ModeMismatch``)
+    is served in float32 instead, with a warning saying why."""
     if not isinstance(name, str | os.PathLike):
         raise TypeError(f"expected name a str or a path, got {name!r}")
     device = checked_device(device)
     dtype = resolve_dtype(dtype, device).dtype
+    try:
+        return _loaded(make, os.fspath(name), device, dtype, dict(kwargs))
+    except ModeMismatch as err:
+        warnings.warn(f"{err}; serving float32 weights instead", stacklevel=3)
+        return _loaded(make, os.fspath(name), device, torch.float32, kwargs)
+
+
+def _loaded(
+    make: Callable[..., Built], name: str, device: torch.device, dtype: torch.dtype,
+    kwargs: dict[str, Any],
+) -> Built:  # fmt: skip
+    from mstar.engine.loader import load
+
     size = check_size(kwargs.get("tensor_parallel_size", 1))
     if size > 1:
-        model, tokenizer = load_sharded(os.fspath(name), size, device, dtype)
+        model, tokenizer = load_sharded(name, size, device, dtype)
     else:
-        model, tokenizer = load(os.fspath(name), dtype=dtype)
+        model, tokenizer = load(name, dtype=dtype)
         model = model.to(device)
     try:
         if device.type == "cuda" and "flashinfer" not in kwargs:
@@ -152,3 +168,44 @@ def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
         if eos is not None:
             return frozenset([eos] if isinstance(eos, int) else eos)
     return frozenset()
+
+
+def checked_forward(engine: Any, compile: bool) -> tuple[str | None, ModeCheck | None]:
+    """Compile ``engine``'s forward when asked, then check its mode against
+    eager float32 (``mstar.engine.verify``): ``(compiled, check)``, as
+    ``Engine.compiled`` and ``Engine.mode_check`` hold them. A compiled
+    forward that disagrees falls back to eager (``compiled`` says why); an
+    eager one that disagrees raises ``ModeMismatch`` (the caller serves
+    float32 instead). Eager float32 weights are the reference itself, and
+    tensor parallel shards are not checked: ``check`` None."""
+    weights = weights_mode(engine.model)
+    if engine.tp is not None or (weights is None and not compile):
+        return (compiled_or_why(engine) if compile else None), None
+    reference = float32_reference(engine.model)
+    compiled = compiled_or_why(engine) if compile else None
+    if compiled is not None and compiled.startswith("compiled"):
+        check = check_mode(engine, reference, Tolerance.of(exact=weights is None))
+        if check.ok:
+            return compiled, check
+        restore_eager(engine.model)
+        what = f"compiled {weights or 'float32'}"
+        compiled = f"eager: {what} disagrees with eager float32 ({check.failure})"
+    if weights is None:
+        return compiled, None
+    check = check_mode(engine, reference, Tolerance.of(exact=False))
+    if not check.ok:
+        raise ModeMismatch(f"{weights} disagrees with eager float32: {check.failure}")
+    return compiled, check
+
+
+def weights_mode(model: Any) -> str | None:
+    """What ``model``'s weights are when not plain float32 (their dtype, or
+    the quantization its config names), None when they are."""
+    quantized = getattr(model.config, "quantization_config", None)
+    if quantized is not None:
+        method = getattr(quantized, "quant_method", None) or (
+            quantized.get("quant_method") if isinstance(quantized, dict) else None
+        )
+        return f"quantized ({method or 'unknown'})"
+    dtypes = {p.dtype for p in model.parameters()} - {torch.float32}
+    return ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes)) or None

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["compile_forward", "compile_refusal", "compiled_or_why"]
+__all__ = ["compile_forward", "compile_refusal", "compiled_or_why", "restore_eager"]
 
 # Smallest token count (and kept-logit count) a compiled step runs: shapes of 1
 # would be specialized into graphs of their own.
@@ -77,6 +77,11 @@ def compile_forward(model: Any, *, freezing: bool = True) -> None:
     compiled = torch.compile(eager, dynamic=True, mode="reduce-overhead" if cuda else None)
     model.forward = _padded(compiled, cuda_bucket if cuda else cpu_bucket)
     model._mstar_eager_forward = eager
+
+
+def restore_eager(model: Any) -> None:
+    """Undo ``compile_forward``: ``model`` runs its own (eager) forward again."""
+    del model.forward, model._mstar_eager_forward
 
 
 def cpu_bucket(n: int) -> int:
@@ -135,7 +140,7 @@ def compiled_or_why(engine: Any) -> str:
         while engine.has_unfinished():
             engine.step()
     except Exception as failed:  # any failure to compile: serve eager, never wrong
-        del model.forward, model._mstar_eager_forward
+        restore_eager(model)
         err = failed.__cause__ or failed  # the engine's StepFailed names the step's error
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
         return f"eager: the forward does not compile ({type(err).__name__}: {first})"

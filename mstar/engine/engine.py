@@ -25,12 +25,12 @@ from mstar.engine.admitter import Admitter
 from mstar.engine.batch import pack
 from mstar.engine.build import (
     check_options,
+    checked_forward,
     eos_ids,
     from_pretrained,
     kv_managers,
     stops_workers_on_error,
 )
-from mstar.engine.compiled import compiled_or_why
 from mstar.engine.device import check_pool_fits, pool_pages
 from mstar.engine.emitter import Emitter
 from mstar.engine.intake import Intake
@@ -78,8 +78,12 @@ class Engine:
 
     ``compile=True`` runs the model's forward under ``torch.compile``
     (compiled at once, on a warm-up request; ``engine.compiled`` says
-    ``"compiled (N s)"`` or why it fell back to eager): see
-    ``mstar.engine.compiled``.
+    ``"compiled (N s)"`` or why it fell back to eager; None: eager as asked):
+    see ``mstar.engine.compiled``. Any mode but eager float32 (half-precision
+    weights, compiled) is checked at start-up against an eager float32 copy
+    of the model on a few fixed prompts (``mstar.engine.verify``;
+    ``engine.mode_check`` holds the result): a compiled forward that
+    disagrees falls back to eager, an eager one raises ``ModeMismatch``.
 
     A call that raises leaves the engine as it found it: nothing of that call
     stays queued, no page leaks.
@@ -142,8 +146,9 @@ class Engine:
         self.admitter = Admitter(
             self.mgr, self._running, token_budget, self.intake.max_chunk, prefix_cache
         )
-        # None: eager as asked; else "compiled" or why it runs eager (mstar.engine.compiled)
-        self.compiled = compiled_or_why(self) if compile else None
+        # compiled: None, eager as asked; else "compiled (N s)" or why it runs eager
+        # mode_check: how the mode agreed with eager float32 (None: float32 eager, unchecked)
+        self.compiled, self.mode_check = checked_forward(self, compile)
 
     @classmethod
     def from_pretrained(
@@ -164,6 +169,12 @@ class Engine:
         model (fp16/bf16 weights, head width 64/128/256); else ``paged_attention``.
         With ``tensor_parallel_size=N > 1`` each rank loads only its shard."""
         return from_pretrained(cls, name, device, dtype, kwargs)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the model's weights and of the KV cache (a half-precision
+        mode that disagreed with float32 at start-up never gets here: see ``mode_check``)."""
+        return next(self.model.parameters()).dtype
 
     # --- requests ------------------------------------------------------------------------
 

@@ -73,13 +73,16 @@ def create_app(
     app = FastAPI(title="mstar-kv", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.tools = aengine, metrics, tools
     errors.install(app)
+    app.add_middleware(JSONBodies)
     created = int(time.time())
 
     @app.get("/health")
     async def health() -> dict:
+        """200 while serving, with the forward running (eager until a compiled
+        one is swapped in); before the app runs, ``serve`` answers 503 "starting"."""
         if not aengine.serving:
             raise APIError(503, "the engine is not running")
-        return {"status": "ok"}
+        return {"status": "ok", "forward": aengine.engine.compiled or "eager"}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -323,6 +326,29 @@ class Front:
         finally:
             self.aengine.abort(stream.request_id)  # a no-op once finished
         yield DONE
+
+
+class JSONBodies:
+    """ASGI middleware: a POST whose Content-Type is not JSON gets a 400
+    saying so (as ``curl -d`` without ``-H 'Content-Type: application/json'``
+    sends a form), before any endpoint parses it."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            given = dict(scope["headers"]).get(b"content-type", b"").decode("latin-1")
+            media = given.split(";")[0].strip().lower()
+            if media != "application/json" and not media.endswith("+json"):
+                err = APIError(
+                    400, "expected a JSON body (Content-Type: application/json), got"
+                    f" {f'Content-Type: {given}' if given else 'no Content-Type'}",
+                    code="unsupported_content_type",
+                )  # fmt: skip
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class GracefulServer(uvicorn.Server):

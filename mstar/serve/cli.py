@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
+import os
 import signal
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -110,13 +113,8 @@ def add_bench_options(bench: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``mstar-kv serve``: serve until SIGINT/SIGTERM, then exit 0."""
-    from mstar.options import UsageError, build_engine, model_name
-    from mstar.report import windows_note
-
-    with serve_extra("serve"):
-        import uvicorn
-
-        from mstar.serve.app import GracefulServer, create_app
+    from mstar.options import UsageError, build_engine, check_model_exists
+    from mstar.serve.startup import Starting, bind
 
     for name in ("port", "pages", "page_size", "budget", "max_waiting"):
         least, value = int(name != "port"), getattr(args, name)
@@ -129,9 +127,48 @@ def run(args: argparse.Namespace) -> int:
             msg = f"--replicas needs pip install 'mstar-kv[replicas]' ({err.name} is missing)"
             raise UsageError(msg) from None
         return run_replicas(args)
+    check_model_exists(args.model)
     attach_tiers = _tiers(args)  # checked before the model loads
-    engine, mode = build_engine(args)
-    tiers = attach_tiers(engine) if attach_tiers else None
+    try:  # first: a port in use is reported before anything loads
+        sock = bind(args.host, args.port)
+    except OSError as err:
+        raise UsageError(f"--port {args.port}: {args.host}:{args.port} {reason(err)}") from None
+    with contextlib.closing(sock):
+        with Starting(sock):  # 503 starting while the imports and the engine load
+            with serve_extra("serve"):
+                import uvicorn  # noqa: F401
+
+                import mstar.serve.app  # noqa: F401
+            engine, mode = build_engine(
+                args, enforce_eager=True, forward="eager, compiling in the background"
+                if compiling(args) else None,
+            )  # fmt: skip
+            tiers = attach_tiers(engine) if attach_tiers else None
+        return _serve(args, sock, engine, mode, tiers)
+
+
+def compiling(args: argparse.Namespace) -> bool:
+    """Whether ``serve`` compiles the forward behind the eager one."""
+    return not args.enforce_eager and args.tensor_parallel_size == 1
+
+
+def reason(err: OSError) -> str:
+    """Why a port could not be bound, in a few words."""
+    return "is in use" if err.errno == errno.EADDRINUSE else f"cannot be bound ({err.strerror})"
+
+
+def _serve(args: argparse.Namespace, sock: Any, engine: Any, mode: str, tiers: Any) -> int:
+    """Serve ``engine`` on the bound ``sock``: its eager forward at once,
+    the compiled one swapped in when ready (``mstar.serve.startup``) unless
+    ``--enforce-eager``."""
+    import uvicorn
+
+    from mstar.options import model_name, say
+    from mstar.report import windows_note
+    from mstar.serve.app import GracefulServer, create_app
+    from mstar.serve.kv_tiers import close_tiers
+    from mstar.serve.startup import compile_in_background
+
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("mstar").setLevel(logging.INFO)  # a line per request
     name = model_name(args)
@@ -159,10 +196,15 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn re-raises the signal it stopped on once it has shut down: let that be a no-op
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    GracefulServer(config, app.state.engine).run()
-    from mstar.serve.kv_tiers import close_tiers
-
-    close_tiers(tiers)
+    compile_thread = compile_in_background(engine, say) if compiling(args) else None
+    GracefulServer(config, app.state.engine).run(sockets=[sock])
+    close_tiers(tiers)  # the pool's pages stored before any early exit below
+    if compile_thread is not None and compile_thread.is_alive():
+        # a compile in flight cannot be stopped, and a thread inside C++ at the
+        # interpreter's exit aborts it: leave at once, the server is shut down
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

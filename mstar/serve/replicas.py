@@ -94,11 +94,20 @@ class EngineReplica:
     async def __init__(self, config: ReplicaConfig) -> None:
         from mstar.options import build_engine, model_name
         from mstar.serve.app import create_app
+        from mstar.serve.startup import compile_in_background
 
         self.rank = _rank()
         args = argparse.Namespace(**{**asdict(config), "kv_events": None})
-        engine, mode = build_engine(args)
+        compiling = not config.enforce_eager and config.tensor_parallel_size == 1
+        engine, mode = build_engine(  # eager at once; compiled swapped in when ready
+            args, enforce_eager=True, forward="eager, compiling in the background" if compiling
+            else None,
+        )  # fmt: skip
         print(f"mstar-kv replica {self.rank}: {mode}", flush=True)
+        if compiling:
+            compile_in_background(
+                engine, lambda line: print(f"mstar-kv replica {self.rank}: {line}", flush=True)
+            )
         self.publisher = None
         if config.kv_events is not None:
             from mstar.serve.kv_events import KVEventPublisher, attach

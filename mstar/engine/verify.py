@@ -1,0 +1,160 @@
+"""The start-up mode check: the engine's forward, in whatever mode it runs
+(dtype x compiled x quantization), against the eager float32 forward.
+
+``check_mode`` runs a few fixed prompts greedily through the engine (its
+own steps: a prefill, then one-token decode steps), recording each step's
+top log-probabilities, and scores the same tokens with ``reference``, a
+float32 eager forward over the whole sequence (teacher-forced on the
+engine's own tokens). The mode agrees when
+
+- every greedy token is the reference's argmax, or the reference's margin
+  between its argmax and the engine's token is under ``flip_margin`` (a
+  near tie, which rounding may flip), and
+- at every step the top tokens' log-probabilities are within ``logprob_abs``
+  of the reference's.
+
+``Tolerance.of(dtype, compiled)`` holds the per-mode bounds (docs/engine.md
+gives the measurements they come from). A new mode plugs in with its own
+tolerance and the reference its weights dequantize to
+(``float32_reference``).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["ModeCheck", "ModeMismatch", "Tolerance", "check_mode", "float32_reference"]
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "How do I sort a list in Python?",
+)
+NEW_TOKENS = 8
+TOP = 5  # the top log-probabilities compared at each step
+
+Reference = Callable[[Sequence[int]], torch.Tensor]  # token ids -> [T, V] float32 logprobs
+
+
+class ModeMismatch(ValueError):
+    """The engine's mode disagrees with the eager float32 forward (the
+    message says where); the mode must not serve."""
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far a mode may stray from eager float32: ``logprob_abs``, the
+    most any top token's log-probability may differ; ``flip_margin``, the
+    reference's top-2 margin under which a greedy token may differ."""
+
+    logprob_abs: float
+    flip_margin: float
+
+    @staticmethod
+    def of(exact: bool) -> Tolerance:
+        """The bound for float32 weights (``exact``: the same arithmetic
+        reordered, as a compiled forward does; measured ~3e-5) or for any
+        other mode (half-precision or quantized weights: measured up to 0.32
+        on SmolLM2 in bfloat16; a flip allowed within 0.5 of a tie)."""
+        if exact:
+            return Tolerance(logprob_abs=1e-3, flip_margin=1e-3)
+        return Tolerance(logprob_abs=1.0, flip_margin=0.5)
+
+
+@dataclass(frozen=True)
+class ModeCheck:
+    """What ``check_mode`` found: the worst log-probability difference, the
+    greedy tokens compared and flipped (within the margin), and why the mode
+    disagrees (None: it agrees)."""
+
+    worst: float
+    tokens: int
+    flips: int
+    failure: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    def describe(self) -> str:
+        if self.failure is not None:
+            return self.failure
+        flips = f", {self.flips} near-tie flips" if self.flips else ""
+        return f"agrees with eager float32 ({self.tokens} greedy tokens{flips}, max |dlogprob| {self.worst:.1g})"
+
+
+def float32_reference(model: Any) -> Reference:
+    """An eager float32 forward over ``model``'s weights (a copy, upcast;
+    the model itself unchanged), as a function of token ids returning
+    log-probabilities. Free it by dropping the function."""
+    reference = copy.deepcopy(model)
+    for attr in ("forward", "_mstar_eager_forward"):  # a compiled forward is not copied
+        vars(reference).pop(attr, None)
+    reference = reference.float().eval()
+    reference.set_attn_implementation("sdpa")
+
+    def forward(ids: Sequence[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            tensor = torch.tensor([list(ids)], device=next(reference.parameters()).device)
+            return torch.log_softmax(reference(tensor).logits[0].float(), dim=-1)
+
+    return forward
+
+
+def check_prompts(engine: Any) -> list[list[int]]:
+    """The fixed prompts as ids: chats through the tokenizer, else seeded ids."""
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        rng = random.Random(0)
+        vocab = engine.model.config.vocab_size
+        return [[rng.randrange(vocab) for _ in range(12)] for _ in PROMPTS]
+    if getattr(tokenizer, "chat_template", None) is not None:
+        return [engine.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+def check_mode(engine: Any, reference: Reference, tolerance: Tolerance) -> ModeCheck:
+    """Greedy tokens and top log-probabilities of ``engine`` on the fixed
+    prompts against ``reference`` (see the module). Leaves the engine's
+    counters as they were; nothing stays queued."""
+    from mstar.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP)
+    stats = copy.deepcopy(engine.stats)
+    prompts = check_prompts(engine)
+    try:
+        done = engine.generate(prompts, params)
+    finally:
+        engine.stats = stats
+    worst, tokens, flips = 0.0, 0, 0
+    for number, (completion, prompt) in enumerate(zip(done, prompts), 1):
+        out = completion.outputs[0]
+        ref = reference([*prompt, *out.token_ids[:-1]])[len(prompt) - 1 :]
+        for step, (token, record) in enumerate(zip(out.token_ids, out.logprobs)):
+            row = ref[step]
+            best = int(row.argmax())
+            tokens += 1
+            margin = float(row[best] - row[token])
+            if token != best:
+                if margin >= tolerance.flip_margin:
+                    return ModeCheck(worst, tokens, flips, (
+                        f"greedy token {step + 1} of check prompt {number} is {token}, eager"
+                        f" float32's is {best} by a margin of {margin:.3g} (>= {tolerance.flip_margin:g})"
+                    ))  # fmt: skip
+                flips += 1
+            for lp in record.top:
+                diff = abs(lp.logprob - float(row[lp.token_id]))
+                worst = max(worst, diff)
+                if diff > tolerance.logprob_abs:
+                    return ModeCheck(worst, tokens, flips, (
+                        f"token {lp.token_id}'s logprob at step {step + 1} of check prompt"
+                        f" {number} is {lp.logprob:.4g}, eager float32's {float(row[lp.token_id]):.4g}"
+                        f" (|diff| {diff:.3g} > {tolerance.logprob_abs:g})"
+                    ))  # fmt: skip
+    return ModeCheck(worst, tokens, flips, None)

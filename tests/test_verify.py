@@ -1,0 +1,88 @@
+"""The start-up mode check (``mstar.engine.verify``): every mode this CPU
+offers agrees with eager float32, and a mode that does not is caught and
+falls back (compiled -> eager, half precision -> float32) saying why."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from mstar.demo import build_model
+from mstar.engine import Engine
+from mstar.engine import compiled as compiled_module
+from mstar.engine.verify import ModeMismatch, Tolerance, check_mode, float32_reference
+
+OPTIONS = {"num_pages": 64, "page_size": 8, "token_budget": 32}
+
+
+@pytest.fixture(scope="module")
+def paged():
+    return build_model(seed=0)[1]
+
+
+def _perturbed(forward, by: float = 3.0):
+    """``forward`` with its logits of token 7 raised by ``by``: a wrong mode."""
+
+    def run(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits[..., 7] += by
+        return out
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "dtype, compile",
+    [(torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True)],
+    ids=["float32-compiled", "bfloat16-eager", "bfloat16-compiled"],
+)
+def test_every_mode_agrees_with_eager_float32(paged, dtype, compile):
+    engine = Engine(copy.deepcopy(paged).to(dtype), compile=compile, **OPTIONS)
+    if compile:
+        assert engine.compiled.startswith("compiled"), engine.compiled
+    check = engine.mode_check
+    assert check is not None and check.ok, check
+    assert check.tokens == 24 and engine.stats.steps == 0 and not engine.has_unfinished()
+    if dtype == torch.float32:  # the same arithmetic, reordered: (nearly) exact
+        assert check.worst < 1e-3 and check.flips == 0, check
+    assert engine.dtype == dtype
+
+
+def test_float32_eager_is_the_reference_and_not_checked(paged):
+    engine = Engine(copy.deepcopy(paged), **OPTIONS)
+    assert engine.compiled is None and engine.mode_check is None
+
+
+def test_a_compiled_forward_that_disagrees_falls_back_to_eager(paged, monkeypatch):
+    real = compiled_module.torch.compile
+    monkeypatch.setattr(
+        compiled_module.torch,
+        "compile",
+        lambda fn, **options: _perturbed(real(fn, backend="eager")),
+    )
+    engine = Engine(copy.deepcopy(paged), compile=True, **OPTIONS)
+    assert engine.compiled.startswith("eager: compiled float32 disagrees with eager float32 (")
+    assert "logprob" in engine.compiled or "greedy token" in engine.compiled
+    assert "forward" not in vars(engine.model)  # its own eager forward again
+    assert engine.mode_check is None and engine.stats.steps == 0
+
+
+def test_a_half_precision_mode_that_disagrees_is_refused(paged, monkeypatch):
+    model = copy.deepcopy(paged).to(torch.bfloat16)
+    model.forward = _perturbed(model.forward, by=30.0)
+    with pytest.raises(ModeMismatch, match="bfloat16 disagrees with eager float32: token 7's"):
+        Engine(model, **OPTIONS)
+
+
+def test_the_check_allows_a_flip_only_at_a_near_tie(paged):
+    engine = Engine(copy.deepcopy(paged), **OPTIONS)
+    reference = float32_reference(engine.model)
+    assert check_mode(engine, reference, Tolerance(1e-3, 1e-3)).ok
+    engine.model.forward = _perturbed(engine.model.forward, by=30.0)  # token 7 wins every step
+    tight = check_mode(engine, reference, Tolerance(1e9, 1e-3))
+    assert not tight.ok and "greedy token 1 of check prompt 1 is 7" in tight.failure
+    assert check_mode(engine, reference, Tolerance(1e9, 1e9)).flips == 24
+    close = check_mode(engine, reference, Tolerance(1e-3, 1e9))
+    assert not close.ok and "logprob" in close.failure and "|diff|" in close.failure
