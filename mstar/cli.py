@@ -171,7 +171,11 @@ def run_demo(args: argparse.Namespace) -> int:
         tokenizer = None
         workload = random_workload(model.config.vocab_size, args.requests, args.seed)
     else:
-        model, tokenizer = load_model(args.model, args.device, dtype=dtype)
+        # --check is exact against HF in float32: auto keeps the float weights
+        quantization = "none" if args.check and args.quantization == "auto" else args.quantization
+        model, tokenizer = load_model(
+            args.model, args.device, dtype=dtype, quantization=quantization
+        )
         reference = copy.deepcopy(model) if args.check else None
         workload = chat_workload(tokenizer, args.requests, args.max_new_tokens, args.seed)
     engine = make_engine(
@@ -236,7 +240,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from err
     size = args.tensor_parallel_size
     choice = resolved_dtype(args.dtype, args.device)
-    model, tokenizer = load_model(args.model, args.device, size, choice.dtype)
+    model, tokenizer = load_model(args.model, args.device, size, choice.dtype, args.quantization)
     engine = make_engine(
         model, tokenizer, args.device, page_size=16, tensor_parallel_size=size,
         enforce_eager=args.enforce_eager,

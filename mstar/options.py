@@ -35,6 +35,12 @@ def add_speed_options(parser: argparse.ArgumentParser, dtype: str | None = "auto
         + (f"; default {dtype}" if dtype else "; default: bench --roofline both, --serve auto"),
     )  # fmt: skip
     parser.add_argument(
+        "--quantization", default="auto", choices=("auto", "none", "gguf", "int8", "int4"),
+        help="auto (a GGUF's own 4/8-bit weights where the CPU kernels serve them, else none),"
+        " none (float weights), gguf, int8 (per channel) or int4 (groups of 32) quantized at load;"
+        " default auto (docs/quantization.md)",
+    )  # fmt: skip
+    parser.add_argument(
         "--enforce-eager", action="store_true", default=bool(os.environ.get(EAGER_ENV)),
         help=f"run the forward eager, not compiled (default when ${EAGER_ENV} is set)",
     )  # fmt: skip
@@ -57,8 +63,11 @@ def resolved_dtype(value: str, device: str, exact: bool = False) -> Any:
 
 
 def mode_line(choice: Any, engine: Any) -> str:
-    """What the start-up line says of the dtype and the forward."""
-    return f"{choice.describe()} weights, forward {engine.compiled or 'eager (--enforce-eager)'}"
+    """What the start-up line says of the dtype, the quantization and the forward."""
+    quantization = getattr(engine.model, "mstar_quantization", None)
+    quantized = f", quantization {quantization}" if quantization else ""
+    forward = engine.compiled or "eager (--enforce-eager)"
+    return f"{choice.describe()} weights{quantized}, forward {forward}"
 
 
 def add_speculative_options(parser: argparse.ArgumentParser, what: str = "") -> None:
@@ -90,10 +99,15 @@ def checked_device(device: str) -> Any:
 
 
 def load_model(
-    name: str, device: str, tensor_parallel_size: int = 1, dtype: Any = None
+    name: str,
+    device: str,
+    tensor_parallel_size: int = 1,
+    dtype: Any = None,
+    quantization: str = "none",
 ) -> tuple[Any, Any]:
     """``(model, tokenizer)`` on ``device`` in ``dtype`` (a torch dtype; None:
-    float32), or a usage error naming what is missing; with
+    float32) quantized as ``quantization`` says, or a usage error naming what
+    is missing or cannot apply; with
     ``tensor_parallel_size > 1`` this rank's shard of a group started for it
     (``make_engine`` serves it with the same size)."""
     import torch
@@ -105,10 +119,12 @@ def load_model(
     dtype = torch.float32 if dtype is None else dtype
     if tensor_parallel_size < 1:
         raise UsageError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
+    if tensor_parallel_size > 1 and quantization not in ("auto", "none"):
+        raise UsageError(f"--quantization {quantization}: tensor parallelism shards float weights")
     try:
         if tensor_parallel_size > 1:
             return load_sharded(name, tensor_parallel_size, where, dtype)
-        model, tokenizer = load(name, dtype=dtype)
+        model, tokenizer = load(name, dtype=dtype, quantization=quantization, device=where)
     except (FileNotFoundError, OSError, ValueError) as err:
         raise UsageError(f"--model {name}: {str(err).splitlines()[0]}") from err
     return model.to(where), tokenizer
@@ -154,7 +170,9 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
         model = build_model(args.seed, str(checked_device(args.device)))[1].to(dtype)
         tokenizer = None
     else:
-        model, tokenizer = load_model(args.model, args.device, args.tensor_parallel_size, dtype)
+        model, tokenizer = load_model(
+            args.model, args.device, args.tensor_parallel_size, dtype, args.quantization
+        )
     engine = make_engine(
         model, tokenizer, args.device, num_pages=args.pages, page_size=args.page_size,
         token_budget=args.budget, prefix_cache=False if args.no_prefix_cache else None,

@@ -72,9 +72,11 @@ def from_pretrained(
     device: str | torch.device,
     dtype: str | torch.dtype,
     kwargs: dict[str, Any],
+    quantization: str = "none",
 ) -> Built:
     """``make(model, tokenizer, **kwargs)`` on the model ``name`` names,
-    loaded in ``dtype`` on ``device`` (each rank's shard only with
+    loaded in ``dtype`` on ``device``, quantized as ``quantization`` says
+    (``mstar.engine.quant``; refused up front where it cannot apply) (each rank's shard only with
     ``tensor_parallel_size > 1``; FlashInfer attached on CUDA unless
     ``kwargs`` say). Workers started for it stop when ``make`` raises."""
     from mstar.engine.loader import load
@@ -85,9 +87,14 @@ def from_pretrained(
     dtype = resolve_dtype(dtype, device).dtype
     size = check_size(kwargs.get("tensor_parallel_size", 1))
     if size > 1:
+        from mstar.engine.quant import resolve_quantization
+
+        resolve_quantization(quantization, gguf=False, device=device, tensor_parallel_size=size)
         model, tokenizer = load_sharded(os.fspath(name), size, device, dtype)
     else:
-        model, tokenizer = load(os.fspath(name), dtype=dtype)
+        model, tokenizer = load(
+            os.fspath(name), dtype=dtype, quantization=quantization, device=device
+        )
         model = model.to(device)
     try:
         if device.type == "cuda" and "flashinfer" not in kwargs:

@@ -51,9 +51,9 @@ def kernel_or_why() -> str | None:
 
 def _register_fakes() -> None:
     @torch.library.register_fake("mstar_quant::int4_linear")
-    def _(x, qweight, scales, mins):  # noqa: ANN001, ANN202
+    def _(x, qweight, scales, mins):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
     @torch.library.register_fake("mstar_quant::int8_linear")
-    def _(x, qweight, scales):  # noqa: ANN001, ANN202
+    def _(x, qweight, scales):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))

@@ -34,7 +34,9 @@ class Packed:
     def rows(self, order: torch.Tensor) -> Packed:
         """The same weights with their rows in ``order``."""
         mins = None if self.mins is None else self.mins[order].contiguous()
-        return Packed(self.kind, self.qweight[order].contiguous(), self.scales[order].contiguous(), mins)
+        return Packed(
+            self.kind, self.qweight[order].contiguous(), self.scales[order].contiguous(), mins
+        )
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights, each ``q * scale (+ min)`` as GGUF's own dequantization computes it."""
@@ -53,4 +55,6 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Pack
     rows, width = q.shape
     groups = q.to(torch.uint8).view(rows, -1, 2, GROUP // 2)
     qweight = (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(rows, width // 2)
-    return Packed("int4", qweight.contiguous(), scales.half().contiguous(), mins.half().contiguous())
+    return Packed(
+        "int4", qweight.contiguous(), scales.half().contiguous(), mins.half().contiguous()
+    )
