@@ -42,28 +42,39 @@ float to_float(at::Half h) { return _cvtsh_ss(h.x); }
 
 // int4 weights: group j of row n as 32 integers in float32 (four vectors of 8).
 struct Int4 {
-  static constexpr bool has_min = true;
   const uint8_t* q;
   const at::Half *scales, *mins;
   int64_t groups;  // per row
 
   void load(int64_t n, int64_t j, __m256 v[4]) const {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (n * groups + j) * 16));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(bytes, mask);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    const uint8_t* p = q + (n * groups + j) * 16;
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, mask));
+    v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
+    v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+    v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
   }
   float scale(int64_t n, int64_t j) const { return to_float(scales[n * groups + j]); }
   float min(int64_t n, int64_t j) const { return to_float(mins[n * groups + j]); }
+  // sum over the row's groups of min_j * xsum[j]
+  float min_dot(int64_t n, const float* xsum) const {
+    const at::Half* mn = mins + n * groups;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= groups; j += 8) {
+      const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + j)));
+      acc = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xsum + j), acc);
+    }
+    float sum = hsum(acc);
+    for (; j < groups; ++j) sum += to_float(mn[j]) * xsum[j];
+    return sum;
+  }
 };
 
 // int8 weights, one scale per `group` columns (a multiple of 32).
 struct Int8 {
-  static constexpr bool has_min = false;
   const int8_t* q;
   const at::Half* scales;
   int64_t K, per_row, group;
@@ -77,6 +88,7 @@ struct Int8 {
   }
   float scale(int64_t n, int64_t j) const { return to_float(scales[n * per_row + j * 32 / group]); }
   float min(int64_t, int64_t) const { return 0.0f; }
+  float min_dot(int64_t, const float*) const { return 0.0f; }
 };
 
 // Weight rows [n0, n1) against ROWS activation rows, streaming each weight once:
@@ -87,7 +99,6 @@ void gemv(const W& w, const float* x, const float* xsum, int64_t K, int64_t n0, 
   const int64_t groups = K / 32;
   for (int64_t n = n0; n < n1; ++n) {
     __m256 acc[ROWS];
-    float mins[ROWS] = {};
     for (int64_t m = 0; m < ROWS; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t j = 0; j < groups; ++j) {
       __m256 v[4];
@@ -101,12 +112,8 @@ void gemv(const W& w, const float* x, const float* xsum, int64_t K, int64_t n0, 
         b = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), v[3], b);
         acc[m] = _mm256_fmadd_ps(_mm256_add_ps(a, b), s, acc[m]);
       }
-      if constexpr (W::has_min) {
-        const float mn = w.min(n, j);
-        for (int64_t m = 0; m < ROWS; ++m) mins[m] += mn * xsum[m * groups + j];
-      }
     }
-    for (int64_t m = 0; m < ROWS; ++m) out[m * N + n] = hsum(acc[m]) + mins[m];
+    for (int64_t m = 0; m < ROWS; ++m) out[m * N + n] = hsum(acc[m]) + w.min_dot(n, xsum + m * groups);
   }
 }
 
@@ -185,10 +192,10 @@ at::Tensor packed_linear(const at::Tensor& x_in, const W& w, int64_t N, int64_t 
   TORCH_CHECK(N % NR == 0 && K % 32 == 0, "expected N % 4 == 0 and K % 32 == 0, got ", N, ", ", K);
   const at::Tensor x = x_in.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
-  at::Tensor y = at::zeros({M, N}, x.options());
+  at::Tensor y = M <= GEMV_ROWS ? at::empty({M, N}, x.options()) : at::zeros({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (M <= GEMV_ROWS) {
+  if (M <= GEMV_ROWS) {  // gemv writes every output, gemm adds to it
     const std::vector<float> xsum = group_sums(xp, M, K);
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       gemv_rows(w, xp, xsum.data(), M, K, n0, n1, yp, N);
