@@ -197,7 +197,9 @@ at::Tensor packed_linear(const at::Tensor& x_in, const W& w, int64_t N, int64_t 
   float* yp = y.data_ptr<float>();
   if (M <= GEMV_ROWS) {  // gemv writes every output, gemm adds to it
     const std::vector<float> xsum = group_sums(xp, M, K);
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    // a task of at least ~64K weights: a small layer's rows are not worth waking a thread
+    const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 16) / K);
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
       gemv_rows(w, xp, xsum.data(), M, K, n0, n1, yp, N);
     });
   } else {
