@@ -171,7 +171,11 @@ def run_demo(args: argparse.Namespace) -> int:
         tokenizer = None
         workload = random_workload(model.config.vocab_size, args.requests, args.seed)
     else:
-        model, tokenizer = load_model(args.model, args.device, dtype=dtype)
+        # --check is exact against HF in float32: auto keeps the float weights
+        quantization = "none" if args.check and args.quantization == "auto" else args.quantization
+        model, tokenizer = load_model(
+            args.model, args.device, dtype=dtype, quantization=quantization
+        )
         reference = copy.deepcopy(model) if args.check else None
         workload = chat_workload(tokenizer, args.requests, args.max_new_tokens, args.seed)
     engine = make_engine(
@@ -237,14 +241,16 @@ def run_generate(args: argparse.Namespace) -> int:
     size = args.tensor_parallel_size
     check_model_exists(args.model)
 
-    def build(dtype: Any) -> Any:  # eager: the request is checked before any compile
-        model, tokenizer = load_model(args.model, args.device, size, dtype)
+    # eager: the request is checked before any compile
+    def build(dtype: Any, quantization: str) -> Any:
+        model, tokenizer = load_model(args.model, args.device, size, dtype, quantization)
         return make_engine(
             model, tokenizer, args.device, page_size=16, tensor_parallel_size=size,
             **speculative_options(args),
         )  # fmt: skip
 
-    engine, choice = float32_unless_checked(build, resolved_dtype(args.dtype, args.device))
+    choice = resolved_dtype(args.dtype, args.device)
+    engine, choice = float32_unless_checked(build, choice, args.quantization)
     chat = not args.raw and engine.tokenizer.chat_template is not None
     if (args.chat or args.system) and not chat:
         raise UsageError(f"--model {args.model} has no chat template: use --raw")

@@ -35,6 +35,12 @@ def add_speed_options(parser: argparse.ArgumentParser, dtype: str | None = "auto
         + (f"; default {dtype}" if dtype else "; default: bench --roofline both, --serve auto"),
     )  # fmt: skip
     parser.add_argument(
+        "--quantization", default="auto", choices=("auto", "none", "gguf", "int8", "int4"),
+        help="auto (a GGUF's own 4/8-bit weights where the CPU kernels serve them, else none),"
+        " none (float weights), gguf, int8 (per channel) or int4 (groups of 32) quantized at load;"
+        " default auto (docs/quantization.md)",
+    )  # fmt: skip
+    parser.add_argument(
         "--enforce-eager", action="store_true", default=bool(os.environ.get(EAGER_ENV)),
         help=f"run the forward eager, not compiled (default when ${EAGER_ENV} is set)",
     )  # fmt: skip
@@ -57,10 +63,13 @@ def resolved_dtype(value: str, device: str, exact: bool = False) -> Any:
 
 
 def mode_line(choice: Any, engine: Any, forward: str | None = None) -> str:
-    """What the start-up line says of the dtype, the forward (``forward``,
-    else ``engine.compiled``), the mode check and speculation."""
+    """What the start-up line says of the dtype, the quantization, the forward
+    (``forward``, else ``engine.compiled``), the mode check and speculation."""
     forward = forward or engine.compiled or "eager (--enforce-eager)"
-    parts = [f"{choice.describe()} weights", f"forward {forward}"]
+    parts = [f"{choice.describe()} weights"]
+    if quantization := getattr(engine.model, "mstar_quantization", None):
+        parts.append(f"quantization {quantization}")
+    parts.append(f"forward {forward}")
     if engine.mode_check is not None:
         parts.append(f"checked: {engine.mode_check.describe()}")
     if engine.spec is not None:
@@ -97,10 +106,15 @@ def checked_device(device: str) -> Any:
 
 
 def load_model(
-    name: str, device: str, tensor_parallel_size: int = 1, dtype: Any = None
+    name: str,
+    device: str,
+    tensor_parallel_size: int = 1,
+    dtype: Any = None,
+    quantization: str = "none",
 ) -> tuple[Any, Any]:
     """``(model, tokenizer)`` on ``device`` in ``dtype`` (a torch dtype; None:
-    float32), or a usage error naming what is missing; with
+    float32) quantized as ``quantization`` says, or a usage error naming what
+    is missing or cannot apply; with
     ``tensor_parallel_size > 1`` this rank's shard of a group started for it
     (``make_engine`` serves it with the same size)."""
     import torch
@@ -112,10 +126,12 @@ def load_model(
     dtype = torch.float32 if dtype is None else dtype
     if tensor_parallel_size < 1:
         raise UsageError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
+    if tensor_parallel_size > 1 and quantization not in ("auto", "none"):
+        raise UsageError(f"--quantization {quantization}: tensor parallelism shards float weights")
     try:
         if tensor_parallel_size > 1:
             return load_sharded(name, tensor_parallel_size, where, dtype)
-        model, tokenizer = load(name, dtype=dtype)
+        model, tokenizer = load(name, dtype=dtype, quantization=quantization, device=where)
     except (FileNotFoundError, OSError, ValueError) as err:
         raise UsageError(f"--model {name}: {str(err).splitlines()[0]}") from err
     return model.to(where), tokenizer
@@ -179,14 +195,16 @@ def build_engine(
     choice = resolved_dtype(args.dtype, args.device)
     eager = args.enforce_eager if enforce_eager is None else enforce_eager
 
-    def build(dtype: Any) -> Any:
+    def build(dtype: Any, quantization: str) -> Any:
         if args.model == "random":
             from mstar.demo import build_model
 
             model = build_model(args.seed, str(checked_device(args.device)))[1].to(dtype)
             tokenizer = None
         else:
-            model, tokenizer = load_model(args.model, args.device, args.tensor_parallel_size, dtype)
+            model, tokenizer = load_model(
+                args.model, args.device, args.tensor_parallel_size, dtype, quantization
+            )
         return make_engine(
             model, tokenizer, args.device, num_pages=args.pages, page_size=args.page_size,
             token_budget=args.budget, prefix_cache=False if args.no_prefix_cache else None,
@@ -194,21 +212,22 @@ def build_engine(
             **speculative_options(args),
         )  # fmt: skip
 
-    engine, choice = float32_unless_checked(build, choice)
+    engine, choice = float32_unless_checked(build, choice, args.quantization)
     return engine, mode_line(choice, engine, forward)
 
 
-def float32_unless_checked(build: Any, choice: Any) -> tuple[Any, Any]:
-    """``(build(choice.dtype), choice)``, or, when that mode disagrees with
-    eager float32 (``ModeMismatch``), ``build(torch.float32)`` and a choice
-    whose reason says why."""
+def float32_unless_checked(build: Any, choice: Any, quantization: str) -> tuple[Any, Any]:
+    """``(build(choice.dtype, quantization), choice)``, or, when that mode
+    disagrees with eager float32 (``ModeMismatch``), ``build(torch.float32,
+    "none")`` and a choice whose reason says why."""
     import torch
 
     from mstar.engine.dtypes import DtypeChoice
     from mstar.engine.verify import ModeMismatch
 
     try:
-        return build(choice.dtype), choice
+        return build(choice.dtype, quantization), choice
     except ModeMismatch as err:
         say(f"{err}: serving float32 instead")
-        return build(torch.float32), DtypeChoice(torch.float32, f"{choice.name} refused: {err}")
+        refused = DtypeChoice(torch.float32, f"{choice.name} refused: {err}")
+        return build(torch.float32, "none"), refused

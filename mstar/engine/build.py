@@ -75,35 +75,41 @@ def from_pretrained(
     device: str | torch.device,
     dtype: str | torch.dtype,
     kwargs: dict[str, Any],
+    quantization: str = "none",
 ) -> Built:
     """``make(model, tokenizer, **kwargs)`` on the model ``name`` names,
-    loaded in ``dtype`` on ``device`` (each rank's shard only with
+    loaded in ``dtype`` on ``device``, quantized as ``quantization`` says
+    (``mstar.engine.quant``; refused up front where it cannot apply) (each rank's shard only with
     ``tensor_parallel_size > 1``; FlashInfer attached on CUDA unless
     ``kwargs`` say). Workers started for it stop when ``make`` raises. A
-    half-precision ``dtype`` that disagrees with float32 (``ModeMismatch``)
-    is served in float32 instead, with a warning saying why."""
+    half-precision or quantized mode that disagrees with eager float32
+    (``ModeMismatch``) is served in float32, unquantized, instead, with a
+    warning saying why."""
     if not isinstance(name, str | os.PathLike):
         raise TypeError(f"expected name a str or a path, got {name!r}")
     device = checked_device(device)
     dtype = resolve_dtype(dtype, device).dtype
     try:
-        return _loaded(make, os.fspath(name), device, dtype, dict(kwargs))
+        return _loaded(make, os.fspath(name), device, dtype, dict(kwargs), quantization)
     except ModeMismatch as err:
         warnings.warn(f"{err}; serving float32 weights instead", stacklevel=3)
-        return _loaded(make, os.fspath(name), device, torch.float32, kwargs)
+        return _loaded(make, os.fspath(name), device, torch.float32, kwargs, "none")
 
 
 def _loaded(
     make: Callable[..., Built], name: str, device: torch.device, dtype: torch.dtype,
-    kwargs: dict[str, Any],
+    kwargs: dict[str, Any], quantization: str,
 ) -> Built:  # fmt: skip
     from mstar.engine.loader import load
 
     size = check_size(kwargs.get("tensor_parallel_size", 1))
     if size > 1:
+        from mstar.engine.quant import resolve_quantization
+
+        resolve_quantization(quantization, gguf=False, device=device, tensor_parallel_size=size)
         model, tokenizer = load_sharded(name, size, device, dtype)
     else:
-        model, tokenizer = load(name, dtype=dtype)
+        model, tokenizer = load(name, dtype=dtype, quantization=quantization, device=device)
         model = model.to(device)
     try:
         if device.type == "cuda" and "flashinfer" not in kwargs:

@@ -157,18 +157,22 @@ class Engine:
         *,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = torch.float32,
+        quantization: str = "none",
         **kwargs: Any,
     ) -> Engine:
         """``name``: ``"smollm2"``, a GGUF file or a Hugging Face model folder.
         ``dtype``: ``"auto"`` (bfloat16 on CUDA and on CPUs with a native
         bfloat16 matmul, else float32), ``"float32"`` (the default: exact
         against HF), ``"bfloat16"``, ``"float16"`` or a torch dtype; see
-        ``mstar.engine.dtypes``. ``compile=True`` compiles the forward
+        ``mstar.engine.dtypes``. ``quantization``: ``"none"`` (the default:
+        float weights, a GGUF dequantized to float32), ``"gguf"`` (a GGUF's
+        own 4/8-bit weights), ``"int8"``/``"int4"`` (quantized at load) or
+        ``"auto"``; see ``mstar.engine.quant``. ``compile=True`` compiles the forward
         (``mstar.engine.compiled``).
         ``device="cuda"`` uses FlashInfer when it is installed and serves the
         model (fp16/bf16 weights, head width 64/128/256); else ``paged_attention``.
         With ``tensor_parallel_size=N > 1`` each rank loads only its shard."""
-        return from_pretrained(cls, name, device, dtype, kwargs)
+        return from_pretrained(cls, name, device, dtype, kwargs, quantization)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -41,15 +41,29 @@ def smollm2_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
 
 
-def load(name: str, *, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+def load(
+    name: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    quantization: str = "none",
+    device: torch.device | str = "cpu",
+) -> tuple[Any, Any]:
     """``(model, tokenizer)`` on the CPU in ``dtype``, in eval mode (the
-    tokenizer None for a folder without one)."""
+    tokenizer None for a folder without one), its linear layers quantized as
+    ``quantization`` says (see ``mstar.engine.quant``; ``device``: where it
+    will run). ``model.mstar_quantization`` describes what was done."""
     from transformers import AutoModelForCausalLM
 
+    from mstar.engine.quant import quantize_model, resolve_quantization
+
+    source = smollm2_path() if name == SMOLLM2 else Path(name)
+    gguf = source.suffix == ".gguf"
+    choice = resolve_quantization(quantization, gguf=gguf, device=device, dtype=dtype)
     path = model_folder(name)
     tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model.eval(), tokenizer
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    quantize_model(model, choice, source if gguf else None, path if gguf else None)
+    return model, tokenizer
 
 
 def load_tokenizer(folder: Path) -> Any:

@@ -1,0 +1,158 @@
+"""Quantization's speed and accuracy on SmolLM2 (``python -m mstar.bench.quant``).
+
+- ``layers``: SmolLM2's 211 linear layers (the head once) back to back at
+  batch 1 and 32, min of ``repeats``: float32 ``F.linear``, the packed
+  kernels on the file's own weights, torch's ``_weight_int4pack_mm_for_cpu``
+  (bfloat16 activations), in the same run, alternating.
+- ``steps``: the eager engine's decode step at batch 1 and 32 per quantization.
+- ``accuracy``: per quantization, greedy agreement with float32 on the demo's
+  prompts (tokens equal before the first difference) and the log-likelihood of
+  a fixed passage (lm-eval-style echo scoring: sum of log p(token)).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mstar.engine import Engine, SamplingParams
+from mstar.engine.loader import load
+from mstar.engine.quant.linear import PackedLinear
+from mstar.engine.quant.packed import Packed
+
+MODES = ("none", "gguf", "int8", "int4")
+PASSAGE = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France."
+    " It is named after the engineer Gustave Eiffel, whose company designed and built the"
+    " tower from 1887 to 1889. Locally nicknamed 'La dame de fer', it was constructed as the"
+    " centrepiece of the 1889 World's Fair, and to crown the centennial anniversary of the"
+    " French Revolution."
+)
+
+
+def best_of(fn: Any, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def layers(repeats: int = 9) -> dict[str, float]:
+    """Milliseconds for the 211 linear layers back to back, per path and batch."""
+    model, _ = load("smollm2", quantization="gguf")
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    dense = [Packed(m.kind, m.qweight, m.scales, m.mins).dequantize() for m in packed]
+    int4 = [_int4pack(w) for w in dense]
+    out = {}
+    for batch in (1, 32):
+        x = {k: torch.randn(batch, k) for k in (576, 1536)}
+        xb = {k: v.bfloat16() for k, v in x.items()}
+        paths = {
+            "float32 F.linear": lambda x=x: [F.linear(x[w.shape[1]], w) for w in dense],
+            "packed kernels (float32 act.)": lambda x=x: [m(x[m.in_features]) for m in packed],
+            "torch int4pack (bfloat16 act.)": lambda xb=xb: [
+                torch._weight_int4pack_mm_for_cpu(xb[k], w, 32, sz) for k, w, sz in int4
+            ],
+        }
+        times = {name: float("inf") for name in paths}
+        with torch.no_grad():
+            for _ in range(repeats):  # alternating, min of each
+                for name, fn in paths.items():
+                    times[name] = min(times[name], best_of(fn, 1))
+        out.update({f"{name} @ batch {batch}": t * 1e3 for name, t in times.items()})
+    return out
+
+
+def _int4pack(w: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """``w`` as torch's own int4 groups of 32 (asymmetric, bfloat16 scales)."""
+    groups = w.reshape(-1, 32)
+    lo, hi = groups.amin(1, keepdim=True), groups.amax(1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    q = ((groups - lo) / scale).round().clamp(0, 15).to(torch.int32).view(w.shape)
+    zero = lo + 8 * scale  # torch's form: w = (q - 8) * scale + zero
+    sz = torch.stack([scale.view(w.shape[0], -1), zero.view(w.shape[0], -1)], dim=-1)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    return w.shape[1], packed, sz.transpose(0, 1).contiguous().bfloat16()
+
+
+def steps(modes: tuple[str, ...] = ("none", "gguf"), repeats: int = 9) -> dict[str, float]:
+    """Milliseconds per eager decode step at batch 1 and 32, min of ``repeats``,
+    the modes' engines stepping in turn."""
+    engines = {mode: Engine.from_pretrained("smollm2", quantization=mode) for mode in modes}
+    out = {}
+    for batch in (1, 32):
+        params = SamplingParams(max_new_tokens=repeats + 1, ignore_eos=True)
+        for engine in engines.values():
+            for i in range(batch):
+                engine.add_request([1, 2, 3, 4 + i], params)
+            engine.step()  # prefill
+        best = dict.fromkeys(modes, float("inf"))
+        while any(e.has_unfinished() for e in engines.values()):
+            for mode, engine in engines.items():
+                best[mode] = min(best[mode], best_of(engine.step, 1))
+        out.update({f"{mode} step @ batch {batch}": t * 1e3 for mode, t in best.items()})
+    for engine in engines.values():
+        engine.close()
+    return out
+
+
+def accuracy(modes: tuple[str, ...] = MODES, new_tokens: int = 48) -> dict[str, dict[str, Any]]:
+    """Per mode: greedy tokens agreeing with float32, and the passage's log-likelihood."""
+    from mstar.demo import CHAT_QUESTIONS
+
+    results: dict[str, dict[str, Any]] = {}
+    reference: list[list[int]] = []
+    for mode in modes:
+        model, tokenizer = load("smollm2", quantization=mode)
+        ids = torch.tensor([tokenizer.encode(PASSAGE)])
+        with torch.no_grad():
+            logp = model(ids).logits[0, :-1].log_softmax(-1)
+        loglik = logp.gather(1, ids[0, 1:, None]).sum().item()
+        chats = [[{"role": "user", "content": p}] for p in CHAT_QUESTIONS]
+        with Engine(copy.deepcopy(model), tokenizer) as engine:
+            params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+            tokens = [c.outputs[0].token_ids for c in engine.chat(chats, params)]
+        reference = reference or tokens
+        same = [_prefix(a, b) for a, b in zip(tokens, reference, strict=True)]
+        results[mode] = {
+            "loglik": loglik,
+            "same_prompts": sum(s == new_tokens for s in same),
+            "prompts": len(same),
+            "agreeing_tokens": sum(same),
+            "tokens": new_tokens * len(same),
+        }
+    return results
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+def main() -> None:
+    print("load", os.getloadavg())
+    for name, ms in layers().items():
+        print(f"{name:48s} {ms:8.1f} ms")
+    for name, ms in steps().items():
+        print(f"{name:48s} {ms:8.1f} ms")
+    base = None
+    for mode, r in accuracy().items():
+        base = r["loglik"] if base is None else base
+        print(
+            f"{mode:5s} greedy: {r['same_prompts']}/{r['prompts']} prompts identical,"
+            f" {r['agreeing_tokens']}/{r['tokens']} tokens before the first difference;"
+            f" passage log-lik {r['loglik']:.3f} (delta {r['loglik'] - base:+.4f})"
+        )
+    print("load", os.getloadavg())
+
+
+if __name__ == "__main__":
+    main()

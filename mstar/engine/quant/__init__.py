@@ -1,0 +1,175 @@
+"""Quantized weights: ``quantization`` = ``auto``, ``none``, ``gguf``, ``int8`` or ``int4``.
+
+- ``gguf``: a GGUF file's own quantized tensors, served as they stand where
+  a kernel takes them exactly (Q4_0/Q4_1 -> int4 groups of 32, Q8_0 -> int8
+  groups of 32: ``mstar.engine.quant.gguf``); the linear layers of other
+  types keep their float32 dequantization, listed in the description.
+- ``int8`` / ``int4``: the float weights quantized at load (int8 per output
+  channel, int4 groups of 32: ``mstar.engine.quant.at_load``).
+- ``none``: float weights (a GGUF dequantized to float32).
+- ``auto``: ``gguf`` for a GGUF file where the kernels serve it (the CPU,
+  one process, float32), else ``none``.
+
+Every linear layer (the head too; a tied embedding keeps its float weights)
+becomes a ``PackedLinear``: float32 activations through the AVX2 kernels of
+``kernels.cpp``. Where they cannot run (no AVX2, no compiler), the layers
+stay ``nn.Linear`` holding the dequantized weights: the same values, not
+smaller, and the description says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mstar.engine.quant.at_load import quantize_int4, quantize_int8
+from mstar.engine.quant.gguf import cached_packed_weights
+from mstar.engine.quant.kernels import kernel_or_why
+from mstar.engine.quant.linear import PackedLinear
+from mstar.engine.quant.packed import GROUP, Packed
+
+__all__ = ["QUANTIZATIONS", "QuantChoice", "quantize_model", "resolve_quantization"]
+
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class QuantChoice:
+    """A resolved quantization and why it was chosen."""
+
+    mode: str
+    reason: str
+
+
+def resolve_quantization(
+    value: object,
+    *,
+    gguf: bool,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    tensor_parallel_size: int = 1,
+) -> QuantChoice:
+    """``value`` as the quantization to load with (``gguf``: the model is a
+    GGUF file); ``ValueError`` naming it when it is not one of
+    ``QUANTIZATIONS`` or cannot apply here."""
+    if not isinstance(value, str) or value not in QUANTIZATIONS:
+        raise ValueError(f"expected quantization one of {', '.join(QUANTIZATIONS)}, got {value!r}")
+    if value == "none":
+        return QuantChoice("none", "as asked")
+    blocker = _blocker(torch.device(device), dtype, tensor_parallel_size)
+    if value == "auto":
+        if not gguf:
+            return QuantChoice("none", "auto: not a GGUF file")
+        if blocker:
+            return QuantChoice("none", f"auto: {blocker}")
+        return QuantChoice("gguf", "auto: the file's own format")
+    if blocker:
+        raise ValueError(f"quantization={value!r} cannot apply: {blocker}")
+    if value == "gguf" and not gguf:
+        raise ValueError("quantization='gguf' needs a GGUF file, got a model folder")
+    return QuantChoice(value, "as asked")
+
+
+def _blocker(device: torch.device, dtype: torch.dtype, tensor_parallel_size: int) -> str | None:
+    if device.type != "cpu":
+        return f"the quantized kernels run on the CPU, not {device.type}"
+    if tensor_parallel_size != 1:
+        return "tensor parallelism shards float weights"
+    if dtype != torch.float32:
+        return f"the quantized kernels take float32 activations, not {str(dtype).removeprefix('torch.')}"
+    return None
+
+
+def quantize_model(
+    model: Any, choice: QuantChoice, gguf_path: Path | None = None, cache: Path | None = None
+) -> str:
+    """Switch ``model``'s linear layers to ``choice``'s packed weights (a GGUF's
+    own from ``gguf_path``, its packing cached in the folder ``cache``);
+    returns the description for the start-up line, also kept as
+    ``model.mstar_quantization``. ``ValueError`` before any change when a
+    layer's shape does not fit the packing."""
+    if choice.mode == "none":
+        model.mstar_quantization = f"none ({choice.reason})"
+        return model.mstar_quantization
+    layers = _linear_layers(model)
+    if choice.mode == "gguf":
+        packed, unpacked = _gguf_layers(
+            model, layers, cached_packed_weights(gguf_path, model, cache)
+        )
+    else:
+        _check_shapes(layers, choice.mode)
+        quantize = quantize_int4 if choice.mode == "int4" else quantize_int8
+        packed = {name: (quantize(mod.weight), "float") for name, mod in layers.items()}
+        unpacked = {}
+    why = kernel_or_why()
+    for name, (weights, _) in packed.items():
+        _swap(model, name, weights, use_kernel=why is None)
+    summary = _summary(choice, packed, unpacked)
+    if why is not None:
+        summary += f"; run as float32 (dequantized): {why}"
+    model.mstar_quantization = summary
+    return summary
+
+
+def _linear_layers(model: Any) -> dict[str, torch.nn.Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def _check_shapes(layers: dict[str, torch.nn.Linear], mode: str) -> None:
+    for name, mod in layers.items():
+        if mod.in_features % GROUP or mod.out_features % 4:
+            raise ValueError(
+                f"quantization={mode!r} needs every linear layer's input width divisible by"
+                f" {GROUP} and output width by 4, got {name} of {mod.in_features} -> {mod.out_features}"
+            )
+
+
+def _gguf_layers(
+    model: Any, layers: dict[str, torch.nn.Linear], weights: dict[str, tuple[Packed | None, str]]
+) -> tuple[dict[str, tuple[Packed, str]], dict[str, str]]:
+    """The layers the GGUF's packed weights serve (``{name: (packed, gguf type)}``),
+    and the others with their GGUF type (kept float32)."""
+    embedding = model.get_input_embeddings()
+    packed, unpacked = {}, {}
+    for name, mod in layers.items():
+        key = f"{name}.weight"
+        if key not in weights and embedding is not None and mod.weight is embedding.weight:
+            key = next(k for k, p in model.named_parameters() if p is embedding.weight)
+        weight, type_name = weights.get(key, (None, "not in the file"))
+        fits = (
+            weight is not None
+            and weight.shape == tuple(mod.weight.shape)
+            and weight.shape[0] % 4 == 0
+        )
+        if fits and torch.equal(weight.dequantize(), mod.weight.detach().float()):
+            packed[name] = (weight, type_name)
+        else:
+            unpacked[name] = type_name
+    return packed, unpacked
+
+
+def _swap(model: Any, name: str, weights: Packed, use_kernel: bool) -> None:
+    parent, _, attr = name.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    old = getattr(owner, attr)
+    if use_kernel:
+        setattr(owner, attr, PackedLinear(weights, old.bias))
+    else:  # a parameter of its own: a tied embedding keeps its weights
+        old.weight = torch.nn.Parameter(weights.dequantize(), requires_grad=False)
+
+
+def _summary(
+    choice: QuantChoice, packed: dict[str, tuple[Packed, str]], unpacked: dict[str, str]
+) -> str:
+    counts: dict[str, int] = {}
+    for weights, type_name in packed.values():
+        label = f"{weights.kind} ({type_name})" if choice.mode == "gguf" else weights.kind
+        counts[label] = counts.get(label, 0) + 1
+    parts = [f"{n} layer{'s' * (n > 1)} {label}" for label, n in counts.items()]
+    if unpacked:
+        listed = ", ".join(f"{name} ({t})" for name, t in unpacked.items())
+        parts.append(f"float32 (dequantized): {listed}")
+    return f"{choice.mode} ({choice.reason}): {', '.join(parts)}"

@@ -1,0 +1,59 @@
+"""The packed-weight linear kernels (``kernels.cpp``): built with the
+system's C++ compiler at first use (about a minute), cached under the cache
+folder (``cache_root() / "kernels"``), and registered as the torch ops
+``torch.ops.mstar_quant.int4_linear`` / ``int8_linear`` with fake
+implementations, so ``torch.compile`` traces through them.
+
+``kernel_or_why()`` says whether they run here: they need a CPU with AVX2
+(with FMA and F16C) and a compiler; otherwise the quantized layers fall back
+to float32 ``F.linear`` on their dequantized weights (exact, not smaller).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+__all__ = ["kernel_or_why"]
+
+SOURCE = Path(__file__).with_name("kernels.cpp")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17"]
+
+
+@functools.cache
+def kernel_or_why() -> str | None:
+    """None when the kernels are loaded (built first if need be), else why not."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"the CPU lacks AVX2 (torch sees {capability})"
+    try:
+        from torch.utils import cpp_extension
+
+        from mstar.engine.loader import cache_root
+
+        folder = cache_root() / "kernels"
+        folder.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name="mstar_quant_kernels",
+            sources=[str(SOURCE)],
+            extra_cflags=FLAGS,
+            build_directory=str(folder),
+            is_python_module=False,
+        )
+    except Exception as err:  # no compiler, no ninja, a failed build: fall back, say why
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        return f"the kernels did not build ({type(err).__name__}: {first})"
+    _register_fakes()
+    return None
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("mstar_quant::int4_linear")
+    def _(x, qweight, scales, mins):
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+    @torch.library.register_fake("mstar_quant::int8_linear")
+    def _(x, qweight, scales):
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))

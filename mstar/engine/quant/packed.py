@@ -1,0 +1,60 @@
+"""Packed weights: the formats the kernels take (see ``kernels.cpp``).
+
+``int4``: ``qweight`` uint8 ``[N, K/2]`` in GGUF's Q4 block order (in each
+group of 32 weights, byte ``j`` holds weight ``j`` in its low nibble and
+weight ``j + 16`` in its high one), ``scales`` and ``mins`` float16
+``[N, K/32]``: ``w = q * scale + min``.
+``int8``: ``qweight`` int8 ``[N, K]``, ``scales`` float16 ``[N, K/G]``:
+``w = q * scale`` (``G = 32`` for GGUF's Q8_0, ``K`` per channel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP = 32
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One weight matrix ``[N, K]`` in a packed format (``kind``: int4 or int8)."""
+
+    kind: str
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, width = self.qweight.shape
+        return rows, width * 2 if self.kind == "int4" else width
+
+    def rows(self, order: torch.Tensor) -> Packed:
+        """The same weights with their rows in ``order``."""
+        mins = None if self.mins is None else self.mins[order].contiguous()
+        return Packed(
+            self.kind, self.qweight[order].contiguous(), self.scales[order].contiguous(), mins
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights, each ``q * scale (+ min)`` as GGUF's own dequantization computes it."""
+        rows, width = self.shape
+        scales = self.scales.float().repeat_interleave(width // self.scales.shape[1], dim=1)
+        if self.kind == "int8":
+            return self.qweight.float() * scales
+        groups = self.qweight.view(rows, -1, GROUP // 2)
+        nibbles = torch.cat([groups & 0x0F, groups >> 4], dim=2).view(rows, width)
+        mins = self.mins.float().repeat_interleave(GROUP, dim=1)
+        return nibbles.float() * scales + mins
+
+
+def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Packed:
+    """``q`` (integers 0..15, ``[N, K]``) with a scale and a min per group of 32, packed."""
+    rows, width = q.shape
+    groups = q.to(torch.uint8).view(rows, -1, 2, GROUP // 2)
+    qweight = (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(rows, width // 2)
+    return Packed(
+        "int4", qweight.contiguous(), scales.half().contiguous(), mins.half().contiguous()
+    )

@@ -1,0 +1,218 @@
+"""Quantized weights (mstar.engine.quant): GGUF blocks decoded bit for bit,
+the packed linear kernels against F.linear on the dequantized weights, the
+float32 fallback, the engine on SmolLM2's own Q4_1/Q8_0 weights, refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mstar.demo import build_model
+from mstar.engine import Engine, SamplingParams
+from mstar.engine.quant import QuantChoice, quantize_model, resolve_quantization
+from mstar.engine.quant.at_load import quantize_int4, quantize_int8
+from mstar.engine.quant.gguf import BLOCK_BYTES, decode_blocks
+from mstar.engine.quant.kernels import kernel_or_why
+from mstar.engine.quant.linear import PackedLinear
+from mstar.engine.quant.packed import Packed, pack_int4
+
+gguf = pytest.importorskip("gguf")
+
+
+def random_blocks(type_name: str, rows: int, width: int, seed: int = 0) -> np.ndarray:
+    """Raw GGUF rows of random blocks with finite float16 scales (and mins)."""
+    rng = np.random.default_rng(seed)
+    size = BLOCK_BYTES[type_name]
+    blocks = rng.integers(0, 256, (rows, width // 32, size), dtype=np.uint8)
+    halves = 2 if type_name == "Q4_1" else 1
+    scales = rng.normal(0, 0.05, (rows, width // 32, halves)).astype(np.float16)
+    blocks[:, :, : 2 * halves] = scales.view(np.uint8).reshape(rows, width // 32, 2 * halves)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_decode_as_gguf_dequantizes_bit_for_bit(type_name):
+    data = random_blocks(type_name, 12, 96)
+    ours = decode_blocks(type_name, data).dequantize()
+    theirs = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name])
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours, torch.from_numpy(theirs))
+
+
+def test_smollm2_file_tensors_decode_bit_for_bit():
+    from mstar.engine.loader import smollm2_path
+
+    try:
+        reader = gguf.GGUFReader(smollm2_path())
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    seen = set()
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        if kind in BLOCK_BYTES and kind not in seen:
+            seen.add(kind)
+            ours = decode_blocks(kind, tensor.data).dequantize()
+            theirs = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            assert torch.equal(ours, torch.from_numpy(theirs)), tensor.name
+    assert seen == {"Q4_1", "Q8_0"}
+
+
+def random_packed(kind: str, rows: int, width: int, seed: int = 0) -> Packed:
+    g = torch.Generator().manual_seed(seed)
+    groups = width // 32
+    if kind == "int4":
+        q = torch.randint(0, 16, (rows, width), generator=g)
+        return pack_int4(
+            q, torch.rand(rows, groups, generator=g) / 10, -torch.rand(rows, groups, generator=g)
+        )
+    q = torch.randint(-128, 128, (rows, width), generator=g, dtype=torch.int8)
+    return Packed("int8", q, (torch.rand(rows, groups, generator=g) / 100).half())
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    why = kernel_or_why()
+    if why is not None:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("shape", [(12, 96), (200, 1088), (4, 32)])
+@pytest.mark.parametrize("batch", [1, 3, 5, 32])
+def test_packed_linear_matches_f_linear_on_the_dequantized_weights(kernels, kind, shape, batch):
+    packed = random_packed(kind, *shape)
+    x = torch.randn(batch, shape[1], generator=torch.Generator().manual_seed(1))
+    y = PackedLinear(packed)(x)
+    expected = F.linear(x.double(), packed.dequantize().double())
+    assert y.shape == (batch, shape[0]) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
+
+
+def test_packed_linear_keeps_leading_dims_and_adds_its_bias(kernels):
+    packed = random_packed("int4", 8, 64)
+    bias = torch.randn(8)
+    x = torch.randn(2, 3, 64)
+    y = PackedLinear(packed, bias)(x)
+    torch.testing.assert_close(y, F.linear(x, packed.dequantize(), bias), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_per_channel_scales(kernels):
+    w = torch.randn(16, 64)
+    packed = quantize_int8(w)
+    assert packed.scales.shape == (16, 1)
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(PackedLinear(packed)(x), F.linear(x, packed.dequantize()))
+
+
+@pytest.mark.parametrize("quantize,tolerance", [(quantize_int8, 0.01), (quantize_int4, 0.1)])
+def test_quantized_at_load_stays_close_to_the_float_weights(quantize, tolerance):
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    error = (quantize(w).dequantize() - w).abs().max() / w.abs().max()
+    assert 0 < error < tolerance
+
+
+def tiny(seed: int = 0) -> torch.nn.Module:
+    return build_model(seed)[1].eval()
+
+
+def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_tiny_model_quantized_matches_its_dequantized_twin(kernels, mode):
+    model = tiny()
+    description = quantize_model(model, QuantChoice(mode, "as asked"))
+    assert description.startswith(f"{mode} (as asked): 15 layers {mode}")
+    assert isinstance(model.lm_head, PackedLinear)
+    assert not isinstance(model.get_input_embeddings(), PackedLinear)
+    twin = tiny()
+    for name, mod in model.named_modules():
+        if isinstance(mod, PackedLinear):
+            packed = Packed(mod.kind, mod.qweight, mod.scales, mod.mins)
+            twin.get_submodule(name).weight = torch.nn.Parameter(packed.dequantize())
+    ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(logits(model, ids), logits(twin, ids), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(logits(model, ids), logits(tiny(), ids), atol=1e-6)
+
+
+def test_without_the_kernels_the_layers_stay_float32_with_the_same_values(monkeypatch, kernels):
+    import mstar.engine.quant as quant
+
+    fast = tiny()
+    quantize_model(fast, QuantChoice("int4", "as asked"))
+    monkeypatch.setattr(quant, "kernel_or_why", lambda: "no AVX2 here")
+    slow = tiny()
+    embedding = slow.get_input_embeddings().weight.clone()
+    description = quantize_model(slow, QuantChoice("int4", "as asked"))
+    assert description.endswith("run as float32 (dequantized): no AVX2 here")
+    assert not any(isinstance(m, PackedLinear) for m in slow.modules())
+    assert torch.equal(slow.get_input_embeddings().weight, embedding)  # tied head untied
+    ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(logits(slow, ids), logits(fast, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_forward_traces_through_the_kernels(kernels):
+    model = tiny()
+    quantize_model(model, QuantChoice("int4", "as asked"))
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(3))
+    eager = logits(model, ids)
+    compiled = torch.compile(model.forward, dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids).logits, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_int4_refuses_a_width_not_divisible_by_32():
+    model = build_model(0, hidden_size=40, num_attention_heads=4, num_key_value_heads=2)[1]
+    with pytest.raises(ValueError, match="divisible by 32"):
+        quantize_model(model, QuantChoice("int4", "as asked"))
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+@pytest.mark.parametrize(
+    "value,kwargs,match",
+    [
+        ("q4", {}, "got 'q4'"),
+        (None, {}, "got None"),
+        ("gguf", {"gguf": False}, "needs a GGUF file"),
+        ("int4", {"dtype": torch.bfloat16}, "float32 activations, not bfloat16"),
+        ("int8", {"tensor_parallel_size": 2}, "tensor parallelism"),
+        ("gguf", {"device": "cuda"}, "not cuda"),
+    ],
+)
+def test_bad_or_inapplicable_quantization_is_refused(value, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_quantization(value, **{"gguf": True, **kwargs})
+
+
+def test_auto_is_the_files_own_format_where_the_kernels_serve_it():
+    assert resolve_quantization("auto", gguf=True).mode == "gguf"
+    assert resolve_quantization("auto", gguf=False).mode == "none"
+    assert resolve_quantization("auto", gguf=True, dtype=torch.bfloat16).mode == "none"
+    assert resolve_quantization("auto", gguf=True, tensor_parallel_size=2).mode == "none"
+
+
+def test_engine_refuses_a_bad_quantization_before_loading():
+    with pytest.raises(ValueError, match="got 'int3'"):
+        Engine.from_pretrained("smollm2", quantization="int3")
+
+
+def test_engine_on_smollm2s_own_weights_answers_as_float32(smollm2, kernels):
+    model, tokenizer = smollm2
+    prompts = ["What is the capital of France?", "Name three colors."]
+    params = SamplingParams(max_new_tokens=12)
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    with Engine(copy.deepcopy(model), tokenizer) as engine:
+        expected = [c.outputs[0].token_ids for c in engine.chat(chats, params)]
+    with Engine.from_pretrained("smollm2", quantization="gguf") as engine:
+        assert engine.model.mstar_quantization == (
+            "gguf (as asked): 210 layers int4 (Q4_1), 1 layer int8 (Q8_0)"
+        )
+        assert isinstance(engine.model.model.layers[0].mlp.down_proj, PackedLinear)
+        got = [c.outputs[0].token_ids for c in engine.chat(chats, params)]
+    assert got == expected
