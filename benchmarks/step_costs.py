@@ -5,7 +5,8 @@
 
 An ``Engine`` on SmolLM2 with ``--rows`` requests decoding (32-token
 prompts), ``--steps`` timed decode steps. Eager, each part is timed around
-its own calls (wall time, median over the steps): the linear layers (every
+its own calls (the process's CPU time, all threads: on a shared machine
+wall time mostly measures the other jobs; median over the steps): the linear layers (every
 ``linear_modules`` module but the head), the head, the embedding, the norms,
 the rotary tables, the activation, paged attention (its KV write apart),
 the rest of the forward (HF's Python, rotary applied, residual adds,
@@ -13,8 +14,9 @@ the rest of the forward (HF's Python, rotary applied, residual adds,
 the rest of the engine's host work. Compiled (``--compile``), the graph is
 one call, so the parts come from the torch profiler's ops: the linear
 layers and head (oneDNN's or aten's GEMMs), the attention op, the graph's
-own kernels, dynamo's guards and the rest. Then the linear layers alone
-(``mstar.bench.roofline.linear_alone_s``) at the same rows, for the ratio.
+own kernels, dynamo's guards and the rest (wall time of the ops). Then the
+linear layers alone (``mstar.bench.roofline.linear_alone_s``) at the same
+rows on the same clock, for the ratio.
 Prints the CPU (``mstar.engine.cpu``) and the load.
 """
 
@@ -54,7 +56,7 @@ def decoding_engine(rows: int, compile: bool, dtype: torch.dtype) -> Engine:
 
 
 class Parts:
-    """Wall time per part, per step: wrappers add to ``now``, ``close`` files it."""
+    """CPU time per part, per step: wrappers add to ``now``, ``close`` files it."""
 
     def __init__(self) -> None:
         self.now: dict[str, float] = defaultdict(float)
@@ -62,11 +64,11 @@ class Parts:
 
     def timed(self, fn: Callable, part: str) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.now[part] += time.perf_counter() - t0
+                self.now[part] += time.process_time() - t0
 
         return wrapper
 
@@ -182,7 +184,8 @@ def main() -> None:
         mode = engine.compiled or "eager"
         load_before = os.getloadavg()[0]
         parts = (compiled_parts if args.compile else eager_parts)(engine, args.steps)
-        alone = linear_alone_s(engine.model, rows) * 1e3
+        clock = time.perf_counter if args.compile else time.process_time  # as the parts'
+        alone = linear_alone_s(engine.model, rows, clock=clock) * 1e3
         step = parts.get("step", parts.get("step (wall, under the profiler)"))
         print(
             f"\n{args.dtype} {mode}, {rows} rows decoding: step {step:.1f} ms, the linear layers"

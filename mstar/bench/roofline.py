@@ -114,21 +114,23 @@ def linear_bytes(model: Any) -> int:
     return total
 
 
-def linear_alone_s(model: Any, rows: int, repeats: int = 3) -> float:
+def linear_alone_s(
+    model: Any, rows: int, repeats: int = 3, clock: Callable[[], float] = time.perf_counter
+) -> float:
     """Seconds the model's linear layers alone take on ``rows`` rows (every
     ``linear_modules`` module called once in model order, the head included,
     as a decode step does), eager, without autograd; the median of
-    ``repeats`` passes after a warm one."""
+    ``repeats`` passes after a warm one, on ``clock``."""
     modules = linear_modules(model)
     param = next(model.parameters())
     inputs = {m.in_features: torch.randn(rows, m.in_features).to(param) for m in modules}
     times = []
     with torch.no_grad():
         for _ in range(repeats + 1):
-            start = time.perf_counter()
+            start = clock()
             for m in modules:
                 m(inputs[m.in_features])
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
     return statistics.median(times[1:])
 
 
