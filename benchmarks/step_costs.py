@@ -1,138 +1,200 @@
-"""Where an engine step's time goes on the CPU, and two costs that bound it.
+"""Where an engine decode step's time goes, by part of the step.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/step_costs.py [--rows 12] [--steps 5]
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/step_costs.py [--rows 1 32] [--steps 8]
+        [--compile] [--dtype float32]
 
-1. An ``Engine`` decode step on SmolLM2 with ``--rows`` requests (the mixed
-   workload's prompts, decoding): the share of its CPU time spent outside
-   the model's forward (the plan, sampling, the engine's host work) and in
-   the model's head (its forward less the decoder stack: lm_head), then
-   each op's share under the torch profiler.
-2. A linear layer of SmolLM2's MLP shape (``[M, 576] @ [576, 1536]``, 60
-   weights so they come from memory, as in a forward) at M rows: ms per
-   call, best of 5 rounds in turns. A decode step is M = its rows.
-3. sdpa on one decode batch (16 rows x 320 keys, 9 query / 3 KV heads):
-   K/V as the strided views ``paged_attention`` reads from its gathered
-   pages (``[L, H_kv, D]`` per row) against K/V contiguous per head
-   (``[H_kv, L, D]``, what a head-major page layout would give); best of 7
-   rounds in turns.
-
-Times are process CPU time (all threads), so other jobs on a shared
-machine move them less than wall time.
+An ``Engine`` on SmolLM2 with ``--rows`` requests decoding (32-token
+prompts), ``--steps`` timed decode steps. Eager, each part is timed around
+its own calls (the process's CPU time, all threads: on a shared machine
+wall time mostly measures the other jobs; median over the steps): the linear layers (every
+``linear_modules`` module but the head), the head, the embedding, the norms,
+the rotary tables, the activation, paged attention (its KV write apart),
+the rest of the forward (HF's Python, rotary applied, residual adds,
+``silu * up``), and outside the forward the plan/commit, the sampling and
+the rest of the engine's host work. Compiled (``--compile``), the graph is
+one call, so the parts come from the torch profiler's ops: the linear
+layers and head (oneDNN's or aten's GEMMs), the attention op, the graph's
+own kernels, dynamo's guards and the rest (wall time of the ops). Then the
+linear layers alone (``mstar.bench.roofline.linear_alone_s``) at the same
+rows on the same clock, for the ratio.
+Prints the CPU (``mstar.engine.cpu``) and the load.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import time
+from collections import defaultdict
 from collections.abc import Callable
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from mstar.bench.serving import mixed_jobs
+import mstar.integrations.hf_attention as hf_attention
+from mstar.bench.roofline import linear_alone_s, linear_modules
 from mstar.engine import Engine, SamplingParams
+from mstar.engine.cpu import cpu_info
 from mstar.engine.loader import load
 
+PROMPT_TOKENS = 32
 
-def step_shares(rows: int, steps: int) -> None:
-    model, tokenizer = load("smollm2")
-    engine = Engine(model, tokenizer)
-    for job in mixed_jobs(tokenizer, rows, (8, 32), 0, 0.0):
-        engine.add_request(job.prompt, SamplingParams(max_new_tokens=500, ignore_eos=True))
-    while engine.stats.decode_steps < 2:  # every prompt in, two decode steps warm
+
+def decoding_engine(rows: int, compile: bool, dtype: torch.dtype) -> Engine:
+    """An engine with ``rows`` requests decoding, two decode steps warm."""
+    model, tokenizer = load("smollm2", dtype=dtype)
+    pages = rows * 8 + 16
+    engine = Engine(model, tokenizer, num_pages=pages, prefix_cache=False, compile=compile)
+    params = SamplingParams(max_new_tokens=80, ignore_eos=True)
+    for i in range(rows):
+        engine.add_request([(7 * i + j) % 1000 for j in range(PROMPT_TOKENS)], params)
+    while engine.stats.decode_steps < 2:
         engine.step()
-    spent = {"model": 0.0, "layers": 0.0}
-    for key, module in (("model", model), ("layers", model.model)):
-        module.forward = _timed(module.forward, spent, key)
-    t0 = time.process_time()
-    for _ in range(steps):
-        engine.step()
-    total = time.process_time() - t0
-    del model.forward, model.model.forward
+    return engine
+
+
+class Parts:
+    """CPU time per part, per step: wrappers add to ``now``, ``close`` files it."""
+
+    def __init__(self) -> None:
+        self.now: dict[str, float] = defaultdict(float)
+        self.steps: list[dict[str, float]] = []
+
+    def timed(self, fn: Callable, part: str) -> Callable:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.now[part] += time.process_time() - t0
+
+        return wrapper
+
+    def close(self) -> None:
+        self.steps.append(dict(self.now))
+        self.now.clear()
+
+    def medians(self) -> dict[str, float]:
+        names = {n for s in self.steps for n in s}
+        return {n: statistics.median(s.get(n, 0.0) for s in self.steps) for n in names}
+
+
+def eager_parts(engine: Engine, steps: int) -> dict[str, float]:
+    """Median ms per part of a decode step (eager: each part timed around its calls)."""
+    model, parts = engine.model, Parts()
+    head = model.get_output_embeddings()
+    patched: list[tuple[object, str, Any]] = []  # (owner, name, its own attribute or None)
+
+    def wrap(owner: object, name: str, part: str) -> None:
+        patched.append((owner, name, vars(owner).get(name)))
+        setattr(owner, name, parts.timed(getattr(owner, name), part))
+
+    for module in linear_modules(model):
+        wrap(module, "forward", "lm_head" if module is head else "linear layers")
+    for module in model.modules():
+        kind = type(module).__name__
+        if isinstance(module, torch.nn.Embedding):
+            wrap(module, "forward", "embedding")
+        elif "Norm" in kind:
+            wrap(module, "forward", "norms")
+        elif "Rotary" in kind:
+            wrap(module, "forward", "rotary tables")
+        elif "Activation" in kind or isinstance(module, torch.nn.SiLU | torch.nn.GELU):
+            wrap(module, "forward", "activation")
+    wrap(hf_attention, "_attend_layer", "attention (with KV write)")
+    wrap(engine.cache, "write", "KV write")
+    wrap(model, "forward", "forward")
+    wrap(engine.mgr, "plan", "plan + commit")
+    wrap(engine.mgr, "commit", "plan + commit")
+    wrap(engine.pipeline, "rows", "sampling")
+    wrap(engine.emitter, "on_logits", "sampling")
+    wrap(engine, "step", "step")
+    try:
+        for _ in range(steps):
+            engine.step()
+            parts.close()
+    finally:
+        for owner, name, own in reversed(patched):
+            if own is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
+    m = parts.medians()
+    m["attention"] = m.pop("attention (with KV write)", 0.0) - m.get("KV write", 0.0)
+    inner = ("linear layers", "lm_head", "embedding", "norms", "rotary tables", "activation",
+             "attention", "KV write")  # fmt: skip
+    m["rest of the forward (HF Python, rotary, adds, mul)"] = m["forward"] - sum(
+        m.get(k, 0.0) for k in inner
+    )
+    m["rest of the step (pack, detokenize, completions)"] = (
+        m["step"] - m["forward"] - sum(m.get(k, 0.0) for k in ("plan + commit", "sampling"))
+    )
+    return {k: v * 1e3 for k, v in m.items()}
+
+
+# Profiler op names by part of a compiled step (the graph's own kernels are its call's self time).
+COMPILED_PARTS = {
+    "mkldnn::_linear_pointwise": "linear layers + lm_head",
+    "aten::mm": "linear layers + lm_head",
+    "aten::addmm": "linear layers + lm_head",
+    "mstar::paged_attention": "attention op (with KV write)",
+    "## Call CompiledFxGraph": "graph kernels (embedding, norms, rotary, silu*mul, adds)",
+    "TorchDynamo Cache Lookup": "dynamo guards + pregraph",
+    "Pregraph bytecode": "dynamo guards + pregraph",
+}
+
+
+def compiled_parts(engine: Engine, steps: int) -> dict[str, float]:
+    """Median-free: total self time per part over ``steps`` steps, in ms per step."""
+    t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine.step()
-    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
-    whole = sum(e.self_cpu_time_total for e in ops)
-    print(
-        f"decode step, {rows} rows: {total / steps * 1e3:.1f} ms of CPU time; op shares under the profiler"
+    wall = (time.perf_counter() - t0) / steps
+    parts: dict[str, float] = defaultdict(float)
+    total = 0.0
+    for event in prof.key_averages():
+        total += event.self_cpu_time_total
+        part = next((p for k, p in COMPILED_PARTS.items() if event.key.startswith(k)), None)
+        if part == "attention op (with KV write)":
+            parts[part] += event.cpu_time_total  # its aten calls are its own
+        elif part is not None:
+            parts[part] += event.self_cpu_time_total
+    parts = {k: v / 1e3 / steps for k, v in parts.items()}
+    parts["step (wall, under the profiler)"] = wall * 1e3
+    parts["rest (host work, other ops)"] = wall * 1e3 - sum(
+        v for k, v in parts.items() if not k.startswith("step")
     )
-    outside, head = total - spent["model"], spent["model"] - spent["layers"]
-    print(
-        f"  outside the model's forward (plan, sampling, host work): {100 * outside / total:.1f}%"
-    )
-    print(f"  the model's head (lm_head at the {rows} rows that choose): {100 * head / total:.1f}%")
-    for e in ops[:6]:
-        print(
-            f"  {e.key:50s} {100 * e.self_cpu_time_total / whole:5.1f}%  {e.count // steps} calls"
-        )
-
-
-def _timed(forward: Callable, spent: dict[str, float], key: str) -> Callable:
-    """``forward`` adding its CPU time to ``spent[key]``."""
-
-    def timed(*args, **kwargs):
-        t0 = time.process_time()
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            spent[key] += time.process_time() - t0
-
-    return timed
-
-
-def best_of(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, float]:
-    """ms per call of each, best of ``rounds`` rounds taken in turns."""
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.process_time()
-            for _ in range(calls):
-                fn()
-            best[name] = min(best[name], (time.process_time() - t0) / calls * 1e3)
-    return best
-
-
-def linear_by_rows() -> None:
-    weights = [torch.randn(1536, 576) for _ in range(60)]
-    xs = {m: torch.randn(m, 576) for m in (1, 4, 12, 16, 64, 256)}
-    fns = {m: (lambda x=x: [F.linear(x, w) for w in weights]) for m, x in xs.items()}
-    best = best_of(fns, 5, 1)
-    print("linear [M, 576] @ [576, 1536], ms per call (per row)")
-    for m, ms in best.items():
-        print(f"  M={m:<4d} {ms / len(weights):7.3f} ({ms / len(weights) / m:.3f})")
-
-
-def sdpa_layouts() -> None:
-    rows, width, kv_heads, heads, dim = 16, 320, 3, 9, 64
-    q = torch.randn(rows, heads, 1, dim)
-    gathered = torch.randn(2, rows, width, kv_heads, dim)  # as the page gather leaves it
-    per_head = gathered.transpose(2, 3).contiguous()
-
-    def strided() -> torch.Tensor:
-        k, v = (t.transpose(1, 2) for t in gathered)
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-
-    def contiguous() -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, *per_head, enable_gqa=True)
-
-    torch.testing.assert_close(strided(), contiguous())
-    best = best_of({"strided (paged_attention)": strided, "contiguous per head": contiguous}, 7, 50)
-    print(f"sdpa, decode {rows} rows x {width} keys, ms per call")
-    for name, ms in best.items():
-        print(f"  {name:28s} {ms:.3f}")
+    return parts
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=12)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
-    print(f"torch threads {torch.get_num_threads()}")
-    step_shares(args.rows, args.steps)
-    linear_by_rows()
-    sdpa_layouts()
+    dtype = getattr(torch, args.dtype)
+    print(f"CPU: {cpu_info().describe()}")
+    for rows in args.rows:
+        engine = decoding_engine(rows, args.compile, dtype)
+        mode = engine.compiled or "eager"
+        load_before = os.getloadavg()[0]
+        parts = (compiled_parts if args.compile else eager_parts)(engine, args.steps)
+        clock = time.perf_counter if args.compile else time.process_time  # as the parts'
+        alone = linear_alone_s(engine.model, rows, clock=clock) * 1e3
+        step = parts.get("step", parts.get("step (wall, under the profiler)"))
+        print(
+            f"\n{args.dtype} {mode}, {rows} rows decoding: step {step:.1f} ms, the linear layers"
+            f" alone {alone:.1f} ms ({step / alone:.2f}x); load {load_before:.1f}"
+            f" -> {os.getloadavg()[0]:.1f}"
+        )
+        for name, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
+            print(f"  {name:58s} {ms:8.2f} ms  {100 * ms / step:5.1f}%")
+        engine.close()
 
 
 if __name__ == "__main__":

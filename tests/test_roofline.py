@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from mstar.bench.roofline import floor_s, linear_parameters
+from mstar.bench.roofline import (
+    floor_s,
+    linear_alone_s,
+    linear_bytes,
+    linear_modules,
+    linear_parameters,
+)
 from mstar.demo import build_model
 
 
@@ -26,3 +32,27 @@ def test_the_floor_is_the_slower_of_reading_the_weights_and_multiplying():
     assert floor_s(rates, 1000, torch.bfloat16, 1) == 2000 / 1e9  # bytes bound
     assert floor_s(rates, 1000, torch.float32, 1) == 4000 / 1e9
     assert floor_s(rates, 1000, torch.bfloat16, 100) == 2 * 100 * 1000 / 4e9  # compute bound
+
+
+class QuantLinear(torch.nn.Module):
+    """A stand-in for a quantized linear layer: packed bytes, no nn.Linear."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer(
+            "packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(*x.shape[:-1], self.out_features)
+
+
+def test_linear_modules_take_any_linear_layer_and_its_own_bytes():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), QuantLinear(4, 6), torch.nn.ReLU())
+    assert [type(m) for m in linear_modules(model)] == [torch.nn.Linear, QuantLinear]
+    assert linear_parameters(model) == 8 * 4 + 4 * 6
+    assert linear_bytes(model) == (8 * 4 + 4) * 4 + 6 * 2  # float32 weight + bias, packed bytes
+    assert linear_alone_s(model, rows=3, repeats=1) >= 0
+    rates = {"read_bytes_s": 1e9, "gemm_flop_s_float32": 1e12}
+    assert floor_s(rates, 56, torch.float32, 1, weight_bytes=100) == 100 / 1e9

@@ -9,7 +9,11 @@ two dtypes'. Each (dtype, eager or compiled) engine serves ``B`` decoding
 requests of SmolLM2 and steps in turns with the others, so a busy moment
 of the machine falls on all of them alike. ``host`` is the share of a step
 spent outside the model's forward (planning, sampling, detokenizing,
-completions).
+completions). ``linear`` is the model's linear layers alone at the step's
+rows (``linear_alone_s``: each ``linear_modules`` module called in turn on
+``B`` rows, eager, timed in turns with the steps), so ``step / linear`` says
+how much of a step is not its linear layers. Every table names the CPU
+(``mstar.engine.cpu``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 import torch
 
 from mstar.engine import Engine, SamplingParams
+from mstar.engine.cpu import cpu_info
 from mstar.engine.loader import load
 
 PROMPT_TOKENS = 32
@@ -35,7 +40,9 @@ class _Config:
     dtype: torch.dtype
     compiled: bool
     engine: Engine
+    weight_bytes: int
     forward_s: list[float] = field(default_factory=list)
+    linear_s: list[float] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -67,22 +74,80 @@ def _best(fn: Callable[[], Any], repeats: int) -> float:
     return min(times)
 
 
+def linear_modules(model: Any) -> list[torch.nn.Module]:
+    """The model's linear layers, each weight once (a head tied to the
+    embedding counted once): ``nn.Linear`` and any module whose class name
+    ends in ``Linear`` with ``in_features`` / ``out_features`` (a quantized
+    linear layer)."""
+    seen: set[int] = set()
+    found = []
+    for module in model.modules():
+        linear = isinstance(module, torch.nn.Linear) or (
+            type(module).__name__.endswith("Linear") and hasattr(module, "in_features")
+        )
+        if not linear:
+            continue
+        weight = getattr(module, "weight", None)
+        key = id(weight) if isinstance(weight, torch.Tensor) else id(module)
+        if key not in seen:
+            seen.add(key)
+            found.append(module)
+    return found
+
+
 def linear_parameters(model: Any) -> int:
-    """Parameters of the model's linear layers, the head included once
-    (tied to the embedding or not)."""
+    """Parameters of the model's linear layers (``in x out`` each), the head
+    included once (tied to the embedding or not)."""
+    return sum(m.in_features * m.out_features for m in linear_modules(model))
+
+
+def linear_bytes(model: Any) -> int:
+    """Bytes a decode step reads of the linear layers' weights (their
+    parameters and buffers, each tensor once): what a quantized layer stores."""
     seen: set[int] = set()
     total = 0
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and id(module.weight) not in seen:
-            seen.add(id(module.weight))
-            total += module.weight.numel()
+    for module in linear_modules(model):
+        for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
     return total
 
 
-def floor_s(rates: dict[str, float], params: int, dtype: torch.dtype, rows: int) -> float:
+def linear_alone_s(
+    model: Any, rows: int, repeats: int = 3, clock: Callable[[], float] = time.perf_counter
+) -> float:
+    """Seconds the model's linear layers alone take on ``rows`` rows (every
+    ``linear_modules`` module called once in model order, the head included,
+    as a decode step does), eager, without autograd; the median of
+    ``repeats`` passes after a warm one, on ``clock``."""
+    modules = linear_modules(model)
+    param = next(model.parameters())
+    inputs = {m.in_features: torch.randn(rows, m.in_features).to(param) for m in modules}
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats + 1):
+            start = clock()
+            for m in modules:
+                m(inputs[m.in_features])
+            times.append(clock() - start)
+    return statistics.median(times[1:])
+
+
+def floor_s(
+    rates: dict[str, float],
+    params: int,
+    dtype: torch.dtype,
+    rows: int,
+    weight_bytes: int | None = None,
+) -> float:
+    """A decode step's floor: its weight bytes read once (``weight_bytes``,
+    None: ``params`` in ``dtype``) or its GEMM FLOPs at the peak rate."""
     name = str(dtype).removeprefix("torch.")
-    weights = params * torch.tensor([], dtype=dtype).element_size()
-    return max(weights / rates["read_bytes_s"], 2 * rows * params / rates[f"gemm_flop_s_{name}"])
+    if weight_bytes is None:
+        weight_bytes = params * torch.tensor([], dtype=dtype).element_size()
+    compute = 2 * rows * params / rates[f"gemm_flop_s_{name}"]
+    return max(weight_bytes / rates["read_bytes_s"], compute)
 
 
 def run_roofline(
@@ -104,7 +169,7 @@ def run_roofline(
             model, tokenizer = load("smollm2", dtype=dtype)
             params = linear_parameters(model)
             engine = Engine(model, tokenizer, num_pages=pages, prefix_cache=False, compile=compiled)
-            configs.append(_Config(dtype, compiled, engine))
+            configs.append(_Config(dtype, compiled, engine, linear_bytes(model)))
             _time_forward(configs[-1])
     stage("measuring the machine's read bandwidth and peak GEMM again")
     # the better of two measurements: a busy moment of a shared machine lowers one
@@ -119,21 +184,28 @@ def run_roofline(
         times: dict[str, list[float]] = {c.name: [] for c in configs}
         for c in configs:
             c.forward_s.clear()
+            c.linear_s.clear()
         for _ in range(steps):
             for c in configs:
                 start = time.perf_counter()
                 c.engine.step()
                 times[c.name].append(time.perf_counter() - start)
+                c.linear_s.append(linear_alone_s(c.engine.model, batch, repeats=1))
         for c in configs:
             step = statistics.median(times[c.name])
             forward = statistics.median(c.forward_s)
+            linear = statistics.median(c.linear_s)
+            own_floor = floor_s(rates, params, c.dtype, batch, c.weight_bytes)
             rows.append(
                 {
                     "batch": batch,
                     "config": c.name,
                     "step_s": step,
+                    "linear_s": linear,
+                    "x_linear": step / linear,
                     "host_share": max(step - forward, 0.0) / step,
-                    "floor_s": floor_s(rates, params, c.dtype, batch),
+                    "floor_s": own_floor,
+                    "x_own_floor": step / own_floor,
                     "machine_floor_s": best_floor[batch],
                     "x_floor": step / best_floor[batch],
                     "compiled": c.engine.compiled,
@@ -141,7 +213,14 @@ def run_roofline(
             )
             for rid in list(c.engine._running):
                 c.engine.abort(rid)
-    return {"rates": rates, "linear_parameters": params, "rows": rows}
+    cpu = cpu_info()
+    return {
+        "cpu": cpu.describe(),
+        "cpu_family": cpu.family,
+        "rates": rates,
+        "linear_parameters": params,
+        "rows": rows,
+    }
 
 
 def _time_forward(config: _Config) -> None:
@@ -180,14 +259,17 @@ def format_roofline(result: dict) -> Any:
         f" {r['gemm_flop_s_float32'] / 1e9:.0f} (float32) / {r['gemm_flop_s_bfloat16'] / 1e9:.0f}"
         " (bfloat16) GFLOP/s"
     )
+    title += f"\nCPU: {result['cpu']}"
     table = Table(title=title, min_width=100)
-    for col in ("batch", "config", "step ms", "floor ms (dtype)", "machine floor ms", "x floor",
-                "host %"):  # fmt: skip
+    for col in ("batch", "config", "step ms", "linear ms", "step/linear", "floor ms (dtype)",
+                "x floor", "machine floor ms", "x machine floor", "host %"):  # fmt: skip
         table.add_column(col, justify="left" if col == "config" else "right", no_wrap=True)
     for row in result["rows"]:
         table.add_row(
             str(row["batch"]), row["config"], f"{row['step_s'] * 1e3:.1f}",
-            f"{row['floor_s'] * 1e3:.1f}", f"{row['machine_floor_s'] * 1e3:.1f}",
-            f"{row['x_floor']:.1f}x", f"{row['host_share'] * 100:.0f}",
+            f"{row['linear_s'] * 1e3:.1f}", f"{row['x_linear']:.2f}x",
+            f"{row['floor_s'] * 1e3:.1f}", f"{row['x_own_floor']:.1f}x",
+            f"{row['machine_floor_s'] * 1e3:.1f}", f"{row['x_floor']:.1f}x",
+            f"{row['host_share'] * 100:.0f}",
         )  # fmt: skip
     return table

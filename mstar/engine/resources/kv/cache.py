@@ -74,7 +74,7 @@ class KVCache:
                     for d in (head_dim, v_head_dim)
                 )
             self._layers.append(layer)
-        # The write slots of the last plan written, (plan, pages, offsets): a
+        # The write rows of the last plan written, (plan, K rows, V rows): a
         # step writes every layer through the same plan.
         self._slots: tuple[KVPlanOutput, torch.Tensor, torch.Tensor] | None = None
 
@@ -108,16 +108,25 @@ class KVCache:
                 raise ValueError(f"expected {name} on {self.device}, got {t.device}")
         if self._slots is None or self._slots[0] is not plan:
             pages, offsets = _write_slots(plan, self.page_size)
-            where = torch.from_numpy(np.stack([pages, offsets])).to(self.device)
-            self._slots = (plan, where[0], where[1])
-        _, pages_t, offsets_t = self._slots
+            self._slots = (plan, *self._rows(pages, offsets))
+        _, k_rows, v_rows = self._slots
         cache = self._layers[layer]
-        if isinstance(cache, tuple):
-            cache[0][pages_t, offsets_t] = k
-            cache[1][pages_t, offsets_t] = v
-        else:
-            cache[pages_t, 0, offsets_t] = k
-            cache[pages_t, 1, offsets_t] = v
+        k_width, v_width = self.num_kv_heads * self.head_dim, self.num_kv_heads * self.v_head_dim
+        k_cache, v_cache = cache if isinstance(cache, tuple) else (cache, cache)
+        k_cache.view(-1, k_width).index_copy_(0, k_rows, k.reshape(total, k_width))
+        v_cache.view(-1, v_width).index_copy_(0, v_rows, v.reshape(total, v_width))
+
+    def _rows(self, pages: np.ndarray, offsets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V rows of slots ``(pages, offsets)`` in a layer seen as
+        one row per token slot (``[..., H_kv * dim]``): one ``index_copy_``
+        each writes a step's keys and values."""
+        if self.v_head_dim != self.head_dim:  # (k, v) pair: [num_pages * page_size] rows each
+            k_rows = v_rows = pages * self.page_size + offsets
+        else:  # [num_pages, 2, page_size]: K rows then V rows of each page
+            k_rows = pages * (2 * self.page_size) + offsets
+            v_rows = k_rows + self.page_size
+        where = torch.from_numpy(np.stack([k_rows, v_rows]).astype(np.int64)).to(self.device)
+        return where[0], where[1]
 
     def copy_pages(self, src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray) -> None:
         """Copy page ``src[i]`` onto page ``dst[i]`` in every layer (a fork's
