@@ -12,7 +12,9 @@ Two measurements, in alternating rounds (A/B, so load moves both alike):
    required tool calls (hermes, the two test tools): the whole step.
 
 Reported: medians (and minima) in ms and the grammar's share of a plain
-decode step. Wall time (``perf_counter``).
+decode step. Times are process CPU time (all threads, as
+``step_costs.py``), so other jobs on a shared machine move them less than
+wall time.
 """
 
 from __future__ import annotations
@@ -53,11 +55,11 @@ def mask_round(engine: Engine, tokenizer, choice: str) -> list[float]:
     logits = torch.randn(ROWS, grammars.vocab_size)
     out = []
     for token in ids:
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         grammars.mask(logits, matchers)
         for m in matchers:
             assert m.accept_token(token)
-        out.append((time.perf_counter() - t0) * 1e3)
+        out.append((time.process_time() - t0) * 1e3)
     return out
 
 
@@ -74,9 +76,9 @@ def step_round(engine: Engine, constrained: bool, steps: int) -> list[float]:
         engine.step()  # prefill
     out = []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         engine.step()
-        out.append((time.perf_counter() - t0) * 1e3)
+        out.append((time.process_time() - t0) * 1e3)
     while engine.has_unfinished():
         engine.step()
     return out

@@ -56,11 +56,11 @@ def api(server):
 
 
 def create(api, **kwargs):
-    return toolcases.create(api, MODEL, max_tokens=NEW, **kwargs)
+    return toolcases.create(api, MODEL, **({"max_tokens": NEW} | kwargs))
 
 
 def streamed_calls(api, **kwargs):
-    return toolcases.streamed_calls(api, MODEL, max_tokens=NEW, **kwargs)
+    return toolcases.streamed_calls(api, MODEL, **({"max_tokens": NEW} | kwargs))
 
 
 NAMED = {"type": "function", "function": {"name": "add"}}

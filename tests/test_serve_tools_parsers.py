@@ -164,3 +164,20 @@ def test_a_matcher_in_free_text_leaves_the_logits_untouched(tok):
     masked = grammars.mask(logits, [matcher, None])
     assert masked is not logits and torch.isinf(masked[0]).sum() > len(tok) // 2
     assert torch.equal(masked[1], logits[1])
+
+
+def test_a_template_that_refuses_the_conversation_is_a_value_error(tok):
+    import copy
+
+    from mstar.serve.tools.render import ToolPrompt
+
+    strict = copy.deepcopy(tok)
+    strict.chat_template = (
+        "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}"
+        "{% endif %}{{ m.content }}{% endfor %}{{ tools }}"
+    )
+    prompt = ToolPrompt(strict, Hermes())
+    assert prompt.native
+    tool = {"role": "tool", "content": "1", "tool_calls": [], "tool_call_id": "c"}
+    with pytest.raises(ValueError, match="no tools"):
+        prompt.ids([tool], None)

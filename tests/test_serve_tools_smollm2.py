@@ -47,7 +47,7 @@ def api(server):
 
 
 def create(api, **kwargs):
-    return toolcases.create(api, MODEL, max_tokens=NEW, **kwargs)
+    return toolcases.create(api, MODEL, **({"max_tokens": NEW} | kwargs))
 
 
 @pytest.mark.parametrize(

@@ -41,16 +41,21 @@ class ToolPrompt:
         """The prompt ids of ``messages`` (checked dicts: ``role``, ``content``
         (None or str), ``tool_calls`` (``(id, ParsedCall)`` pairs),
         ``tool_call_id``), the generation prompt added; ``tools``: OpenAI
-        tool dicts or None."""
-        if self.native:
-            rendered = [_native(m) for m in messages]
-            out = self.tokenizer.apply_chat_template(
-                rendered, tools=list(tools) if tools else None, add_generation_prompt=True
-            )
-        else:
-            out = self.tokenizer.apply_chat_template(
-                self._fallback(messages, tools), add_generation_prompt=True
-            )
+        tool dicts or None. ``ValueError`` when the template refuses them."""
+        from jinja2 import TemplateError
+
+        try:
+            if self.native:
+                rendered = [_native(m) for m in messages]
+                out = self.tokenizer.apply_chat_template(
+                    rendered, tools=list(tools) if tools else None, add_generation_prompt=True
+                )
+            else:
+                out = self.tokenizer.apply_chat_template(
+                    self._fallback(messages, tools), add_generation_prompt=True
+                )
+        except TemplateError as err:  # the template's raise_exception: a bad conversation
+            raise ValueError(f"the chat template refused the messages: {err}") from None
         return list(out["input_ids"] if isinstance(out, Mapping) else out)
 
     def _fallback(self, messages: Sequence[Mapping], tools: Sequence[dict] | None) -> list[dict]:
