@@ -178,7 +178,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    print(f"CPU: {cpu_info().describe()}")
+    print(f"CPU: {cpu_info().describe()}; load {os.getloadavg()[0]:.1f}")
     for rows in args.rows:
         engine = decoding_engine(rows, args.compile, dtype)
         mode = engine.compiled or "eager"
