@@ -7,11 +7,11 @@ rates are measured in the same run (summing a large tensor; a 2048^3
 matmul, 512^3 for an emulated bfloat16), in each dtype the run serves:
 float32 and bfloat16 by default, float32 alone on a CPU without a native
 bfloat16 matmul (an emulated bfloat16 engine at batch 32 takes minutes a
-step); the machine's floor is the lower of the dtypes'. Each (dtype, eager or compiled) engine serves ``B`` decoding
-requests of SmolLM2 and steps in turns with the others, so a busy moment
-of the machine falls on all of them alike. ``host`` is the share of a step
-spent outside the model's forward (planning, sampling, detokenizing,
-completions). ``linear`` is the model's linear layers alone at the step's
+step); the machine's floor is the lower of the dtypes'. Each (dtype, eager
+or compiled) engine serves ``B`` decoding requests of SmolLM2 and steps in
+turns with the others, so a busy moment of the machine falls on all of
+them alike. ``host`` is the share of a step spent outside the model's
+forward (planning, sampling, detokenizing, completions). ``linear`` is the model's linear layers alone at the step's
 rows (``linear_alone_s``: each ``linear_modules`` module called in turn on
 ``B`` rows, eager, timed in turns with the steps), so ``step / linear`` says
 how much of a step is not its linear layers. Every table names the CPU
