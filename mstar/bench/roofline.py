@@ -277,8 +277,9 @@ def format_roofline(result: dict) -> Any:
     )
     title += f"\nCPU: {result['cpu']}"
     table = Table(title=title, min_width=100)
-    for col in ("batch", "config", "step ms", "linear ms", "step/linear", "floor ms (dtype)",
-                "x floor", "machine floor ms", "x machine floor", "host %"):  # fmt: skip
+    # floor: of this config's own weight bytes; machine: the best dtype's (see the module)
+    for col in ("batch", "config", "step ms", "linear ms", "step/linear", "floor ms",
+                "x floor", "machine ms", "x machine", "host %"):  # fmt: skip
         table.add_column(col, justify="left" if col == "config" else "right", no_wrap=True)
     for row in result["rows"]:
         table.add_row(
