@@ -86,8 +86,8 @@ def main() -> None:
             print(f"round {r} {tree} ({result['compiled'] or 'eager'}), load {load:.1f}:", end="")
             for rows in args.rows:
                 wall, cpu, alone, alone_cpu = result[str(rows)]
-                print(f"  B={rows}: step {wall * 1e3:.1f} ms (cpu {cpu * 1e3:.1f}),"
-                      f" linear alone {alone * 1e3:.1f} (cpu {alone_cpu * 1e3:.1f})", end="")  # fmt: skip
+                print(f"  B={rows}: step {wall * 1e3:.1f} ms (cpu {cpu * 1e3:.1f}), linear"
+                      f" alone {alone * 1e3:.1f} (cpu {alone_cpu * 1e3:.1f})", end="")  # fmt: skip
                 if rows not in best[tree] or cpu < best[tree][rows][1]:
                     best[tree][rows] = [wall, cpu, alone, alone_cpu]
             print(flush=True)

@@ -6,12 +6,12 @@
 An ``Engine`` on SmolLM2 with ``--rows`` requests decoding (32-token
 prompts), ``--steps`` timed decode steps. Eager, each part is timed around
 its own calls (the process's CPU time, all threads: on a shared machine
-wall time mostly measures the other jobs; median over the steps): the linear layers (every
-``linear_modules`` module but the head), the head, the embedding, the norms,
-the rotary tables, the activation, paged attention (its KV write apart),
-the rest of the forward (HF's Python, rotary applied, residual adds,
-``silu * up``), and outside the forward the plan/commit, the sampling and
-the rest of the engine's host work. Compiled (``--compile``), the graph is
+wall time mostly measures the other jobs; median over the steps): the
+linear layers (every ``linear_modules`` module but the head), the head,
+the embedding, the norms, the rotary tables, the activation, paged
+attention (its KV write apart), the rest of the forward (HF's Python,
+rotary applied, residual adds, ``silu * up``), and outside the forward the
+plan/commit, the sampling and the rest of the engine's host work. Compiled (``--compile``), the graph is
 one call, so the parts come from the torch profiler's ops: the linear
 layers and head (oneDNN's or aten's GEMMs), the attention op, the graph's
 own kernels, dynamo's guards and the rest (wall time of the ops). Then the
@@ -178,7 +178,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    print(f"CPU: {cpu_info().describe()}")
+    print(f"CPU: {cpu_info().describe()}; load {os.getloadavg()[0]:.1f}")
     for rows in args.rows:
         engine = decoding_engine(rows, args.compile, dtype)
         mode = engine.compiled or "eager"

@@ -4,12 +4,14 @@ The floor of a decode step of ``B`` rows is ``max(weight bytes / read
 bandwidth, 2 * B * linear parameters / peak GEMM rate)``: every linear
 weight (the head included) is read once and multiplied by every row. Both
 rates are measured in the same run (summing a large tensor; a 2048^3
-matmul), in float32 and bfloat16; the machine's floor is the lower of the
-two dtypes'. Each (dtype, eager or compiled) engine serves ``B`` decoding
-requests of SmolLM2 and steps in turns with the others, so a busy moment
-of the machine falls on all of them alike. ``host`` is the share of a step
-spent outside the model's forward (planning, sampling, detokenizing,
-completions). ``linear`` is the model's linear layers alone at the step's
+matmul, 512^3 for an emulated bfloat16), in each dtype the run serves:
+float32 and bfloat16 by default, float32 alone on a CPU without a native
+bfloat16 matmul (an emulated bfloat16 engine at batch 32 takes minutes a
+step); the machine's floor is the lower of the dtypes'. Each (dtype, eager
+or compiled) engine serves ``B`` decoding requests of SmolLM2 and steps in
+turns with the others, so a busy moment of the machine falls on all of
+them alike. ``host`` is the share of a step spent outside the model's
+forward (planning, sampling, detokenizing, completions). ``linear`` is the model's linear layers alone at the step's
 rows (``linear_alone_s``: each ``linear_modules`` module called in turn on
 ``B`` rows, eager, timed in turns with the steps), so ``step / linear`` says
 how much of a step is not its linear layers. Every table names the CPU
@@ -29,6 +31,7 @@ import torch
 
 from mstar.engine import Engine, SamplingParams
 from mstar.engine.cpu import cpu_info
+from mstar.engine.dtypes import native_cpu_bf16
 from mstar.engine.loader import load
 
 PROMPT_TOKENS = 32
@@ -51,13 +54,18 @@ class _Config:
         )
 
 
-def machine_rates(repeats: int = 5) -> dict[str, float]:
-    """Read bandwidth (bytes/s) and peak GEMM rate (FLOP/s) per dtype, best of ``repeats``."""
+def machine_rates(
+    repeats: int = 5, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+) -> dict[str, float]:
+    """Read bandwidth (bytes/s) and peak GEMM rate (FLOP/s) per dtype of
+    ``dtypes``, best of ``repeats``. A 2048^3 matmul, or 512^3 in a dtype
+    the CPU has no native matmul for (bfloat16 on AVX2 is emulated: 2048^3
+    takes minutes there)."""
     big = torch.ones(READ_BYTES // 4, dtype=torch.float32)
     rates = {"read_bytes_s": READ_BYTES / _best(big.sum, repeats)}
     del big
-    n = 2048
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes:
+        n = 512 if dtype == torch.bfloat16 and native_cpu_bf16() is None else 2048
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         seconds = _best(functools.partial(torch.mm, a, b), repeats)
         rates[f"gemm_flop_s_{str(dtype).removeprefix('torch.')}"] = 2 * n**3 / seconds
@@ -152,14 +160,19 @@ def floor_s(
 
 def run_roofline(
     batches: tuple[int, ...] = (1, 8, 32, 128),
-    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
+    dtypes: tuple[torch.dtype, ...] | None = None,
     modes: tuple[bool, ...] = (False, True),
     steps: int = 10,
     stage: Callable[[str], None] = lambda _: None,
 ) -> dict:
-    """The table's rows (one per batch and config) and the machine's rates."""
+    """The table's rows (one per batch and config) and the machine's rates;
+    ``dtypes`` None: float32 and bfloat16, float32 alone without a native
+    bfloat16 matmul."""
+    if dtypes is None:
+        native = native_cpu_bf16() is not None
+        dtypes = (torch.float32, torch.bfloat16) if native else (torch.float32,)
     stage("measuring the machine's read bandwidth and peak GEMM")
-    first = machine_rates()
+    first = machine_rates(dtypes=dtypes)
     new_tokens = steps + 8  # a decoding request's budget: it outlives the timed steps
     pages = max(batches) * -(-(PROMPT_TOKENS + new_tokens) // 16) + 64
     configs, params = [], 0
@@ -173,7 +186,7 @@ def run_roofline(
             _time_forward(configs[-1])
     stage("measuring the machine's read bandwidth and peak GEMM again")
     # the better of two measurements: a busy moment of a shared machine lowers one
-    rates = {k: max(v, first[k]) for k, v in machine_rates().items()}
+    rates = {k: max(v, first[k]) for k, v in machine_rates(dtypes=dtypes).items()}
     best_floor = {b: min(floor_s(rates, params, d, b) for d in dtypes) for b in batches}
     rows = []
     for batch in batches:
@@ -253,16 +266,20 @@ def format_roofline(result: dict) -> Any:
     from rich.table import Table
 
     r = result["rates"]
+    gemm = " / ".join(
+        f"{v / 1e9:.0f} ({k.removeprefix('gemm_flop_s_')})"
+        for k, v in r.items()
+        if k.startswith("gemm_flop_s_")
+    )
     title = (
         f"decode steps of SmolLM2 ({result['linear_parameters'] / 1e6:.0f}M linear parameters)"
-        f" vs the machine's floor: read {r['read_bytes_s'] / 1e9:.0f} GB/s, GEMM"
-        f" {r['gemm_flop_s_float32'] / 1e9:.0f} (float32) / {r['gemm_flop_s_bfloat16'] / 1e9:.0f}"
-        " (bfloat16) GFLOP/s"
+        f" vs the machine's floor: read {r['read_bytes_s'] / 1e9:.0f} GB/s, GEMM {gemm} GFLOP/s"
     )
     title += f"\nCPU: {result['cpu']}"
     table = Table(title=title, min_width=100)
-    for col in ("batch", "config", "step ms", "linear ms", "step/linear", "floor ms (dtype)",
-                "x floor", "machine floor ms", "x machine floor", "host %"):  # fmt: skip
+    # floor: of this config's own weight bytes; machine: the best dtype's (see the module)
+    for col in ("batch", "config", "step ms", "linear ms", "step/linear", "floor ms",
+                "x floor", "machine ms", "x machine", "host %"):  # fmt: skip
         table.add_column(col, justify="left" if col == "config" else "right", no_wrap=True)
     for row in result["rows"]:
         table.add_row(

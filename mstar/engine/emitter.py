@@ -19,21 +19,16 @@ class Emitter:
     def __init__(self, pipeline: LogitsPipeline, eos_token_ids: frozenset[int]) -> None:
         self.pipeline, self.eos_token_ids = pipeline, eos_token_ids
 
-    def on_logits(
-        self, req: Request, label: str, logits: torch.Tensor, greedy: int | None = None
-    ) -> None:
-        """A stream's last token is in: choose its sample's next token
-        (``greedy``: ``sample_token``'s choice from ``logits``, when the
-        caller took it already, as ``greedy_tokens`` does for a step's rows)."""
+    def on_logits(self, req: Request, label: str, logits: torch.Tensor) -> None:
+        """A stream's last token is in: choose its sample's next token."""
         if label in GUIDED:
-            greedy = None  # drawn from the pair's combined logits
             req.pending[label] = logits
             if len(req.pending) < 2:
                 return
             cond, uncond = req.pending.pop("cond"), req.pending.pop("uncond")
             logits = uncond + req.guidance_scale * (cond - uncond)
         sample = req.by_label[label]
-        self._emit(req, sample, self._choose(req, sample, logits, greedy))
+        self._emit(req, sample, self._choose(req, sample, logits))
 
     def forked(self, req: Request, live: list[Sample], logits: torch.Tensor) -> None:
         """``req``'s prompt stream ``main`` was forked into the first stream of
@@ -46,10 +41,8 @@ class Emitter:
             if not sample.token_ids:
                 self._emit(req, sample, self._choose(req, sample, logits))
 
-    def _choose(
-        self, req: Request, sample: Sample, logits: torch.Tensor, greedy: int | None = None
-    ) -> int:
-        token = sample_token(logits, req.params, sample.generator) if greedy is None else greedy
+    def _choose(self, req: Request, sample: Sample, logits: torch.Tensor) -> int:
+        token = sample_token(logits, req.params, sample.generator)
         self.pipeline.chose(req, sample, logits, token)
         return token
 

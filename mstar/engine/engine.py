@@ -40,7 +40,7 @@ from mstar.engine.records import EngineStats, StepFailed
 from mstar.engine.request import Completion, Request
 from mstar.engine.resources.groups import KVGroups
 from mstar.engine.resources.step import KVStep
-from mstar.engine.sampling import SamplingParams, greedy_tokens
+from mstar.engine.sampling import SamplingParams
 from mstar.engine.speculative import speculator
 from mstar.engine.tp import shard
 from mstar.integrations.hf import forward_step, kv_spec, register
@@ -401,17 +401,16 @@ class Engine:
             logits = self._logits(ids, plan, at)
             self.pipeline.prompt(logits[: len(prompt_rows)], prompt_rows)
             logits = logits[len(prompt_rows) :]
-            if self.spec is None:
-                logits = self.pipeline.rows(logits, chosen)
-                greedy = greedy_tokens(logits, [req.params for req, _ in chosen])
-                rows = zip(chosen, logits, greedy)
-            else:
-                rows = ((key, row, None) for key, row in self.spec.verify(self, chosen, logits))
-            for (req, label), row, token in rows:
+            rows = (
+                zip(chosen, self.pipeline.rows(logits, chosen))
+                if self.spec is None
+                else self.spec.verify(self, chosen, logits)
+            )
+            for (req, label), row in rows:
                 if label == "main" and not req.forked:
                     forks.append((req, row))  # forked after the commit
                 else:
-                    on_logits(req, label, row, token)
+                    on_logits(req, label, row)
         return list(touched.values()), forks
 
     def _logits(self, ids: list[int], plan: Any, at: list[int]) -> torch.Tensor:

@@ -197,15 +197,6 @@ def make_generator(params: SamplingParams, sample: int, device: torch.device) ->
     return generator
 
 
-def greedy_tokens(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[int | None]:
-    """Row ``i`` of ``logits`` ``[rows, vocab]``'s ``sample_token`` when
-    ``params[i]`` is greedy (its argmax, all rows in one call), else None."""
-    if not any(p.greedy for p in params):
-        return [None] * len(params)
-    best = logits.argmax(dim=-1).tolist()
-    return [token if p.greedy else None for token, p in zip(best, params)]
-
-
 def sample_token(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> int:

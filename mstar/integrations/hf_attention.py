@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-from mstar.engine.resources.attn.decode import DecodeSchedule, decode_schedule
 from mstar.engine.resources.attn.flashinfer import FlashInferPagedAttention
 from mstar.engine.resources.attn.options import AttentionOptions
 from mstar.engine.resources.attn.paged import AttentionSchedule, paged_attention
@@ -62,8 +61,8 @@ class PagedStep:
     layers_seen: set[int] = field(default_factory=set)
     # Each group's attention schedule, built by its first layer.
     schedules: dict[int, AttentionSchedule] = field(default_factory=dict)
-    # Each group's decode schedule (None: not a decode step), built by its first layer.
-    decodes: dict[int, DecodeSchedule | None] = field(default_factory=dict)
+    # Each group's plan's token count, read by its first layer.
+    totals: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -150,7 +149,9 @@ def _attend_layer(
     context.layers_seen.add(layer)
     group, local = (0, layer) if context.where is None else context.where[layer]
     plan, cache = context.plans[group], context.caches[group]
-    total, padded = plan.get_total_len(), query.shape[2]
+    if group not in context.totals:
+        context.totals[group] = plan.get_total_len()
+    total, padded = context.totals[group], query.shape[2]
     if padded != total:
         query, key, value = query[:, :, :total], key[:, :, :total], value[:, :, :total]
     q = query[0].transpose(0, 1)
@@ -161,7 +162,12 @@ def _attend_layer(
         True, scaling, window_left, softcap, sinks, context.chunk_sizes[layer]
     )
     if context.flashinfer is None:
-        out = _attend_paged(context, group, plan, cache.layer(local), cache.page_size, q, options)
+        schedule = context.schedules.get(group)
+        if schedule is None:
+            schedule = AttentionSchedule(plan.cpu_indptrs, cache.page_size, q.device)
+            context.schedules[group] = schedule
+        kv_layer = cache.layer(local)
+        out = paged_attention(q, kv_layer, plan.cpu_indptrs, options, schedule=schedule)
     else:
         context.flashinfer.plan(
             plan,
@@ -177,30 +183,6 @@ def _attend_layer(
     if padded != total:
         out = torch.cat([out, out.new_zeros((padded - total, *out.shape[1:]))])
     return out[None]
-
-
-def _attend_paged(
-    context: PagedStep,
-    group: int,
-    plan: KVPlanOutput,
-    kv_layer: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-    page_size: int,
-    q: torch.Tensor,
-    options: AttentionOptions,
-) -> torch.Tensor:
-    """Attention in PyTorch: a decode step through its ``DecodeSchedule``
-    when it serves the layer, else ``paged_attention``; each schedule built
-    once per step and group."""
-    if group not in context.decodes:
-        context.decodes[group] = decode_schedule(plan.cpu_indptrs, page_size, q.device)
-    decode = context.decodes[group]
-    if decode is not None and decode.serves(kv_layer, options):
-        return decode.attend(q, kv_layer, options)
-    schedule = context.schedules.get(group)
-    if schedule is None:
-        schedule = AttentionSchedule(plan.cpu_indptrs, page_size, q.device)
-        context.schedules[group] = schedule
-    return paged_attention(q, kv_layer, plan.cpu_indptrs, options, schedule=schedule)
 
 
 # For a compiled forward, ``_attend_layer`` as one custom op per layer,

@@ -97,7 +97,9 @@ class KVCache:
         slots are computed once per plan, not once per layer.
         """
         self._check_layer(layer)
-        total = plan.get_total_len()
+        # the plan's token count: its write rows' once computed (no host read per layer)
+        same = self._slots is not None and self._slots[0] is plan
+        total = self._slots[1].numel() if same else plan.get_total_len()
         for name, t, width in (("k", k, self.head_dim), ("v", v, self.v_head_dim)):
             expected = (total, self.num_kv_heads, width)
             if tuple(t.shape) != expected:
@@ -106,7 +108,7 @@ class KVCache:
                 raise ValueError(f"expected {name} of dtype {self.dtype}, got {t.dtype}")
             if t.device != self.device:
                 raise ValueError(f"expected {name} on {self.device}, got {t.device}")
-        if self._slots is None or self._slots[0] is not plan:
+        if not same:
             pages, offsets = _write_slots(plan, self.page_size)
             self._slots = (plan, *self._rows(pages, offsets))
         _, k_rows, v_rows = self._slots
