@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import sys
 import time
 from typing import Any
@@ -123,8 +122,6 @@ def main(argv: list[str] | None = None) -> int:
     add_speculative_options(bench, "with no other mode: n-gram drafts against none on SmolLM2")
     serve_cli.add_parser(sub)
     args = parser.parse_args(argv)
-    # the weights' loading bar: noise in a CLI (set, not imported: serve binds its port first)
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     commands = {"demo": run_demo, "generate": run_generate, "bench": run_bench}
     commands["serve"] = serve_cli.run
     try:

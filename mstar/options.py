@@ -118,10 +118,12 @@ def load_model(
     ``tensor_parallel_size > 1`` this rank's shard of a group started for it
     (``make_engine`` serves it with the same size)."""
     import torch
+    from transformers.utils import logging
 
     from mstar.engine.loader import load
     from mstar.engine.tp import load_sharded
 
+    logging.disable_progress_bar()  # the weights' loading bar: noise in a CLI
     where = checked_device(device)
     dtype = torch.float32 if dtype is None else dtype
     if tensor_parallel_size < 1:

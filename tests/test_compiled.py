@@ -87,7 +87,7 @@ def test_the_cli_compiles_unless_told_not_to(flag, compiles, monkeypatch, capsys
     assert main([*args, *flag]) == 0
     err = capsys.readouterr().err
     assert bool(asked) == compiles
-    assert ("weights, forward compiled (0 s)\n" in err) == compiles
+    assert ("weights, forward compiled (0 s), checked: agrees" in err) == compiles
 
 
 def test_compiled_verify_rows_are_exact_against_hf(models):

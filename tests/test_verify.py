@@ -86,3 +86,43 @@ def test_the_check_allows_a_flip_only_at_a_near_tie(paged):
     assert check_mode(engine, reference, Tolerance(1e9, 1e9)).flips == 24
     close = check_mode(engine, reference, Tolerance(1e-3, 1e9))
     assert not close.ok and "logprob" in close.failure and "|diff|" in close.failure
+
+
+def _serve_args(**overrides):
+    import argparse
+
+    args = dict(
+        model="random", seed=0, device="cpu", dtype="bfloat16", pages=64, page_size=8,
+        budget=32, no_prefix_cache=False, tensor_parallel_size=1, enforce_eager=True,
+        speculative=None, num_speculative_tokens=4,
+    )  # fmt: skip
+    return argparse.Namespace(**{**args, **overrides})
+
+
+def test_the_cli_serves_float32_when_half_precision_disagrees_and_says_why(monkeypatch):
+    from mstar.engine import build
+    from mstar.engine.verify import ModeCheck
+    from mstar.options import build_engine
+
+    real = build.check_mode
+
+    def made_up(engine, reference, tolerance):
+        if tolerance == Tolerance.of(exact=False):
+            return ModeCheck(2.0, 1, 0, "made up")
+        return real(engine, reference, tolerance)
+
+    monkeypatch.setattr(build, "check_mode", made_up)
+    engine, line = build_engine(_serve_args())
+    assert engine.dtype == torch.float32 and engine.mode_check is None
+    assert line.startswith(
+        "float32 (bfloat16 refused: bfloat16 disagrees with eager float32: made up) weights"
+    ), line
+
+
+def test_the_start_up_line_names_the_check_and_speculation():
+    from mstar.options import build_engine
+
+    engine, line = build_engine(_serve_args(speculative="ngram", num_speculative_tokens=3))
+    assert engine.dtype == torch.bfloat16
+    assert "checked: agrees with eager float32 (24 greedy tokens" in line, line
+    assert line.endswith("speculative ngram (up to 3 draft tokens)"), line

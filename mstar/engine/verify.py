@@ -107,16 +107,23 @@ def float32_reference(model: Any) -> Reference:
     return forward
 
 
-def check_prompts(engine: Any) -> list[list[int]]:
-    """The fixed prompts as ids: chats through the tokenizer, else seeded ids."""
+def check_prompts(engine: Any, params: Any) -> list[list[int]]:
+    """The fixed prompts as ids (chats through the tokenizer, else seeded
+    ids), each cut from the left to what a small pool holds alone."""
     tokenizer = engine.tokenizer
     if tokenizer is None:
         rng = random.Random(0)
         vocab = engine.model.config.vocab_size
-        return [[rng.randrange(vocab) for _ in range(12)] for _ in PROMPTS]
-    if getattr(tokenizer, "chat_template", None) is not None:
-        return [engine.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    return [tokenizer.encode(p) for p in PROMPTS]
+        prompts = [[rng.randrange(vocab) for _ in range(12)] for _ in PROMPTS]
+    elif getattr(tokenizer, "chat_template", None) is not None:
+        prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    else:
+        prompts = [tokenizer.encode(p) for p in PROMPTS]
+    for i, prompt in enumerate(prompts):
+        while len(prompt) > 1 and engine.peak_pages(len(prompt), params) > engine.mgr.num_pages:
+            prompt = prompt[len(prompt) // 2 :]
+        prompts[i] = prompt
+    return prompts
 
 
 def check_mode(engine: Any, reference: Reference, tolerance: Tolerance) -> ModeCheck:
@@ -127,7 +134,7 @@ def check_mode(engine: Any, reference: Reference, tolerance: Tolerance) -> ModeC
 
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP)
     stats = copy.deepcopy(engine.stats)
-    prompts = check_prompts(engine)
+    prompts = check_prompts(engine, params)
     try:
         done = engine.generate(prompts, params)
     finally:
