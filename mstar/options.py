@@ -65,9 +65,9 @@ def resolved_dtype(value: str, device: str, exact: bool = False) -> Any:
 def mode_line(choice: Any, engine: Any) -> str:
     """What the start-up line says of the dtype, the quantization and the forward."""
     quantization = getattr(engine.model, "mstar_quantization", None)
-    quantized = f", quantization {quantization}" if quantization else ""
+    quantized = f"; quantization {quantization}" if quantization else ""
     forward = engine.compiled or "eager (--enforce-eager)"
-    return f"{choice.describe()} weights{quantized}, forward {forward}"
+    return f"{choice.describe()} weights, forward {forward}{quantized}"
 
 
 def add_speculative_options(parser: argparse.ArgumentParser, what: str = "") -> None:
