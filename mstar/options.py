@@ -63,18 +63,17 @@ def resolved_dtype(value: str, device: str, exact: bool = False) -> Any:
 
 
 def mode_line(choice: Any, engine: Any, forward: str | None = None) -> str:
-    """What the start-up line says of the dtype, the quantization, the forward
-    (``forward``, else ``engine.compiled``), the mode check and speculation."""
+    """What the start-up line says of the dtype, the forward (``forward``,
+    else ``engine.compiled``), the mode check, speculation and the
+    quantization (last: its summary lists layers)."""
     forward = forward or engine.compiled or "eager (--enforce-eager)"
-    parts = [f"{choice.describe()} weights"]
-    if quantization := getattr(engine.model, "mstar_quantization", None):
-        parts.append(f"quantization {quantization}")
-    parts.append(f"forward {forward}")
+    parts = [f"{choice.describe()} weights", f"forward {forward}"]
     if engine.mode_check is not None:
         parts.append(f"checked: {engine.mode_check.describe()}")
     if engine.spec is not None:
         parts.append(f"speculative ngram (up to {engine.spec.k} draft tokens)")
-    return ", ".join(parts)
+    quantization = getattr(engine.model, "mstar_quantization", None)
+    return ", ".join(parts) + (f"; quantization {quantization}" if quantization else "")
 
 
 def add_speculative_options(parser: argparse.ArgumentParser, what: str = "") -> None:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from mstar.engine import Engine, SamplingParams
 from mstar.engine.loader import load
+from mstar.engine.quant.at_load import quantize_int4
 from mstar.engine.quant.linear import PackedLinear
 from mstar.engine.quant.packed import Packed
 
@@ -35,21 +36,25 @@ PASSAGE = (
 )
 
 
-def best_of(fn: Any, repeats: int) -> float:
+def best_of(fn: Any, repeats: int, clock: Any = time.perf_counter) -> float:
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best
 
 
-def layers(repeats: int = 9) -> dict[str, float]:
-    """Milliseconds for the 211 linear layers back to back, per path and batch."""
+def layers(repeats: int = 9, cpu_time: bool = False) -> dict[str, float]:
+    """Milliseconds for the 211 linear layers back to back, per path and
+    batch: wall time, or with ``cpu_time`` one thread's ``process_time``."""
     model, _ = load("smollm2", quantization="gguf")
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     dense = [Packed(m.kind, m.qweight, m.scales, m.mins).dequantize() for m in packed]
     int4 = [_int4pack(w) for w in dense]
+    clock = time.process_time if cpu_time else time.perf_counter
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if cpu_time else threads)
     out = {}
     for batch in (1, 32):
         x = {k: torch.randn(batch, k) for k in (576, 1536)}
@@ -65,21 +70,20 @@ def layers(repeats: int = 9) -> dict[str, float]:
         with torch.no_grad():
             for _ in range(repeats):  # alternating, min of each
                 for name, fn in paths.items():
-                    times[name] = min(times[name], best_of(fn, 1))
+                    times[name] = min(times[name], best_of(fn, 1, clock))
         out.update({f"{name} @ batch {batch}": t * 1e3 for name, t in times.items()})
+    torch.set_num_threads(threads)
     return out
 
 
 def _int4pack(w: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """``w`` as torch's own int4 groups of 32 (asymmetric, bfloat16 scales)."""
-    groups = w.reshape(-1, 32)
-    lo, hi = groups.amin(1, keepdim=True), groups.amax(1, keepdim=True)
-    scale = ((hi - lo) / 15).clamp(min=1e-8)
-    q = ((groups - lo) / scale).round().clamp(0, 15).to(torch.int32).view(w.shape)
-    zero = lo + 8 * scale  # torch's form: w = (q - 8) * scale + zero
-    sz = torch.stack([scale.view(w.shape[0], -1), zero.view(w.shape[0], -1)], dim=-1)
-    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-    return w.shape[1], packed, sz.transpose(0, 1).contiguous().bfloat16()
+    """``w`` as torch's own int4 groups of 32 (``quantize_int4``'s values;
+    torch's form: ``w = (q - 8) * scale + zero``, bfloat16 scales and zeros)."""
+    packed = quantize_int4(w)
+    scale, zero = packed.scales.float(), packed.mins.float() + 8 * packed.scales.float()
+    sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().bfloat16()
+    q = torch._convert_weight_to_int4pack_for_cpu(packed.values().to(torch.int32), 1)
+    return w.shape[1], q, sz
 
 
 def steps(modes: tuple[str, ...] = ("none", "gguf"), repeats: int = 9) -> dict[str, float]:
@@ -141,6 +145,8 @@ def main() -> None:
     print("load", os.getloadavg())
     for name, ms in layers().items():
         print(f"{name:48s} {ms:8.1f} ms")
+    for name, ms in layers(repeats=5, cpu_time=True).items():
+        print(f"{name + ', 1 thread CPU time':48s} {ms:8.1f} ms")
     for name, ms in steps().items():
         print(f"{name:48s} {ms:8.1f} ms")
     base = None

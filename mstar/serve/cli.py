@@ -278,7 +278,8 @@ def run_bench(args: argparse.Namespace) -> int:
         args.url, rates, requests=8 if args.quick else args.requests,
         max_tokens=16 if args.quick else args.max_tokens, self_server=not args.no_self,
         server_args=[*(["--dtype", args.dtype] if args.dtype else []),
-                     *(["--enforce-eager"] if args.enforce_eager else [])],
+                     *(["--enforce-eager"] if args.enforce_eager else []),
+                     "--quantization", args.quantization],
     )  # fmt: skip
     print(format_serve(result))
     if args.json:

@@ -40,14 +40,20 @@ class Packed:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights, each ``q * scale (+ min)`` as GGUF's own dequantization computes it."""
-        rows, width = self.shape
+        width = self.shape[1]
         scales = self.scales.float().repeat_interleave(width // self.scales.shape[1], dim=1)
         if self.kind == "int8":
             return self.qweight.float() * scales
-        groups = self.qweight.view(rows, -1, GROUP // 2)
-        nibbles = torch.cat([groups & 0x0F, groups >> 4], dim=2).view(rows, width)
         mins = self.mins.float().repeat_interleave(GROUP, dim=1)
-        return nibbles.float() * scales + mins
+        return self.values().float() * scales + mins
+
+    def values(self) -> torch.Tensor:
+        """The integers ``q``, ``[N, K]`` (int4: uint8 0..15; int8: int8)."""
+        if self.kind == "int8":
+            return self.qweight
+        rows, width = self.shape
+        groups = self.qweight.view(rows, -1, GROUP // 2)
+        return torch.cat([groups & 0x0F, groups >> 4], dim=2).view(rows, width)
 
 
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Packed:
