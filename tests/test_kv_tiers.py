@@ -175,13 +175,20 @@ class GatedStore:
         return getattr(self.inner, name)
 
 
-def test_a_fetch_in_flight_does_not_hold_other_requests(models, tmp_path):
-    batch = shared_prompts(1)
+def gated(models, tmp_path, batch):
+    """An engine over a disk tier holding ``batch``'s pages whose reads
+    wait for the returned gate: ``(engine, tiers, gate)``."""
     computed(models, batch, disk=tmp_path)
     eng = engine(models[1])
     tiers = kv_tiers.attach(eng, disk=tmp_path)
     gate = threading.Event()
     tiers.io.stores[0] = GatedStore(tiers.io.stores[0], gate)
+    return eng, tiers, gate
+
+
+def test_a_fetch_in_flight_does_not_hold_other_requests(models, tmp_path):
+    batch = shared_prompts(1)
+    eng, tiers, gate = gated(models, tmp_path, batch)
     waiting = eng.add_request(batch[0], PARAMS)
     other = eng.add_request([5, 6, 7], SamplingParams(max_new_tokens=4))
     finished = set()
@@ -322,3 +329,21 @@ def test_attach_refuses_an_engine_without_the_prefix_cache(models, tmp_path):
         kv_tiers.attach(engine(models[1], prefix_cache=False), disk=tmp_path)
     with pytest.raises(ValueError, match="lazy or eager"):
         kv_tiers.attach(engine(models[1]), disk=tmp_path, offload="sometimes")
+
+
+def test_a_request_aborted_while_its_pages_load_leaves_nothing_behind(models, tmp_path):
+    batch = shared_prompts(1)
+    eng, tiers, gate = gated(models, tmp_path, batch)
+    rid = eng.add_request(batch[0], PARAMS)
+    other = eng.add_request([5, 6, 7], SamplingParams(max_new_tokens=2))
+    eng.step()  # the fetch starts; the other request steps
+    assert tiers.busy(rid)
+    eng.abort(rid)
+    gate.set()
+    while tiers.busy(rid):
+        tiers.wait(1.0)
+    while eng.has_unfinished():
+        assert all(c.request_id == other for c in eng.step())
+    tiers.close()
+    assert not tiers._fetched_pages and not tiers._dropped  # the fetched KV was let go
+    eng.mgr.check_invariants()

@@ -11,6 +11,7 @@ their pages back after the step; finished and aborted requests leave.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from mstar.engine.intake import RequestTooLarge
 from mstar.engine.records import EngineStats, StepFailed
@@ -175,7 +176,7 @@ class Admitter:
             matched = matched or req.fed[label] > 0
         return matched
 
-    def _schedulable(self):
+    def _schedulable(self) -> Iterable[Request]:
         """The running requests, less those waiting for pages from the tiers."""
         if self._loading:
             self._loading = {r for r in self._loading if self.tiers.busy(r)}

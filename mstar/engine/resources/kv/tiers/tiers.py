@@ -51,6 +51,7 @@ class KVTiers:
         self._cond = threading.Condition()
         self._inflight: set[Hashable] = set()
         self._fetched_pages: dict[Hashable, tuple[int, list[bytes]]] = {}
+        self._dropped: set[Hashable] = set()  # fetches in flight whose request left
         self.load_wait_s = 0.0  # engine time spent installing fetched pages
 
     # --- write-back (the pool's hooks) ---------------------------------------------------
@@ -149,6 +150,7 @@ class KVTiers:
         with self._cond:
             for stream in [s for s in self._fetched_pages if s[0] == request_id]:
                 del self._fetched_pages[stream]
+            self._dropped.update(s for s in self._inflight if s[0] == request_id)
 
     def wait(self, timeout: float) -> None:
         """Block until a fetch finishes or ``timeout`` seconds pass."""
@@ -165,7 +167,10 @@ class KVTiers:
     def _fetched(self, stream: Hashable, start: int, found: list[bytes], seconds: float) -> None:
         with self._cond:
             self._inflight.discard(stream)
-            self._fetched_pages[stream] = (start, found)  # found nothing: not fetched again
+            if stream in self._dropped:
+                self._dropped.discard(stream)
+            else:  # (found nothing: kept too, so it is not fetched again)
+                self._fetched_pages[stream] = (start, found)
             self._cond.notify_all()
 
     def _install(self, keys: PageKeys, held: np.ndarray, start: int, found: list[bytes]) -> None:
