@@ -126,3 +126,40 @@ def test_the_start_up_line_names_the_check_and_speculation():
     assert engine.dtype == torch.bfloat16
     assert "checked: agrees with eager float32 (24 greedy tokens" in line, line
     assert line.endswith("speculative ngram (up to 3 draft tokens)"), line
+
+
+@pytest.fixture(scope="module")
+def packed_kernels():
+    from mstar.engine.quant.kernels import kernel_or_why
+
+    if (why := kernel_or_why()) is not None:
+        pytest.skip(f"the packed kernels are not built here: {why}")
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_packed_mode_is_checked_exactly_against_its_dequantized_weights(
+    paged, packed_kernels, mode
+):
+    from mstar.engine.quant import QuantChoice, quantize_model
+
+    model = copy.deepcopy(paged)
+    quantize_model(model, QuantChoice(mode, "as asked"))
+    engine = Engine(model, **OPTIONS)
+    check = engine.mode_check
+    assert check is not None and check.ok, check
+    # the reference is the packed weights dequantized, not the float weights
+    # they came from: float32 arithmetic reordered, held to the exact bound
+    assert check.worst < 1e-3 and check.flips == 0, check
+
+
+def test_a_packed_kernel_that_disagrees_is_refused(paged, packed_kernels, monkeypatch):
+    from mstar.engine.quant import QuantChoice, quantize_model
+    from mstar.engine.quant.linear import PackedLinear
+
+    model = copy.deepcopy(paged)
+    quantize_model(model, QuantChoice("int8", "as asked"))
+    real = PackedLinear.forward
+    # off by 1e-2 per output: a kernel bug far below a half-precision bound
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: real(self, x) + 1e-2)
+    with pytest.raises(ModeMismatch, match="packed int8 disagrees with eager float32"):
+        Engine(model, **OPTIONS)

@@ -19,7 +19,14 @@ from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.manager import KVManager
 from mstar.engine.resources.kv.ring import PinnedIndexRing
 from mstar.engine.tp import TensorParallel, check_size, load_sharded, shard
-from mstar.engine.verify import ModeCheck, ModeMismatch, Tolerance, check_mode, float32_reference
+from mstar.engine.verify import (
+    ModeCheck,
+    ModeMismatch,
+    Tolerance,
+    check_mode,
+    float32_reference,
+    is_packed,
+)
 
 Built = TypeVar("Built")
 
@@ -185,12 +192,13 @@ def checked_forward(engine: Any, compile: bool) -> tuple[str | None, ModeCheck |
     float32 instead). Eager float32 weights are the reference itself, and
     tensor parallel shards are not checked: ``check`` None."""
     weights = weights_mode(engine.model)
+    exact = float32_arithmetic(engine.model)
     if engine.tp is not None or (weights is None and not compile):
         return (compiled_or_why(engine) if compile else None), None
     reference = float32_reference(engine.model)
     compiled = compiled_or_why(engine) if compile else None
     if compiled is not None and compiled.startswith("compiled"):
-        check = check_mode(engine, reference, Tolerance.of(exact=weights is None))
+        check = check_mode(engine, reference, Tolerance.of(exact=exact))
         if check.ok:
             return compiled, check
         restore_eager(engine.model)
@@ -198,15 +206,16 @@ def checked_forward(engine: Any, compile: bool) -> tuple[str | None, ModeCheck |
         compiled = f"eager: {what} disagrees with eager float32 ({check.failure})"
     if weights is None:
         return compiled, None
-    check = check_mode(engine, reference, Tolerance.of(exact=False))
+    check = check_mode(engine, reference, Tolerance.of(exact=exact))
     if not check.ok:
         raise ModeMismatch(f"{weights} disagrees with eager float32: {check.failure}")
     return compiled, check
 
 
 def weights_mode(model: Any) -> str | None:
-    """What ``model``'s weights are when not plain float32 (their dtype, or
-    the quantization its config names), None when they are."""
+    """What ``model``'s weights are when not plain float32 (their dtype,
+    packed layers' kinds, or the quantization its config names), None when
+    they are."""
     quantized = getattr(model.config, "quantization_config", None)
     if quantized is not None:
         method = getattr(quantized, "quant_method", None) or (
@@ -214,4 +223,14 @@ def weights_mode(model: Any) -> str | None:
         )
         return f"quantized ({method or 'unknown'})"
     dtypes = {p.dtype for p in model.parameters()} - {torch.float32}
-    return ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes)) or None
+    kinds = {f"packed {getattr(m, 'kind', '')}".strip() for m in model.modules() if is_packed(m)}
+    names = sorted(str(d).removeprefix("torch.") for d in dtypes) + sorted(kinds)
+    return ", ".join(names) or None
+
+
+def float32_arithmetic(model: Any) -> bool:
+    """Whether ``model`` computes in float32 throughout (float32 weights, or
+    packed ones on float32 activations, whose reference is their own
+    dequantized weights): held to the exact tolerance, as a reordered sum."""
+    quantized = getattr(model.config, "quantization_config", None) is not None
+    return not quantized and all(p.dtype == torch.float32 for p in model.parameters())

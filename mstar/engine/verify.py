@@ -29,7 +29,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModeCheck", "ModeMismatch", "Tolerance", "check_mode", "float32_reference"]
+__all__ = [
+    "ModeCheck",
+    "ModeMismatch",
+    "Tolerance",
+    "check_mode",
+    "float32_reference",
+    "is_packed",
+]
 
 PROMPTS = (
     "What is the capital of France?",
@@ -58,10 +65,11 @@ class Tolerance:
 
     @staticmethod
     def of(exact: bool) -> Tolerance:
-        """The bound for float32 weights (``exact``: the same arithmetic
-        reordered, as a compiled forward does; measured ~3e-5) or for any
-        other mode (half-precision or quantized weights: measured up to 0.32
-        on SmolLM2 in bfloat16; a flip allowed within 0.5 of a tie)."""
+        """The bound for float32 arithmetic (``exact``: the same sums
+        reordered, as a compiled forward or packed weights on float32
+        activations do; measured ~3e-5) or for any other mode (half-precision
+        weights, a config's quantization: measured up to 0.32 on SmolLM2 in
+        bfloat16; a flip allowed within 0.5 of a tie)."""
         if exact:
             return Tolerance(logprob_abs=1e-3, flip_margin=1e-3)
         return Tolerance(logprob_abs=1.0, flip_margin=0.5)
@@ -90,12 +98,15 @@ class ModeCheck:
 
 
 def float32_reference(model: Any) -> Reference:
-    """An eager float32 forward over ``model``'s weights (a copy, upcast;
-    the model itself unchanged), as a function of token ids returning
-    log-probabilities. Free it by dropping the function."""
+    """An eager float32 forward over ``model``'s weights (a copy, upcast,
+    packed layers dequantized; the model itself unchanged), as a function of
+    token ids returning log-probabilities. Free it by dropping the function."""
     reference = copy.deepcopy(model)
     for attr in ("forward", "_mstar_eager_forward"):  # a compiled forward is not copied
         vars(reference).pop(attr, None)
+    for name, module in list(reference.named_modules()):
+        if is_packed(module):
+            reference.set_submodule(name, module.dequantized())
     reference = reference.float().eval()
     reference.set_attn_implementation("sdpa")
 
@@ -105,6 +116,12 @@ def float32_reference(model: Any) -> Reference:
             return torch.log_softmax(reference(tensor).logits[0].float(), dim=-1)
 
     return forward
+
+
+def is_packed(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a linear layer on packed weights
+    (``mstar.engine.quant``): one with ``dequantized()``, its float32 ``nn.Linear``."""
+    return callable(getattr(module, "dequantized", None))
 
 
 def check_prompts(engine: Any, params: Any) -> list[list[int]]:

@@ -28,5 +28,18 @@ class PackedLinear(torch.nn.Module):
             y = torch.ops.mstar_quant.int8_linear(x, self.qweight, self.scales)
         return y if self.bias is None else y + self.bias
 
+    def packed(self) -> Packed:
+        return Packed(self.kind, self.qweight, self.scales, self.mins)
+
+    def dequantized(self) -> torch.nn.Linear:
+        """A float32 ``nn.Linear`` of the same weights, dequantized (the mode
+        check's reference)."""
+        weight = self.packed().dequantize()
+        linear = torch.nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if self.bias is not None:
+            linear.bias = torch.nn.Parameter(self.bias.detach().float(), requires_grad=False)
+        return linear
+
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {self.kind}"
