@@ -20,6 +20,7 @@ when there is none).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import shutil
@@ -175,3 +176,24 @@ def format_restart(result: dict) -> str:
         exact = {True: "yes", False: "NO"}.get(row.get("exact"), "-")
         lines.append(f"{row['phase']:<18} {row['ttft_s'] * 1e3:>9.1f} {ratio:>7}  {exact}")
     return "\n".join(lines)
+
+
+def run_restart(args: argparse.Namespace) -> int:
+    """``bench --serve --workload shared-prefix --restart``: 0 when every
+    phase's tokens equal the cold run's."""
+    from mstar.options import UsageError
+
+    if args.context_tokens < 2 or args.max_tokens < 1 or args.bench_pages < 1:
+        raise UsageError("--context-tokens must be >= 2, --max-tokens and --bench-pages >= 1")
+    server_args = [*(["--dtype", args.dtype] if args.dtype else []),
+                   *(["--enforce-eager"] if args.enforce_eager else [])]  # fmt: skip
+    result = run_restart_bench(
+        model=args.bench_model, context=args.context_tokens,
+        max_tokens=16 if args.quick else args.max_tokens, pages=args.bench_pages,
+        store=args.kv_store, server_args=server_args,
+    )  # fmt: skip
+    print(format_restart(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if all(row.get("exact", True) for row in result["rows"]) else 1

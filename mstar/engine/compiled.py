@@ -42,7 +42,7 @@ def configure_caches() -> None:
     default on first use)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from mstar.engine.loader import cache_root
+    from mstar.engine.cachedir import cache_root
 
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is None or current == os.path.abspath(default_cache_dir()):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,14 +18,11 @@ from typing import Any
 
 import torch
 
+from mstar.engine.cachedir import cache_root
 from mstar.engine.prompts import chat_ids
 
 SMOLLM2 = "smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MSTAR_KV_CACHE", Path.home() / ".cache" / "mstar-kv"))
 
 
 def smollm2_path() -> Path:

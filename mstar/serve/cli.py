@@ -297,7 +297,7 @@ def _run_shared_prefix(args: argparse.Namespace, rates: list[float]) -> int:
     from mstar.options import UsageError
 
     if args.restart:
-        from mstar.serve.kv_tiers import run_restart
+        from mstar.bench.restart import run_restart
 
         return run_restart(args)
     routers = [r.strip() for r in args.routers.split(",")]

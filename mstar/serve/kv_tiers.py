@@ -78,27 +78,3 @@ def add_restart_options(bench: argparse.ArgumentParser) -> None:
         "--context-tokens", type=int, default=4096, help="--restart: the shared context's tokens"
     )
     bench.add_argument("--kv-store", help="--restart: this store (default: a throwaway one)")
-
-
-def run_restart(args: argparse.Namespace) -> int:
-    """``bench --serve --workload shared-prefix --restart``: 0 when every
-    phase's tokens equal the cold run's."""
-    from mstar.bench.restart import format_restart, run_restart_bench
-    from mstar.options import UsageError
-
-    if args.context_tokens < 2 or args.max_tokens < 1 or args.bench_pages < 1:
-        raise UsageError("--context-tokens must be >= 2, --max-tokens and --bench-pages >= 1")
-    server_args = [*(["--dtype", args.dtype] if args.dtype else []),
-                   *(["--enforce-eager"] if args.enforce_eager else [])]  # fmt: skip
-    result = run_restart_bench(
-        model=args.bench_model, context=args.context_tokens,
-        max_tokens=16 if args.quick else args.max_tokens, pages=args.bench_pages,
-        store=args.kv_store, server_args=server_args,
-    )  # fmt: skip
-    print(format_restart(result))
-    if args.json:
-        import json
-
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0 if all(row.get("exact", True) for row in result["rows"]) else 1

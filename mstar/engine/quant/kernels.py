@@ -31,7 +31,7 @@ def kernel_or_why() -> str | None:
     try:
         from torch.utils import cpp_extension
 
-        from mstar.engine.loader import cache_root
+        from mstar.engine.cachedir import cache_root
 
         folder = cache_root() / "kernels"
         folder.mkdir(parents=True, exist_ok=True)
