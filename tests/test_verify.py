@@ -94,7 +94,7 @@ def _serve_args(**overrides):
     args = dict(
         model="random", seed=0, device="cpu", dtype="bfloat16", pages=64, page_size=8,
         budget=32, no_prefix_cache=False, tensor_parallel_size=1, enforce_eager=True,
-        speculative=None, num_speculative_tokens=4,
+        speculative=None, num_speculative_tokens=4, quantization="none",
     )  # fmt: skip
     return argparse.Namespace(**{**args, **overrides})
 

@@ -56,7 +56,6 @@ def create_app(
     retry_after``. Chat tool calls are read by ``tool_call_parser``
     (``mstar.serve.tools.PARSERS``; ``auto``: the chat template's format)."""
     tools = ChatTools(engine.tokenizer, tool_call_parser)
-    log.info("%s", tools.describe())
     aengine = AsyncEngine(engine, max_waiting=max_waiting)
     metrics = ServerMetrics(aengine)
     aengine.on_step = metrics.on_step

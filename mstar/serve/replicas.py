@@ -65,6 +65,7 @@ class ReplicaConfig:
     # the Python API's defaults (exact, eager); `serve --replicas` passes its own
     dtype: str = "float32"
     enforce_eager: bool = True
+    quantization: str = "none"
     speculative: str | None = None
     num_speculative_tokens: int = 4
     kv_disk: str | None = None  # replica i keeps its pages under kv_disk/replica-i
