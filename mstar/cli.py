@@ -367,7 +367,9 @@ def run_bench_roofline(args: argparse.Namespace) -> int:
     from mstar.bench.roofline import format_roofline, run_roofline
 
     dtypes = (resolved_dtype(args.dtype, "cpu").dtype,) if args.dtype else None
-    options = {"dtypes": dtypes} if dtypes else {}
+    options: dict = {"dtypes": dtypes} if dtypes else {}
+    if args.quantization != "none":  # float32 beside the quantized weights
+        options["quantizations"] = ("none", args.quantization)
     with Console(stderr=True).status("starting") as status:
         result = run_roofline(
             batches=(1, 32) if args.quick else (1, 8, 32, 128),

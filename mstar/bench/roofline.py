@@ -41,6 +41,7 @@ READ_BYTES = 1 << 29
 @dataclass
 class _Config:
     dtype: torch.dtype
+    quantization: str  # the mode the load resolved to: none, gguf, int8, int4
     compiled: bool
     engine: Engine
     weight_bytes: int
@@ -49,9 +50,9 @@ class _Config:
 
     @property
     def name(self) -> str:
-        return (
-            f"{str(self.dtype).removeprefix('torch.')} {'compiled' if self.compiled else 'eager'}"
-        )
+        packed = "" if self.quantization == "none" else f" {self.quantization}"
+        forward = "compiled" if self.compiled else "eager"
+        return f"{str(self.dtype).removeprefix('torch.')}{packed} {forward}"
 
 
 def machine_rates(
@@ -164,10 +165,13 @@ def run_roofline(
     modes: tuple[bool, ...] = (False, True),
     steps: int = 10,
     stage: Callable[[str], None] = lambda _: None,
+    quantizations: tuple[str, ...] = ("none",),
 ) -> dict:
     """The table's rows (one per batch and config) and the machine's rates;
     ``dtypes`` None: float32 and bfloat16, float32 alone without a native
-    bfloat16 matmul."""
+    bfloat16 matmul; each dtype loaded as each of ``quantizations`` allows
+    (``mstar.engine.quant``: one that resolves to a config already there is
+    left out)."""
     if dtypes is None:
         native = native_cpu_bf16() is not None
         dtypes = (torch.float32, torch.bfloat16) if native else (torch.float32,)
@@ -177,13 +181,24 @@ def run_roofline(
     pages = max(batches) * -(-(PROMPT_TOKENS + new_tokens) // 16) + 64
     configs, params = [], 0
     for dtype in dtypes:
-        for compiled in modes:
-            stage(f"loading SmolLM2 in {dtype}{', compiling' if compiled else ''}")
-            model, tokenizer = load("smollm2", dtype=dtype)
-            params = linear_parameters(model)
-            engine = Engine(model, tokenizer, num_pages=pages, prefix_cache=False, compile=compiled)
-            configs.append(_Config(dtype, compiled, engine, linear_bytes(model)))
-            _time_forward(configs[-1])
+        for quantization in quantizations:
+            for compiled in modes:
+                stage(
+                    f"loading SmolLM2 in {dtype}, {quantization}{', compiling' if compiled else ''}"
+                )
+                model, tokenizer = load("smollm2", dtype=dtype, quantization=quantization)
+                mode = getattr(model, "mstar_quantization", "none").split(" ", 1)[0]
+                if any(
+                    (c.dtype, c.quantization, c.compiled) == (dtype, mode, compiled)
+                    for c in configs
+                ):
+                    continue
+                params = linear_parameters(model)
+                engine = Engine(
+                    model, tokenizer, num_pages=pages, prefix_cache=False, compile=compiled
+                )
+                configs.append(_Config(dtype, mode, compiled, engine, linear_bytes(model)))
+                _time_forward(configs[-1])
     stage("measuring the machine's read bandwidth and peak GEMM again")
     # the better of two measurements: a busy moment of a shared machine lowers one
     rates = {k: max(v, first[k]) for k, v in machine_rates(dtypes=dtypes).items()}
