@@ -161,6 +161,23 @@ def test_values_are_checked_field_by_field(models):
     assert model_identity(eng.model, eng.cache, 16) != ident
 
 
+@pytest.mark.parametrize("kind", ["weight", "buffer"])  # packed weights are buffers
+def test_one_middle_value_changes_the_identity(models, kind):
+    eng = engine(models[1])
+    ident = model_identity(eng.model, eng.cache, 8)
+    assert model_identity(eng.model, eng.cache, 8) == ident  # the same model: the same pages
+    named = dict(eng.model.named_parameters() if kind == "weight" else eng.model.named_buffers())
+    name = sorted(named)[len(named) // 2]  # a tensor in the middle, at its middle element
+    flat = named[name].data.view(-1)
+    mid, was = flat.numel() // 2, flat[flat.numel() // 2].item()
+    flat[mid] = torch.nextafter(flat[mid], torch.tensor(float("inf")))
+    try:
+        assert model_identity(eng.model, eng.cache, 8) != ident, name
+    finally:
+        flat[mid] = was
+    assert model_identity(eng.model, eng.cache, 8) == ident
+
+
 class GatedStore:
     """A disk store whose reads wait for ``gate``."""
 
