@@ -14,7 +14,6 @@ import threading
 import numpy as np
 import pytest
 import torch
-from kvstore import StoreServer, server_binary
 
 from mstar.demo import build_model
 from mstar.engine import Engine, SamplingParams
@@ -27,18 +26,6 @@ PARAMS = SamplingParams(max_new_tokens=8)
 @pytest.fixture(scope="module")
 def models():
     return build_model(seed=0)
-
-
-@pytest.fixture
-def store():
-    """A real Valkey/Redis server on a free port, stopped after the test."""
-    binary = server_binary()
-    if binary is None:
-        pytest.skip("no valkey-server or redis-server on PATH (apt-get install valkey-server)")
-    pytest.importorskip("redis", reason="redis-py missing: pip install 'mstar-kv[kvtiers]'")
-    server = StoreServer(binary)
-    yield server
-    server.stop()
 
 
 def engine(model, **kwargs) -> Engine:

@@ -24,7 +24,6 @@ pytest.importorskip("ray.serve")
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
-from kvstore import StoreServer, server_binary  # noqa: E402
 from ray import serve  # noqa: E402
 from servers import ServerThread, stream_token_ids, wait_until  # noqa: E402
 from vllm_events import BlockRemoved, BlockStored, Subscriber  # noqa: E402
@@ -310,18 +309,6 @@ def test_round_robin_computes_about_twice_as_many_pages(cluster, model):
     alone_pages, _ = one_engine_pages(model, prompts)
     pages, _ = pages_computed(cluster, prompts)
     assert 1.8 * alone_pages <= pages <= 2 * alone_pages, (pages, alone_pages)
-
-
-@pytest.fixture
-def store():
-    """A real Valkey/Redis server on a free port, stopped after the test."""
-    binary = server_binary()
-    if binary is None:
-        pytest.skip("no valkey-server or redis-server on PATH (apt-get install valkey-server)")
-    pytest.importorskip("redis", reason="redis-py missing: pip install 'mstar-kv[kvtiers]'")
-    server = StoreServer(binary)
-    yield server
-    server.stop()
 
 
 CONTEXT = [(11 * j) % 250 + 1 for j in range(5 * CONFIG.page_size)]  # five full pages
