@@ -5,13 +5,13 @@ out of the pool) and stores each in every tier that lacks it. The reader
 follows a chain of page keys through the tiers in order (disk, then the
 shared store), stopping at the first page none holds or whose value does
 not check out (``codec.decode``: a miss, logged, and the value discarded
-so that a later write replaces it); a page found in a later
-tier is then *promoted*: its value, as read, goes to the writer for the
-tiers before it (the shared store's pages to the local disk, so a restart
-finds them there). Pending writes are bounded in bytes; past the bound an
-offer or a promotion is dropped (counted), never waited for. Counters per
-tier (pages asked and found, bytes moved, pages stored, promoted and
-evicted, bad values) and the load times are read with ``stats``.
+so that a later write replaces it); a page found in a later tier is then
+*promoted*: its value, as read, goes to the writer for the tiers before it
+(the shared store's pages to the local disk, so a restart finds them
+there). Pending writes are bounded in bytes; past the bound an offer or a
+promotion is dropped (counted), never waited for. Counters per tier (pages
+asked and found, bytes moved, pages stored, promoted and evicted, bad
+values) and the load times are read with ``stats``.
 """
 
 from __future__ import annotations
