@@ -1,5 +1,5 @@
 """Shared fixtures: a stand-in for the flashinfer module, so the FlashInfer
-adapter's wiring runs on the CPU."""
+adapter's wiring runs on the CPU; a real Valkey/Redis server for the KV tiers."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from kvstore import StoreServer, server_binary
 
 from mstar.engine.resources.attn.flashinfer import FlashInferPagedAttention
 from mstar.engine.resources.attn.options import AttentionOptions
@@ -127,3 +128,15 @@ def poisoned_index_memory(monkeypatch):
         return np.full(n, -7, dtype=np.int32)
 
     monkeypatch.setattr(recycler.Recycler, "empty", empty)
+
+
+@pytest.fixture
+def store():
+    """A real Valkey/Redis server on a free port, stopped after the test."""
+    binary = server_binary()
+    if binary is None:
+        pytest.skip("no valkey-server or redis-server on PATH (apt-get install valkey-server)")
+    pytest.importorskip("redis", reason="redis-py missing: pip install 'mstar-kv[kvtiers]'")
+    server = StoreServer(binary)
+    yield server
+    server.stop()

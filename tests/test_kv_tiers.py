@@ -14,7 +14,6 @@ import threading
 import numpy as np
 import pytest
 import torch
-from kvstore import StoreServer, server_binary
 
 from mstar.demo import build_model
 from mstar.engine import Engine, SamplingParams
@@ -27,18 +26,6 @@ PARAMS = SamplingParams(max_new_tokens=8)
 @pytest.fixture(scope="module")
 def models():
     return build_model(seed=0)
-
-
-@pytest.fixture
-def store():
-    """A real Valkey/Redis server on a free port, stopped after the test."""
-    binary = server_binary()
-    if binary is None:
-        pytest.skip("no valkey-server or redis-server on PATH (apt-get install valkey-server)")
-    pytest.importorskip("redis", reason="redis-py missing: pip install 'mstar-kv[kvtiers]'")
-    server = StoreServer(binary)
-    yield server
-    server.stop()
 
 
 def engine(model, **kwargs) -> Engine:
@@ -161,6 +148,23 @@ def test_values_are_checked_field_by_field(models):
     assert model_identity(eng.model, eng.cache, 16) != ident
 
 
+@pytest.mark.parametrize("kind", ["weight", "buffer"])  # packed weights are buffers
+def test_one_middle_value_changes_the_identity(models, kind):
+    eng = engine(models[1])
+    ident = model_identity(eng.model, eng.cache, 8)
+    assert model_identity(eng.model, eng.cache, 8) == ident  # the same model: the same pages
+    named = dict(eng.model.named_parameters() if kind == "weight" else eng.model.named_buffers())
+    name = sorted(named)[len(named) // 2]  # a tensor in the middle, at its middle element
+    flat = named[name].data.view(-1)
+    mid, was = flat.numel() // 2, flat[flat.numel() // 2].item()
+    flat[mid] = torch.nextafter(flat[mid], torch.tensor(float("inf")))
+    try:
+        assert model_identity(eng.model, eng.cache, 8) != ident, name
+    finally:
+        flat[mid] = was
+    assert model_identity(eng.model, eng.cache, 8) == ident
+
+
 class GatedStore:
     """A disk store whose reads wait for ``gate``."""
 
@@ -217,18 +221,57 @@ def test_a_second_engine_reads_the_shared_store_exactly(models, store):
     assert tiers.stats()["REMOTE_pages_hit"] >= 12
 
 
+def test_a_page_found_in_the_store_is_copied_to_the_disk_for_a_restart(models, store, tmp_path):
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry
+
+    from mstar.serve.metrics import TierMetrics
+
+    batch = shared_prompts()
+    computed(models, batch[:1], remote=store.url)  # another replica's pages, in the store
+    second = engine(models[1])
+    tiers = kv_tiers.attach(second, disk=tmp_path, remote=store.url)  # lazy: writes only copies
+    second.generate(batch, PARAMS)
+    tiers.close()  # the writer is done
+    stats = tiers.stats()
+    assert stats["REMOTE_pages_hit"] >= 12
+    promoted = stats["DISK_pages_promoted"]  # each page once, though fetched by each stream
+    assert (
+        promoted
+        == stats["DISK_pages_stored"]
+        == len(list(tmp_path.glob("*.kvpage")))
+        == (len(batch[0]) - 1) // 8
+    )
+    registry = CollectorRegistry()
+    TierMetrics(registry).read(tiers)
+    sample = {"tier": "disk", "event": "promoted"}
+    assert registry.get_sample_value("mstar_kv_tier_pages_total", sample) == promoted
+    restarted = engine(models[1])  # the disk alone: the store's pages are there
+    tiers = kv_tiers.attach(restarted, disk=tmp_path)
+    done = restarted.generate(batch, PARAMS)
+    tiers.close()
+    assert tiers.stats()["DISK_pages_hit"] >= 12
+    assert token_ids(done) == cold(models, batch)
+
+
 def test_a_corrupt_store_value_is_a_miss(models, store):
     batch = shared_prompts(1)
     computed(models, batch, remote=store.url)
     for key in store.client.keys("mstar-kv:*"):
         store.client.setrange(key, 40, b"\x00\x01\x02")
     again = engine(models[1])
-    tiers = kv_tiers.attach(again, remote=store.url)
+    tiers = kv_tiers.attach(again, remote=store.url, offload="eager")
     done = again.generate(batch, PARAMS)
     tiers.close()
     assert token_ids(done) == cold(models, batch)
     assert tiers.stats().get("REMOTE_pages_hit", 0) == 0
-    assert tiers.stats()["REMOTE_bad_values"] >= 1
+    assert tiers.stats()["REMOTE_bad_values"] == 1  # the first page: the fetch stops there
+    assert tiers.stats()["REMOTE_pages_stored"] == 1  # discarded, so written again
+    third = engine(models[1])
+    tiers = kv_tiers.attach(third, remote=store.url)
+    third.generate(batch, PARAMS)
+    tiers.close()
+    assert tiers.stats()["REMOTE_pages_hit"] == 1  # the page written again, then a bad one
 
 
 def test_engines_of_two_models_share_a_store_and_no_page_crosses(models, store):

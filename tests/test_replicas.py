@@ -1,7 +1,9 @@
 """Two engine replicas of the tiny seeded model on Ray Serve (one local Ray
 instance for the module), driven by the official ``openai`` client and
 ``httpx``: outputs against one engine's, errors against one server's, KV
-events, routing by cached prefix against round-robin, a replica killed."""
+events, routing by cached prefix against round-robin, a replica killed,
+and a prefix one replica computed served to the other from a shared
+Valkey/Redis store (a real server, ``tests/kvstore.py``)."""
 
 from __future__ import annotations
 
@@ -50,19 +52,21 @@ class Cluster:
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         self.base = f"http://127.0.0.1:{self.port}"
         self.url = f"{self.base}/v1"
-        self.router: str | None = None
+        self.app: tuple | None = None
         self.events: EventsConfig | None = None
 
-    def deploy(self, router: str, fresh: bool = False) -> None:
-        """Serve ``router``'s application (new replicas when ``fresh``: new ports)."""
-        if router == self.router and not fresh:
+    def deploy(self, router: str, fresh: bool = False, **config) -> None:
+        """Serve ``router``'s application, its replicas' ``ReplicaConfig``
+        fields as ``config`` says (new replicas when ``fresh``: new ports)."""
+        app = (router, sorted(config.items()))
+        if app == self.app and not fresh:
             return
         base = free_port()  # replica i publishes on base - 1 + i
         self.events = EventsConfig(f"tcp://127.0.0.1:{base - 1}", f"tcp://127.0.0.1:{base + 9}")
-        config = replace(CONFIG, kv_events=self.events)
+        config = replace(CONFIG, kv_events=self.events, **config)
         serve.run(build_app(config, Scaling(replicas=2, router=router)), name="mstar-kv",
                   route_prefix="/")  # fmt: skip
-        self.router = router
+        self.app = app
         # ready replicas reach the front's router a moment later: wait until it routes to both
         assert wait_until(lambda: len(self.replicas()) == 2, timeout=TIMEOUT_S, every=0.2)
 
@@ -305,3 +309,70 @@ def test_round_robin_computes_about_twice_as_many_pages(cluster, model):
     alone_pages, _ = one_engine_pages(model, prompts)
     pages, _ = pages_computed(cluster, prompts)
     assert 1.8 * alone_pages <= pages <= 2 * alone_pages, (pages, alone_pages)
+
+
+CONTEXT = [(11 * j) % 250 + 1 for j in range(5 * CONFIG.page_size)]  # five full pages
+
+
+def tier_pages(c: Cluster) -> dict[tuple[str, str, str], float]:
+    """``mstar_kv_tier_pages_total`` by (replica rank, tier, event), from the front's /metrics."""
+    text = httpx.get(f"{c.base}/metrics", timeout=TIMEOUT_S).text
+    out = {}
+    for labels, value in re.findall(r"^mstar_kv_tier_pages_total{(.*)} (\S+)$", text, re.M):
+        got = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        out[got["replica"], got["tier"], got["event"]] = float(value)
+    return out
+
+
+def complete(c: Cluster, prompt: list[int]) -> list[int]:
+    done = client(c).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=0, extra_body=TOKENS
+    )
+    return done.choices[0].token_ids
+
+
+def stored_by_one(c: Cluster, tier: str) -> str:
+    """The rank of the one replica whose pages of ``CONTEXT`` reach ``tier``."""
+    full = len(CONTEXT) // CONFIG.page_size
+
+    def stored() -> list[str]:
+        got = tier_pages(c)
+        return [r for r in ("0", "1") if got.get((r, tier, "stored"), 0) >= full]
+
+    assert wait_until(lambda: stored(), timeout=TIMEOUT_S, every=0.2)
+    (rank,) = stored()
+    return rank
+
+
+def test_a_second_replica_reads_the_prefix_from_the_store(cluster, store, tmp_path, offline):
+    """Round-robin: the context goes to one replica, which stores its pages
+    as they fill, then to the other, which loads them from the store (and
+    copies them to its own disk) instead of computing them."""
+    cluster.deploy("round-robin", kv_remote=store.url, kv_offload="eager", kv_disk=str(tmp_path))
+    first = complete(cluster, CONTEXT)
+    a = stored_by_one(cluster, "remote")
+    second = complete(cluster, CONTEXT)  # the other replica's turn
+    b = "1" if a == "0" else "0"
+    want = offline([CONTEXT], SamplingParams(max_new_tokens=6, temperature=0))
+    assert first == second == want[0].outputs[0].token_ids
+    got = tier_pages(cluster)
+    loaded = (len(CONTEXT) - 1) // CONFIG.page_size  # the pages before the last token's
+    assert got[b, "remote", "hit"] == loaded and got.get((a, "remote", "hit"), 0) == 0
+    stats = {str(s["rank"]): s for s in cluster.replicas()}
+    assert stats[b]["tokens_hit"] == loaded * CONFIG.page_size
+    assert wait_until(lambda: tier_pages(cluster).get((b, "disk", "promoted"), 0) == loaded)
+    assert len(list((tmp_path / f"replica-{b}").glob("*.kvpage"))) >= loaded
+
+
+def test_the_prefix_router_still_prefers_the_replica_holding_the_prefix(cluster, store):
+    cluster.deploy("prefix", kv_remote=store.url, kv_offload="eager")
+    complete(cluster, CONTEXT)
+    a = stored_by_one(cluster, "remote")  # the other could load it from the store now
+    before = {str(s["rank"]): s for s in cluster.replicas()}
+    for suffix in ([], [3, 4, 5]):
+        complete(cluster, CONTEXT + suffix)
+    after = {str(s["rank"]): s for s in cluster.replicas()}
+    b = "1" if a == "0" else "0"
+    assert after[b]["tokens_queried"] == before[b]["tokens_queried"]  # never asked
+    assert after[a]["tokens_hit"] - before[a]["tokens_hit"] >= 2 * 4 * CONFIG.page_size
+    assert all(v == 0 for (_, tier, event), v in tier_pages(cluster).items() if event == "hit")

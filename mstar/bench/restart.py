@@ -16,6 +16,13 @@ to first token, its ratio to the cold one, and whether the tokens equal the
 cold run's. The store is the one at ``store`` or, without, a throwaway
 ``valkey-server``/``redis-server`` from PATH (the replica phase is skipped
 when there is none).
+
+With ``ray`` (``--ray-replicas``), phases 1 and 2 run on two Ray Serve
+replicas of one ``mstar-kv serve --replicas 2 --router round-robin
+--kv-disk D --kv-remote S --kv-offload eager``: each is warmed up, the
+context goes to one (cold), then to the other (from the store; it copies
+the pages to its own ``D/replica-RANK``); phase 3 restarts a single server
+on that replica's disk folder.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -81,17 +90,28 @@ def page_size(server_args: Sequence[str]) -> int:
     return int(args[args.index("--page-size") + 1]) if "--page-size" in args else 16
 
 
-def wait_stored(server: OwnServer, tier: str, pages: int, timeout: float = 300) -> None:
-    """Wait until ``server``'s /metrics count ``pages`` pages stored in ``tier``."""
-    want = f'mstar_kv_tier_pages_total{{event="stored",tier="{tier}"}} '
+def tier_pages(server: OwnServer, tier: str, event: str) -> dict[str, float]:
+    """``server``'s ``mstar_kv_tier_pages_total`` for ``tier`` and ``event``,
+    by replica rank ("" for a server without replicas)."""
+    text = httpx.get(f"{server.url[:-3]}/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for labels, value in re.findall(r"^mstar_kv_tier_pages_total{(.*)} (\S+)$", text, re.M):
+        got = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if got.get("tier") == tier and got.get("event") == event:
+            out[got.get("replica", "")] = float(value)
+    return out
+
+
+def wait_pages(server: OwnServer, tier: str, event: str, pages: int, timeout: float = 300) -> str:
+    """Wait until one of ``server``'s replicas counts ``pages`` pages ``event``
+    (stored, promoted) in ``tier``; its rank."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        text = httpx.get(f"{server.url[:-3]}/metrics", timeout=30).text
-        line = next((x for x in text.splitlines() if x.startswith(want)), None)
-        if line is not None and float(line.split()[-1]) >= pages:
-            return
+        done = [r for r, n in tier_pages(server, tier, event).items() if n >= pages]
+        if done:
+            return done[0]
         time.sleep(0.2)
-    raise RuntimeError(f"expected {pages} pages stored in the {tier} tier within {timeout} s")
+    raise RuntimeError(f"expected {pages} pages {event} in the {tier} tier within {timeout} s")
 
 
 @contextlib.contextmanager
@@ -131,14 +151,16 @@ def run_restart_bench(
     pages: int = 512,
     store: str | None = None,
     server_args: Sequence[str] = (),
+    ray: bool = False,
 ) -> dict:
     """The three phases; see the module docstring."""
     prompt = context_ids(model, context)
     common = ["--model", model, "--pages", str(pages), *server_args]
     rows = []
 
-    def phase(name: str, server: OwnServer, cold: dict | None) -> dict:
-        ask(server.url, [1, 2, 3], 2)  # warm-up: shares no page with the context
+    def phase(name: str, server: OwnServer, cold: dict | None, warm: int = 1) -> dict:
+        for _ in range(warm):  # shares no page with the context
+            ask(server.url, [1, 2, 3], 2)
         ttft, ids = ask(server.url, prompt, max_tokens)
         row = {"phase": name, "ttft_s": ttft, "tokens": ids}
         if cold is not None:
@@ -153,28 +175,38 @@ def run_restart_bench(
     ):
         url = store or stack.enter_context(own_store())
         remote = ["--kv-remote", url] if url else []
-        first = OwnServer([*common, "--kv-disk", disk, *remote, "--kv-offload", "eager"])
+        pages_of = context // page_size(server_args)
+        replicas = ["--replicas", "2", "--router", "round-robin"] if ray and url else []
+        first = OwnServer([*common, "--kv-disk", disk, *remote, "--kv-offload", "eager", *replicas])
         with first:
-            cold = phase("cold", first, None)
+            name = "cold (Ray replica)" if replicas else "cold"
+            cold = phase(name, first, None, warm=2 if replicas else 1)  # each replica warmed
             if url:
-                wait_stored(first, "remote", context // page_size(server_args))
+                wait_pages(first, "remote", "stored", pages_of)
+            if replicas:  # round-robin: the other replica
+                phase("replica (Ray, store)", first, cold, warm=0)
+                loaded = (context - 1) // page_size(server_args)
+                reader = wait_pages(first, "disk", "promoted", loaded)
+                disk = os.path.join(disk, f"replica-{reader}")
+            elif url:
                 with OwnServer([*common, *remote]) as replica:
                     phase("replica (store)", replica, cold)
         with OwnServer([*common, "--kv-disk", disk]) as restarted:
             phase("restart (disk)", restarted, cold)
-    return {"model": model, "context": context, "max_tokens": max_tokens, "rows": rows}
+    return {"model": model, "context": context, "max_tokens": max_tokens, "ray": ray,
+            "rows": rows}  # fmt: skip
 
 
 def format_restart(result: dict) -> str:
     lines = [
         f"{result['model']}: a {result['context']}-token shared context, "
         f"{result['max_tokens']} tokens out",
-        f"{'phase':<18} {'TTFT ms':>9} {'x cold':>7}  tokens = cold's",
+        f"{'phase':<24} {'TTFT ms':>9} {'x cold':>7}  tokens = cold's",
     ]
     for row in result["rows"]:
         ratio = f"{row['ratio']:.3f}" if "ratio" in row else "1"
         exact = {True: "yes", False: "NO"}.get(row.get("exact"), "-")
-        lines.append(f"{row['phase']:<18} {row['ttft_s'] * 1e3:>9.1f} {ratio:>7}  {exact}")
+        lines.append(f"{row['phase']:<24} {row['ttft_s'] * 1e3:>9.1f} {ratio:>7}  {exact}")
     return "\n".join(lines)
 
 
@@ -190,7 +222,7 @@ def run_restart(args: argparse.Namespace) -> int:
     result = run_restart_bench(
         model=args.bench_model, context=args.context_tokens,
         max_tokens=16 if args.quick else args.max_tokens, pages=args.bench_pages,
-        store=args.kv_store, server_args=server_args,
+        store=args.kv_store, server_args=server_args, ray=args.ray_replicas,
     )  # fmt: skip
     print(format_restart(result))
     if args.json:

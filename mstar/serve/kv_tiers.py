@@ -78,3 +78,8 @@ def add_restart_options(bench: argparse.ArgumentParser) -> None:
         "--context-tokens", type=int, default=4096, help="--restart: the shared context's tokens"
     )
     bench.add_argument("--kv-store", help="--restart: this store (default: a throwaway one)")
+    bench.add_argument(
+        "--ray-replicas", action="store_true",
+        help="--restart: the cold and second-replica phases on two Ray Serve replicas of one"
+        " serve --replicas 2 --router round-robin",
+    )  # fmt: skip

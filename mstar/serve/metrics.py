@@ -78,15 +78,16 @@ class ServerMetrics:
 
 class TierMetrics:
     """The KV tiers' counters (``KVTiers.stats``) per tier: pages asked and
-    found, bytes read and written, pages stored, evicted and bad; hit rates;
-    the time a fetch took."""
+    found, bytes read and written, pages stored (and promoted), evicted and
+    bad; hit rates; the time a fetch took."""
 
-    _PAGES = ("queried", "hit", "stored", "evicted")
+    _PAGES = ("queried", "hit", "stored", "promoted", "evicted")
 
     def __init__(self, r: CollectorRegistry) -> None:
         self.pages = Counter(
-            "mstar_kv_tier_pages", "KV pages per tier: queried, hit, stored, evicted, bad",
-            ["tier", "event"], registry=r,
+            "mstar_kv_tier_pages",
+            "KV pages per tier: queried, hit, stored (promoted: of those, copied up from a"
+            " later tier), evicted, bad", ["tier", "event"], registry=r,
         )  # fmt: skip
         self.bytes = Counter(
             "mstar_kv_tier_bytes", "KV bytes moved per tier", ["tier", "direction"], registry=r

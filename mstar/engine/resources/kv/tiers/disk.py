@@ -93,6 +93,16 @@ class DiskStore:
         with self._lock:
             return [key.replace(":", "_") + _SUFFIX in self._index for key in keys]
 
+    def discard(self, keys: Sequence[str]) -> None:
+        """Delete each key's file (a value that did not check out)."""
+        with self._lock:
+            for key in keys:
+                name = key.replace(":", "_") + _SUFFIX
+                if name in self._index:
+                    self._drop(name)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(self.path, name))
+
     def take_evicted(self) -> list[str]:
         """Keys evicted for the budget since the last call."""
         with self._lock:

@@ -82,6 +82,15 @@ class RemoteStore:
             self._failed(err)
             return [False] * len(keys)
 
+    def discard(self, keys: Sequence[str]) -> None:
+        """Delete ``keys`` (values that did not check out)."""
+        if not keys or not self._up():
+            return
+        try:
+            self._client.delete(*keys)
+        except self._errors as err:
+            self._failed(err)
+
     def take_evicted(self) -> list[str]:
         return []  # the server evicts on its own, unseen
 

@@ -136,7 +136,8 @@ class KVTiers:
             return True
         with self._cond:
             self._inflight.add(stream)
-        self.io.fetch(Fetch(stream, n, keys.hashes[n:].copy(), chain, namespace))
+        parent = int(keys.hashes[n - 1]) if n else None
+        self.io.fetch(Fetch(stream, n, keys.hashes[n:].copy(), chain, namespace, parent))
         return False
 
     def busy(self, request_id: str) -> bool:

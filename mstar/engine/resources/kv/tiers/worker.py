@@ -4,10 +4,14 @@ The writer encodes the pages the engine offered (their KV already copied
 out of the pool) and stores each in every tier that lacks it. The reader
 follows a chain of page keys through the tiers in order (disk, then the
 shared store), stopping at the first page none holds or whose value does
-not check out (``codec.decode``: a miss, logged). Pending writes are
-bounded in bytes; past the bound an offer is dropped (counted), never
-waited for. Counters per tier (pages asked and found, bytes moved, pages
-stored and evicted, bad values) and the load times are read with ``stats``.
+not check out (``codec.decode``: a miss, logged, and the value discarded
+so that a later write replaces it); a page found in a later tier is then
+*promoted*: its value, as read, goes to the writer for the tiers before it
+(the shared store's pages to the local disk, so a restart finds them
+there). Pending writes are bounded in bytes; past the bound an offer or a
+promotion is dropped (counted), never waited for. Counters per tier (pages
+asked and found, bytes moved, pages stored, promoted and evicted, bad
+values) and the load times are read with ``stats``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Store(Protocol):
     def put(self, keys: Sequence[str], values: Sequence[bytes]) -> int: ...
     def get(self, keys: Sequence[str]) -> list[bytes | None]: ...
     def contains(self, keys: Sequence[str]) -> list[bool]: ...
+    def discard(self, keys: Sequence[str]) -> None: ...
     def take_evicted(self) -> list[str]: ...
     def describe(self) -> str: ...
     def close(self) -> None: ...
@@ -66,6 +71,21 @@ class Fetch:
     keys: np.ndarray  # uint64
     tokens: np.ndarray  # int64, the chain's tokens to the last page's end
     namespace: str
+    parent: int | None = None  # the key of page ``start - 1`` (None: ``start`` is 0)
+
+
+@dataclass(frozen=True)
+class _Write:
+    """Pages for the writer to store in each of ``stores`` that lacks them:
+    their records (without KV) and parents' keys, and either ``kv`` (uint8
+    ``[n, kv_len]``, an offer: encoded on the writer) or ``values`` (a
+    promotion: values read from a later tier, stored as they are)."""
+
+    pages: list[tuple[PageRecord, int | None]]
+    stores: list[Store]
+    size: int  # bytes held until written
+    kv: Any = None
+    values: list[bytes] | None = None
 
 
 class TierIO:
@@ -103,14 +123,20 @@ class TierIO:
         """Store ``pages`` (each a record without its KV and its parent's
         key) whose KV is ``kv`` (uint8 ``[n, kv_len]``, a copy), unless more
         than ``max_pending`` bytes wait already (then they are dropped)."""
-        size = kv.numel()
+        if self._hold(_Write(pages, self.stores, kv.numel(), kv=kv)):
+            with self._lock:
+                self.counts["pages_offered"] += len(pages)
+
+    def _hold(self, job: _Write) -> bool:
+        """Queue ``job`` for the writer unless ``max_pending`` bytes would
+        wait (then its pages are counted dropped); whether it was queued."""
         with self._lock:
-            if self._pending_bytes + size > self.max_pending:
-                self.counts["offers_dropped"] += len(pages)
-                return
-            self._pending_bytes += size
-            self.counts["pages_offered"] += len(pages)
-        self._writes.put((pages, kv))
+            if self._pending_bytes + job.size > self.max_pending:
+                self.counts["offers_dropped"] += len(job.pages)
+                return False
+            self._pending_bytes += job.size
+        self._writes.put(job)
+        return True
 
     def fetch(self, job: Fetch) -> None:
         self._reads.put(job)
@@ -120,11 +146,13 @@ class TierIO:
         self._writes.join()
 
     def close(self) -> None:
-        """Store what is pending, stop the threads, close the stores."""
-        self._writes.put(None)
+        """Finish the fetches and store what is pending (their promotions
+        too), stop the threads, close the stores."""
+        writer, reader = self._threads
         self._reads.put(None)
-        for t in self._threads:
-            t.join()
+        reader.join()
+        self._writes.put(None)
+        writer.join()
         for s in self.stores:
             s.close()
 
@@ -142,28 +170,28 @@ class TierIO:
     def _write_loop(self) -> None:
         while (job := self._writes.get()) is not None:
             try:
-                self._write(*job)
+                self._write(job)
             except Exception:  # a tier must never take the server down
                 log.exception("KV tier write failed; pages dropped")
             finally:
                 with self._lock:
-                    self._pending_bytes -= job[1].numel()
+                    self._pending_bytes -= job.size
                 self._writes.task_done()
         self._writes.task_done()
 
-    def _write(self, pages: list[tuple[PageRecord, int | None]], kv) -> None:
-        rows = kv.numpy()
+    def _write(self, job: _Write) -> None:
+        pages, values = job.pages, job.values
+        promoted = values is not None
         names = [store_key(self.identity, rec.key) for rec, _ in pages]
-        values: list[bytes] | None = None
-        for store in self.stores:
-            have = store.contains(names)
+        for store in job.stores:
+            have = store.contains(names)  # (a fetch of the same pages may have copied them)
             todo = [i for i, h in enumerate(have) if not h]
             if not todo:
                 continue
             if values is None:
                 values = [
                     encode(self.identity, PageRecord(rec.key, rec.namespace, rec.chain, row))
-                    for (rec, _), row in zip(pages, (r.tobytes() for r in rows))
+                    for (rec, _), row in zip(pages, (r.tobytes() for r in job.kv.numpy()))
                 ]
             written = store.put([names[i] for i in todo], [values[i] for i in todo])
             evicted = store.take_evicted()
@@ -171,6 +199,8 @@ class TierIO:
                 self.counts[f"{store.medium}_bytes_written"] += written
                 if written:
                     self.counts[f"{store.medium}_pages_stored"] += len(todo)
+                    if promoted:
+                        self.counts[f"{store.medium}_pages_promoted"] += len(todo)
                 self.counts[f"{store.medium}_pages_evicted"] += len(evicted)
             if self.events is not None and written:
                 self._tell_stored(store.medium, [pages[i] for i in todo])
@@ -193,22 +223,39 @@ class TierIO:
     def _read_loop(self) -> None:
         while (job := self._reads.get()) is not None:
             t0 = time.perf_counter()
+            below: dict[int, list[tuple[int, bytes]]] = {}
             try:
-                found = self._read(job)
+                found = self._read(job, below)
             except Exception:
                 log.exception("KV tier read failed; a miss")
-                found = []
+                found, below = [], {}
             seconds = time.perf_counter() - t0
             with self._lock:
                 if found:
                     self.load_seconds.append(seconds)
             self._done(job.stream, job.start, found, seconds)
+            for tier, pages in below.items():
+                self._promote(job, tier, pages)
 
-    def _read(self, job: Fetch) -> list[bytes]:
-        """KV of the longest run of ``job``'s pages the tiers hold, in order."""
+    def _promote(self, job: Fetch, tier: int, pages: list[tuple[int, bytes]]) -> None:
+        """Queue ``pages`` (``(index in job.keys, value)``), read from tier
+        ``tier``, for the tiers before it."""
+        ps, records = self.page_size, []
+        for i, _ in pages:
+            key = int(job.keys[i])
+            parent = int(job.keys[i - 1]) if i else job.parent
+            chain = job.tokens[: (job.start + i + 1) * ps]
+            records.append((PageRecord(key, job.namespace, chain, b""), parent))
+        values = [value for _, value in pages]
+        self._hold(_Write(records, self.stores[:tier], sum(map(len, values)), values=values))
+
+    def _read(self, job: Fetch, below: dict[int, list[tuple[int, bytes]]]) -> list[bytes]:
+        """KV of the longest run of ``job``'s pages the tiers hold, in order;
+        ``below`` gets, per tier after the first, the pages found there
+        (``(index in job.keys, value)``)."""
         found: list[bytes] = []
         ps, n = self.page_size, len(job.keys)
-        for store in self.stores:
+        for tier, store in enumerate(self.stores):
             while len(found) < n:
                 at = len(found)
                 batch = job.keys[at : at + BATCH].tolist()
@@ -222,10 +269,13 @@ class TierIO:
                     if kv is None:
                         if value is not None:
                             log.warning("KV page %016x in %s is a miss: %s", key, store.medium, why)
+                            store.discard([store_key(self.identity, key)])
                             with self._lock:
                                 self.counts[f"{store.medium}_bad_values"] += 1
                         break
                     found.append(kv)
+                    if tier:
+                        below.setdefault(tier, []).append((at + i, value))
                     hits += 1
                 with self._lock:
                     self.counts[f"{store.medium}_pages_queried"] += min(len(batch), hits + 1)
