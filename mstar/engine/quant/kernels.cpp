@@ -12,13 +12,13 @@
 // sum: sum_g scale_g * (x . q)_g + min_g * (sum of x over g)).
 //
 // Up to GEMV_ROWS activation rows (decode) stream the weights once, converting them
-// to float32 in registers. int4 reads 32 bytes (two groups) as eight 32-bit lanes
-// and takes nibble i of every lane at once ((d >> 4i) & 15): no byte shuffles; the
-// activations are permuted once per call to match (`permute_int4`). More rows
-// (prefill, batched decode): 16 weight rows at a time are dequantized into a float32
-// panel, transposed ([K, 16], in L2), and every activation row is multiplied against
-// it by a register-blocked kernel (6 rows x 16 outputs in 12 accumulators, the
-// activations broadcast, no horizontal sums).
+// to float32 in registers. int4 at 2-4 rows reads 32 bytes (two groups) as eight
+// 32-bit lanes and takes nibble i of every lane at once ((d >> 4i) & 15): no byte
+// shuffles; the activations are permuted once per call to match (`permute_int4`).
+// More rows (prefill, batched decode): 16 weight rows at a time are dequantized into
+// a float32 panel, transposed ([K, 16], in L2), and every activation row is multiplied
+// against it by a register-blocked kernel (6 rows x 16 outputs in 12 accumulators,
+// the activations broadcast, no horizontal sums).
 // The work is handed out in pieces to torch's threads, each taking the next piece
 // as it finishes (`share`), so a core busy with something else does less of it.
 #include <ATen/ATen.h>
@@ -29,7 +29,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -109,9 +109,8 @@ struct Int4 {
     return _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
 
-  // One activation row: sum_g scale_g (x . q)_g + min_g xsum_g; xp permuted, xsum [G].
-  void gemv1(const float* xnat, const float* xsum, int64_t n0, int64_t n1, float* out) const {
-    const int64_t C = (G + 1) / 2;
+  // One activation row: sum_g scale_g (x . q)_g + min_g xsum_g; x [K], xsum [G].
+  void gemv1(const float* x, const float* xsum, int64_t n0, int64_t n1, float* out) const {
     std::vector<float> s(G + 1), mn(G + 1);
     for (int64_t n = n0; n < n1; ++n) {
       to_float(scales + n * G, G, s.data());
@@ -122,7 +121,7 @@ struct Int4 {
         const uint8_t* p = q + (n * G + j) * 16;
         const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
         const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-        const float* xc = xnat + j * 32;
+        const float* xc = x + j * 32;
         __m256 t0 = _mm256_mul_ps(_mm256_loadu_ps(xc), _mm256_cvtepi32_ps(_mm256_and_si256(a, low)));
         __m256 t1 = _mm256_mul_ps(_mm256_loadu_ps(xc + 8), _mm256_cvtepi32_ps(_mm256_and_si256(b, low)));
         t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xc + 16), _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), t0);
