@@ -35,6 +35,7 @@
 namespace {
 
 constexpr int64_t GEMV_ROWS = 4;         // most activation rows for the streaming path
+constexpr int64_t PANEL_ROWS = 32;       // fewest activation rows for the panel path
 constexpr int64_t PIECE = 16384;         // weights per piece of GEMV work
 constexpr int64_t PARALLEL_MIN = 1 << 18;  // fewer weights (x rows) than this: one thread
 
@@ -45,13 +46,16 @@ float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// n float16 values as float32 into out[0..n), out[n] = 0 (an odd count's pad).
-void to_float(const at::Half* h, int64_t n, float* out) {
+// n float16 values as float32 into out[0..n), zeros after them up to a multiple of 8
+// (out holds padded(n) floats).
+int64_t padded(int64_t n) { return (n + 8) / 8 * 8; }
+
+inline void to_float(const at::Half* h, int64_t n, float* out) {
   int64_t j = 0;
   for (; j + 8 <= n; j += 8)
     _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + j))));
   for (; j < n; ++j) out[j] = _cvtsh_ss(h[j].x);
-  out[n] = 0.0f;
+  for (; j < padded(n); ++j) out[j] = 0.0f;
 }
 
 // Runs fn(i0, i1) over [0, n) in pieces of `piece`, torch's threads taking the next
@@ -111,7 +115,7 @@ struct Int4 {
 
   // One activation row: sum_g scale_g (x . q)_g + min_g xsum_g; x [K], xsum [G].
   void gemv1(const float* x, const float* xsum, int64_t n0, int64_t n1, float* out) const {
-    std::vector<float> s(G + 1), mn(G + 1);
+    std::vector<float> s(padded(G)), mn(padded(G));
     for (int64_t n = n0; n < n1; ++n) {
       to_float(scales + n * G, G, s.data());
       to_float(mins + n * G, G, mn.data());
@@ -128,12 +132,9 @@ struct Int4 {
         t1 = _mm256_fmadd_ps(_mm256_loadu_ps(xc + 24), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), t1);
         acc = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), _mm256_broadcast_ss(s.data() + j), acc);
       }
-      int64_t j = 0;
-      for (; j + 8 <= G; j += 8)
+      for (int64_t j = 0; j < G; j += 8)  // both padded with zeros
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(mn.data() + j), _mm256_loadu_ps(xsum + j), acc);
-      float sum = hsum(acc);
-      for (; j < G; ++j) sum += mn[j] * xsum[j];
-      out[n] = sum;
+      out[n] = hsum(acc);
     }
   }
 
@@ -141,7 +142,7 @@ struct Int4 {
   template <int ROWS>
   void gemv(const float* xp, int64_t n0, int64_t n1, float* out, int64_t N) const {
     const int64_t C = (G + 1) / 2;
-    std::vector<float> s(G + 1), mn(G + 1);
+    std::vector<float> s(padded(G)), mn(padded(G));
     for (int64_t n = n0; n < n1; ++n) {
       to_float(scales + n * G, G, s.data());
       to_float(mins + n * G, G, mn.data());
@@ -203,7 +204,7 @@ struct Int8 {
   // ROWS activation rows [ROWS, K] against weights q * scale.
   template <int ROWS>
   void gemv(const float* x, int64_t n0, int64_t n1, float* out, int64_t N) const {
-    std::vector<float> s(K / 32 + 1);
+    std::vector<float> s(padded(K / 32));
     for (int64_t n = n0; n < n1; ++n) {
       row_scales(n, s.data());
       __m256 even[ROWS], odd[ROWS];
@@ -227,7 +228,7 @@ struct Int8 {
   }
 
   void dequantize(int64_t n0, int64_t n1, float* dst) const {
-    std::vector<float> s(K / 32 + 1);
+    std::vector<float> s(padded(K / 32));
     for (int64_t n = n0; n < n1; ++n) {
       row_scales(n, s.data());
       for (int64_t j = 0; j < K / 32; ++j, dst += 32) {
@@ -253,13 +254,13 @@ void gemv(const Int4& w, const float* x, const float* xp, const float* xsum, int
   else w.gemv<ROWS>(xp, n0, n1, y, N);
 }
 
-// Sums of x over each group of 32 columns: [M, K / 32].
-std::vector<float> group_sums(const float* x, int64_t M, int64_t K) {
-  std::vector<float> sums(M * (K / 32));
-  for (int64_t i = 0; i < M * (K / 32); ++i) {
+// Sums of one row of x over each group of 32 columns: [padded(K / 32)], zeros after K / 32.
+std::vector<float> group_sums(const float* x, int64_t K) {
+  std::vector<float> sums(padded(K / 32), 0.0f);
+  for (int64_t j = 0; j < K / 32; ++j) {
     float s = 0;
-    for (int k = 0; k < 32; ++k) s += x[i * 32 + k];
-    sums[i] = s;
+    for (int k = 0; k < 32; ++k) s += x[j * 32 + k];
+    sums[j] = s;
   }
   return sums;
 }
@@ -268,7 +269,7 @@ template <typename W>
 void streamed(const W& w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
   std::vector<float> xp, xsum;
   if constexpr (std::is_same_v<W, Int4>) {
-    if (M == 1) xsum = group_sums(x, M, K);
+    if (M == 1) xsum = group_sums(x, K);
     else xp = permute_int4(x, M, K);
   }
   const int64_t piece = std::max<int64_t>(4, PIECE / K / 4 * 4);
@@ -278,6 +279,50 @@ void streamed(const W& w, const float* x, int64_t M, int64_t N, int64_t K, float
       case 2: return gemv<2>(w, x, xp.data(), xsum.data(), n0, n1, y, N);
       case 3: return gemv<3>(w, x, xp.data(), xsum.data(), n0, n1, y, N);
       default: return gemv<4>(w, x, xp.data(), xsum.data(), n0, n1, y, N);
+    }
+  });
+}
+
+// y[m, r] = x[m, :] . tile[r, :] for m < ROWS, r < 4: tile [4, K] (dequantized rows,
+// in L1), x rows of stride K; one horizontal sum per output.
+template <int ROWS>
+void dots(const float* x, const float* tile, int64_t K, float* y, int64_t N) {
+  __m256 a0[ROWS], a1[ROWS], a2[ROWS], a3[ROWS];
+  for (int m = 0; m < ROWS; ++m) a0[m] = a1[m] = a2[m] = a3[m] = _mm256_setzero_ps();
+  int64_t k = 0;
+  do {  // K >= 32: a do-while keeps gcc from giving the accumulators a home in memory
+    const __m256 t0 = _mm256_loadu_ps(tile + k), t1 = _mm256_loadu_ps(tile + K + k);
+    const __m256 t2 = _mm256_loadu_ps(tile + 2 * K + k), t3 = _mm256_loadu_ps(tile + 3 * K + k);
+#pragma GCC unroll 3
+    for (int m = 0; m < ROWS; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      a0[m] = _mm256_fmadd_ps(xv, t0, a0[m]);
+      a1[m] = _mm256_fmadd_ps(xv, t1, a1[m]);
+      a2[m] = _mm256_fmadd_ps(xv, t2, a2[m]);
+      a3[m] = _mm256_fmadd_ps(xv, t3, a3[m]);
+    }
+  } while ((k += 8) < K);
+  for (int m = 0; m < ROWS; ++m) {
+    y[m * N] = hsum(a0[m]);
+    y[m * N + 1] = hsum(a1[m]);
+    y[m * N + 2] = hsum(a2[m]);
+    y[m * N + 3] = hsum(a3[m]);
+  }
+}
+
+// 5 to PANEL_ROWS - 1 activation rows: 4 weight rows at a time dequantized into a tile
+// (row-major, no transpose: cheaper per weight than a panel, which more rows repay)
+// and dotted with every activation row, 3 at a time.
+template <typename W>
+void tiled(const W& w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
+  std::vector<float> tiles(at::get_num_threads() * 4 * K);
+  share(N / 4, 4, N * K * M >= PARALLEL_MIN, [&](int64_t t0, int64_t t1) {
+    float* tile = tiles.data() + at::get_thread_num() * 4 * K;
+    for (int64_t t = t0; t < t1; ++t) {
+      w.dequantize(4 * t, 4 * t + 4, tile);
+      int64_t m = 0;
+      for (; m + 3 <= M; m += 3) dots<3>(x + m * K, tile, K, y + m * N + 4 * t, N);
+      for (; m < M; ++m) dots<1>(x + m * K, tile, K, y + m * N + 4 * t, N);
     }
   });
 }
@@ -382,6 +427,7 @@ at::Tensor packed_linear(const at::Tensor& x_in, const W& w, int64_t N, int64_t 
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M <= GEMV_ROWS) streamed(w, x.data_ptr<float>(), M, N, K, y.data_ptr<float>());
+  else if (M < PANEL_ROWS) tiled(w, x.data_ptr<float>(), M, N, K, y.data_ptr<float>());
   else paneled(w, x.data_ptr<float>(), M, N, K, y.data_ptr<float>());
   auto sizes = x_in.sizes().vec();
   sizes.back() = N;
