@@ -113,29 +113,29 @@ struct Int4 {
     return _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
 
-  // One activation row: sum_g scale_g (x . q)_g + min_g xsum_g; x [K], xsum [G].
-  void gemv1(const float* x, const float* xsum, int64_t n0, int64_t n1, float* out) const {
-    std::vector<float> s(padded(G)), mn(padded(G));
-    for (int64_t n = n0; n < n1; ++n) {
-      to_float(scales + n * G, G, s.data());
-      to_float(mins + n * G, G, mn.data());
-      __m256 acc = _mm256_setzero_ps();
-      const __m256i low = _mm256_set1_epi32(0x0F);
-      for (int64_t j = 0; j < G; ++j) {
-        const uint8_t* p = q + (n * G + j) * 16;
-        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-        const float* xc = x + j * 32;
-        __m256 t0 = _mm256_mul_ps(_mm256_loadu_ps(xc), _mm256_cvtepi32_ps(_mm256_and_si256(a, low)));
-        __m256 t1 = _mm256_mul_ps(_mm256_loadu_ps(xc + 8), _mm256_cvtepi32_ps(_mm256_and_si256(b, low)));
-        t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xc + 16), _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), t0);
-        t1 = _mm256_fmadd_ps(_mm256_loadu_ps(xc + 24), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), t1);
-        acc = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), _mm256_broadcast_ss(s.data() + j), acc);
-      }
-      for (int64_t j = 0; j < G; j += 8)  // both padded with zeros
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(mn.data() + j), _mm256_loadu_ps(xsum + j), acc);
-      out[n] = hsum(acc);
-    }
+  // Group j of row n as 32 integers in float32, in their own order (four vectors).
+  void load(int64_t n, int64_t j, __m256 v[4]) const {
+    const uint8_t* p = q + (n * G + j) * 16;
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+    const __m256i low = _mm256_set1_epi32(0x0F);
+    v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, low));
+    v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));
+    v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+    v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+  }
+  float scale(int64_t n, int64_t j) const { return _cvtsh_ss(scales[n * G + j].x); }
+  // sum over row n's groups of min_j * xsum[j]
+  float min_dot(int64_t n, const float* xsum) const {
+    const at::Half* mn = mins + n * G;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= G; j += 8)
+      acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + j))),
+                            _mm256_loadu_ps(xsum + j), acc);
+    float sum = hsum(acc);
+    for (; j < G; ++j) sum += _cvtsh_ss(mn[j].x) * xsum[j];
+    return sum;
   }
 
   // ROWS activation rows (permuted, [ROWS, C * 64]) against weights fma(q, scale, min).
@@ -169,18 +169,13 @@ struct Int4 {
 
   // Rows [n0, n1) dequantized into dst [n1 - n0, K], in the weights' own order.
   void dequantize(int64_t n0, int64_t n1, float* dst) const {
-    const __m256i low = _mm256_set1_epi32(0x0F);
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t j = 0; j < G; ++j, dst += 32) {
-        const uint8_t* p = q + (n * G + j) * 16;
-        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-        const __m256 s = _mm256_set1_ps(_cvtsh_ss(scales[n * G + j].x));
+        __m256 v[4];
+        load(n, j, v);
+        const __m256 s = _mm256_set1_ps(scale(n, j));
         const __m256 mn = _mm256_set1_ps(_cvtsh_ss(mins[n * G + j].x));
-        _mm256_storeu_ps(dst, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(a, low)), s, mn));
-        _mm256_storeu_ps(dst + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low)), s, mn));
-        _mm256_storeu_ps(dst + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), s, mn));
-        _mm256_storeu_ps(dst + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), s, mn));
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(dst + 8 * i, _mm256_fmadd_ps(v[i], s, mn));
       }
   }
 };
@@ -200,6 +195,11 @@ struct Int8 {
   inline __m256 values(const int8_t* p) const {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
+  void load(int64_t n, int64_t j, __m256 v[4]) const {
+    for (int i = 0; i < 4; ++i) v[i] = values(q + n * K + j * 32 + 8 * i);
+  }
+  float scale(int64_t n, int64_t j) const { return _cvtsh_ss(scales[n * per_row + j * 32 / group].x); }
+  float min_dot(int64_t, const float*) const { return 0.0f; }
 
   // ROWS activation rows [ROWS, K] against weights q * scale.
   template <int ROWS>
@@ -240,17 +240,39 @@ struct Int8 {
   }
 };
 
-// y[:, n0:n1] for rows=M <= GEMV_ROWS activation rows.
+// One activation row, each weight row streamed once in its own order, scale and min
+// taken out of each group: out[n] = sum_j scale_j (x . q_j) + sum_j min_j xsum[j].
+template <typename W>
+void gemv1(const W& w, const float* x, const float* xsum, int64_t K, int64_t n0, int64_t n1,
+           float* out) {
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < K / 32; ++j) {
+      __m256 v[4];
+      w.load(n, j, v);
+      const float* xc = x + j * 32;
+      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(xc), v[0]);
+      __m256 b = _mm256_mul_ps(_mm256_loadu_ps(xc + 8), v[1]);
+      a = _mm256_fmadd_ps(_mm256_loadu_ps(xc + 16), v[2], a);
+      b = _mm256_fmadd_ps(_mm256_loadu_ps(xc + 24), v[3], b);
+      acc = _mm256_fmadd_ps(_mm256_add_ps(a, b), _mm256_set1_ps(w.scale(n, j)), acc);
+    }
+    out[n] = hsum(acc) + w.min_dot(n, xsum);
+  }
+}
+
+// y[:, n0:n1] for ROWS <= GEMV_ROWS activation rows.
 template <int ROWS>
 void gemv(const Int8& w, const float* x, const float*, const float*, int64_t n0, int64_t n1,
           float* y, int64_t N) {
-  w.gemv<ROWS>(x, n0, n1, y, N);
+  if constexpr (ROWS == 1) gemv1(w, x, nullptr, w.K, n0, n1, y);
+  else w.gemv<ROWS>(x, n0, n1, y, N);
 }
 
 template <int ROWS>
 void gemv(const Int4& w, const float* x, const float* xp, const float* xsum, int64_t n0, int64_t n1,
           float* y, int64_t N) {
-  if constexpr (ROWS == 1) w.gemv1(x, xsum, n0, n1, y);
+  if constexpr (ROWS == 1) gemv1(w, x, xsum, w.K, n0, n1, y);
   else w.gemv<ROWS>(xp, n0, n1, y, N);
 }
 
