@@ -35,7 +35,7 @@
 namespace {
 
 constexpr int64_t GEMV_ROWS = 4;         // most activation rows for the streaming path
-constexpr int64_t PANEL_ROWS = 32;       // fewest activation rows for the panel path
+constexpr int64_t PANEL_ROWS = 48;       // fewest activation rows for the panel path (measured)
 constexpr int64_t PIECE = 16384;         // weights per piece of GEMV work
 constexpr int64_t PARALLEL_MIN = 1 << 18;  // fewer weights (x rows) than this: one thread
 
