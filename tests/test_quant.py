@@ -128,11 +128,12 @@ def test_packed_linear_keeps_leading_dims_and_adds_its_bias(kernels):
     torch.testing.assert_close(y, F.linear(x, packed.dequantize(), bias), rtol=1e-5, atol=1e-5)
 
 
-def test_int8_per_channel_scales(kernels):
-    w = torch.randn(16, 64)
+@pytest.mark.parametrize("batch", [1, 3, 5, 64])
+def test_int8_per_channel_scales(kernels, batch):
+    w = torch.randn(20, 64)
     packed = quantize_int8(w)
-    assert packed.scales.shape == (16, 1)
-    x = torch.randn(5, 64)
+    assert packed.scales.shape == (20, 1)
+    x = torch.randn(batch, 64)
     torch.testing.assert_close(PackedLinear(packed)(x), F.linear(x, packed.dequantize()))
 
 
