@@ -46,10 +46,10 @@ float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// n float16 values as float32 into out[0..n), zeros after them up to a multiple of 8
-// (out holds padded(n) floats).
+// Room for n floats and at least one zero after them, a multiple of 8.
 int64_t padded(int64_t n) { return (n + 8) / 8 * 8; }
 
+// n float16 values as float32 into out[0..n), zeros after them to padded(n).
 inline void to_float(const at::Half* h, int64_t n, float* out) {
   int64_t j = 0;
   for (; j + 8 <= n; j += 8)
