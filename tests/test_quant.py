@@ -92,6 +92,34 @@ def test_packed_linear_matches_f_linear_on_the_dequantized_weights(kernels, kind
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
 
 
+BATCHES = [*range(1, 10), 32, 200]
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("shape", [(52, 576), (36, 1536), (4, 32), (20, 96), (460, 576)])
+def test_every_kernel_path_matches_f_linear_on_the_dequantized_weights(kernels, kind, shape):
+    """1-4 rows stream the weights, more go through dequantized 16-row panels (52, 36,
+    20: a partial last panel; 460 x 576: enough weights to share among threads); the
+    activations arrive non-contiguous (every other column)."""
+    packed = random_packed(kind, *shape, seed=shape[0])
+    weight = packed.dequantize().double()
+    layer = PackedLinear(packed)
+    g = torch.Generator().manual_seed(3)
+    for batch in BATCHES:
+        x = torch.randn(batch, 2 * shape[1], generator=g)[:, ::2]
+        assert not x.is_contiguous()
+        y = layer(x)
+        expected = F.linear(x.double(), weight)
+        assert y.shape == (batch, shape[0])
+        torch.testing.assert_close(
+            y.double(),
+            expected,
+            rtol=1e-5,
+            atol=1e-5 * expected.abs().max(),
+            msg=lambda text, batch=batch: f"{batch} rows: {text}",
+        )
+
+
 def test_packed_linear_keeps_leading_dims_and_adds_its_bias(kernels):
     packed = random_packed("int4", 8, 64)
     bias = torch.randn(8)
@@ -100,11 +128,12 @@ def test_packed_linear_keeps_leading_dims_and_adds_its_bias(kernels):
     torch.testing.assert_close(y, F.linear(x, packed.dequantize(), bias), rtol=1e-5, atol=1e-5)
 
 
-def test_int8_per_channel_scales(kernels):
-    w = torch.randn(16, 64)
+@pytest.mark.parametrize("batch", [1, 3, 5, 64])
+def test_int8_per_channel_scales(kernels, batch):
+    w = torch.randn(20, 64)
     packed = quantize_int8(w)
-    assert packed.scales.shape == (16, 1)
-    x = torch.randn(5, 64)
+    assert packed.scales.shape == (20, 1)
+    x = torch.randn(batch, 64)
     torch.testing.assert_close(PackedLinear(packed)(x), F.linear(x, packed.dequantize()))
 
 

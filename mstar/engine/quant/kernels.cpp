@@ -5,31 +5,39 @@
 //       scales, mins float16 [N, K/32]; w = q * scale + min.
 // int8: qweight int8 [N, K]; scales float16 [N, K/G] (G a multiple of 32); w = q * scale.
 //
-// q * scale is exact in float32 (a float16 times a 4- or 8-bit integer), so each
-// dequantized weight equals gguf's numpy dequantization bit for bit; the output
-// differs from F.linear on those weights only in the order of the sums.
+// q * scale is exact in float32 (a float16 times a 4- or 8-bit integer), so a weight
+// dequantized as fma(q, scale, min) equals gguf's numpy dequantization bit for bit;
+// the output differs from F.linear on those weights only in the order of the sums
+// (and, for int4 at one activation row, in taking scale and min out of each group's
+// sum: sum_g scale_g * (x . q)_g + min_g * (sum of x over g)).
 //
-// A few activation rows (decode; at most GEMV_ROWS) stream the weights once,
-// converting each group of 32 to float32 in registers: sum_g scale_g * (x . q)_g
-// + min_g * (sum of x over g). More rows (prefill, batched decode): each task
-// dequantizes a tile of NR weight rows x KC columns into float32 (in L1) and
-// multiplies every activation row against it, MR rows at a time. Tasks are
-// spread over torch's threads (at::parallel_for).
+// Up to GEMV_ROWS activation rows (decode) stream the weights once, converting them
+// to float32 in registers. int4 at 2-4 rows reads 32 bytes (two groups) as eight
+// 32-bit lanes and takes nibble i of every lane at once ((d >> 4i) & 15): no byte
+// shuffles; the activations are permuted once per call to match (`permute_int4`).
+// More rows (prefill, batched decode): 16 weight rows at a time are dequantized into
+// a float32 panel, transposed ([K, 16], in L2), and every activation row is multiplied
+// against it by a register-blocked kernel (6 rows x 16 outputs in 12 accumulators,
+// the activations broadcast, no horizontal sums).
+// The work is handed out in pieces to torch's threads, each taking the next piece
+// as it finishes (`share`), so a core busy with something else does less of it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t GEMV_ROWS = 4;  // most activation rows for the streaming path
-constexpr int64_t NR = 4;         // weight rows per tile
-constexpr int64_t MR = 3;         // activation rows per micro-kernel
-constexpr int64_t KC = 1024;      // columns per tile (4 x 1024 floats = 16 KiB)
+constexpr int64_t GEMV_ROWS = 4;         // most activation rows for the streaming path
+constexpr int64_t PANEL_ROWS = 48;       // fewest activation rows for the panel path (measured)
+constexpr int64_t PIECE = 16384;         // weights per piece of GEMV work
+constexpr int64_t PARALLEL_MIN = 1 << 18;  // fewer weights (x rows) than this: one thread
 
 float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -38,38 +46,137 @@ float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-float to_float(at::Half h) { return _cvtsh_ss(h.x); }
+// Room for n floats and at least one zero after them, a multiple of 8.
+int64_t padded(int64_t n) { return (n + 8) / 8 * 8; }
 
-// int4 weights: group j of row n as 32 integers in float32 (four vectors of 8).
+// n float16 values as float32 into out[0..n), zeros after them to padded(n).
+inline void to_float(const at::Half* h, int64_t n, float* out) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + j))));
+  for (; j < n; ++j) out[j] = _cvtsh_ss(h[j].x);
+  for (; j < padded(n); ++j) out[j] = 0.0f;
+}
+
+// Runs fn(i0, i1) over [0, n) in pieces of `piece`, torch's threads taking the next
+// piece as they finish; inline (one thread) unless `parallel`.
+template <typename F>
+void share(int64_t n, int64_t piece, bool parallel, const F& fn) {
+  if (!parallel || n <= piece || at::get_num_threads() == 1 || at::in_parallel_region()) {
+    fn(int64_t{0}, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(piece)) < n;) fn(i, std::min(n, i + piece));
+  });
+}
+
+// The eight vectors of a 64-weight int4 chunk (32 bytes, lane l = bytes 4l..4l+3):
+// vector i holds nibble i of each lane, as float32.
+inline __m256 nibbles(__m256i d, int i) {
+  const __m256i low = _mm256_set1_epi32(0x0F);
+  if (i == 0) return _mm256_cvtepi32_ps(_mm256_and_si256(d, low));
+  if (i == 7) return _mm256_cvtepi32_ps(_mm256_srli_epi32(d, 28));
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(d, 4 * i), low));
+}
+
+// Group pair (b[0], b[1]) as [b0 x4, b1 x4], the lanes of `nibbles`.
+inline __m256 pair(const float* b) {
+  return _mm256_set_m128(_mm_broadcast_ss(b + 1), _mm_broadcast_ss(b));
+}
+
+// Activations [M, K] in `nibbles`' order: chunk c (groups 2c, 2c+1), vector i, lane l
+// = weight 16 * (i % 2) + 4 * (l % 4) + i / 2 of group 2c + l / 4; an odd last group's
+// partner is zeros. Returns [M, C * 64] with C = ceil(K / 64).
+std::vector<float> permute_int4(const float* x, int64_t M, int64_t K) {
+  const int64_t G = K / 32, C = (G + 1) / 2;
+  std::vector<float> xp(M * C * 64, 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < C; ++c)
+      for (int i = 0; i < 8; ++i)
+        for (int l = 0; l < 8; ++l) {
+          const int64_t g = 2 * c + l / 4;
+          if (g < G) xp[(m * C + c) * 64 + i * 8 + l] = x[m * K + g * 32 + 16 * (i % 2) + 4 * (l % 4) + i / 2];
+        }
+  return xp;
+}
+
 struct Int4 {
   const uint8_t* q;
   const at::Half *scales, *mins;
-  int64_t groups;  // per row
+  int64_t K, G;  // G = K / 32 groups per row
 
+  __m256i chunk(int64_t n, int64_t c) const {  // groups 2c, 2c + 1 of row n (zeros past G)
+    const uint8_t* p = q + (n * G + 2 * c) * 16;
+    if (2 * c + 1 < G) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+
+  // Group j of row n as 32 integers in float32, in their own order (four vectors).
   void load(int64_t n, int64_t j, __m256 v[4]) const {
-    const uint8_t* p = q + (n * groups + j) * 16;
+    const uint8_t* p = q + (n * G + j) * 16;
     const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-    const __m256i mask = _mm256_set1_epi32(0x0F);
-    v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, mask));
-    v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
+    const __m256i low = _mm256_set1_epi32(0x0F);
+    v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, low));
+    v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));
     v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
     v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
   }
-  float scale(int64_t n, int64_t j) const { return to_float(scales[n * groups + j]); }
-  float min(int64_t n, int64_t j) const { return to_float(mins[n * groups + j]); }
-  // sum over the row's groups of min_j * xsum[j]
+  float scale(int64_t n, int64_t j) const { return _cvtsh_ss(scales[n * G + j].x); }
+  // sum over row n's groups of min_j * xsum[j]
   float min_dot(int64_t n, const float* xsum) const {
-    const at::Half* mn = mins + n * groups;
+    const at::Half* mn = mins + n * G;
     __m256 acc = _mm256_setzero_ps();
     int64_t j = 0;
-    for (; j + 8 <= groups; j += 8) {
-      const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + j)));
-      acc = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xsum + j), acc);
-    }
+    for (; j + 8 <= G; j += 8)
+      acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + j))),
+                            _mm256_loadu_ps(xsum + j), acc);
     float sum = hsum(acc);
-    for (; j < groups; ++j) sum += to_float(mn[j]) * xsum[j];
+    for (; j < G; ++j) sum += _cvtsh_ss(mn[j].x) * xsum[j];
     return sum;
+  }
+
+  // ROWS activation rows (permuted, [ROWS, C * 64]) against weights fma(q, scale, min).
+  template <int ROWS>
+  void gemv(const float* xp, int64_t n0, int64_t n1, float* out, int64_t N) const {
+    const int64_t C = (G + 1) / 2;
+    std::vector<float> s(padded(G)), mn(padded(G));
+    for (int64_t n = n0; n < n1; ++n) {
+      to_float(scales + n * G, G, s.data());
+      to_float(mins + n * G, G, mn.data());
+      __m256 even[ROWS], odd[ROWS];
+      for (int m = 0; m < ROWS; ++m) even[m] = odd[m] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < C; ++c) {
+        const __m256i d = chunk(n, c);
+        const __m256 sc = pair(s.data() + 2 * c), mc = pair(mn.data() + 2 * c);
+        const float* xc = xp + c * 64;
+#pragma GCC unroll 4
+        for (int i = 0; i < 8; i += 2) {
+          const __m256 w0 = _mm256_fmadd_ps(nibbles(d, i), sc, mc);
+          const __m256 w1 = _mm256_fmadd_ps(nibbles(d, i + 1), sc, mc);
+#pragma GCC unroll 4
+          for (int m = 0; m < ROWS; ++m) {
+            even[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xc + m * C * 64 + 8 * i), w0, even[m]);
+            odd[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xc + m * C * 64 + 8 * i + 8), w1, odd[m]);
+          }
+        }
+      }
+      for (int m = 0; m < ROWS; ++m) out[m * N + n] = hsum(_mm256_add_ps(even[m], odd[m]));
+    }
+  }
+
+  // Rows [n0, n1) dequantized into dst [n1 - n0, K], in the weights' own order.
+  void dequantize(int64_t n0, int64_t n1, float* dst) const {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t j = 0; j < G; ++j, dst += 32) {
+        __m256 v[4];
+        load(n, j, v);
+        const __m256 s = _mm256_set1_ps(scale(n, j));
+        const __m256 mn = _mm256_set1_ps(_cvtsh_ss(mins[n * G + j].x));
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(dst + 8 * i, _mm256_fmadd_ps(v[i], s, mn));
+      }
   }
 };
 
@@ -79,108 +186,256 @@ struct Int8 {
   const at::Half* scales;
   int64_t K, per_row, group;
 
+  // Row n's scale of each group of 32 columns into s [K / 32].
+  void row_scales(int64_t n, float* s) const {
+    if (group == 32) return to_float(scales + n * per_row, per_row, s);
+    for (int64_t j = 0; j < K / 32; ++j) s[j] = _cvtsh_ss(scales[n * per_row + j * 32 / group].x);
+  }
+
+  inline __m256 values(const int8_t* p) const {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
   void load(int64_t n, int64_t j, __m256 v[4]) const {
-    const int8_t* p = q + n * K + j * 32;
-    for (int i = 0; i < 4; ++i) {
-      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i));
-      v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    }
+    for (int i = 0; i < 4; ++i) v[i] = values(q + n * K + j * 32 + 8 * i);
   }
-  float scale(int64_t n, int64_t j) const { return to_float(scales[n * per_row + j * 32 / group]); }
-  float min(int64_t, int64_t) const { return 0.0f; }
+  float scale(int64_t n, int64_t j) const { return _cvtsh_ss(scales[n * per_row + j * 32 / group].x); }
   float min_dot(int64_t, const float*) const { return 0.0f; }
-};
 
-// Weight rows [n0, n1) against ROWS activation rows, streaming each weight once:
-// out[m, n] = sum_j scale_j (x_m . q_j) + min_j xsum[m, j].
-template <int64_t ROWS, typename W>
-void gemv(const W& w, const float* x, const float* xsum, int64_t K, int64_t n0, int64_t n1,
-          float* out, int64_t N) {
-  const int64_t groups = K / 32;
-  for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[ROWS];
-    for (int64_t m = 0; m < ROWS; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < groups; ++j) {
-      __m256 v[4];
-      w.load(n, j, v);
-      const __m256 s = _mm256_set1_ps(w.scale(n, j));
-      for (int64_t m = 0; m < ROWS; ++m) {
-        const float* xp = x + m * K + j * 32;
-        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(xp), v[0]);
-        __m256 b = _mm256_mul_ps(_mm256_loadu_ps(xp + 8), v[1]);
-        a = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 16), v[2], a);
-        b = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), v[3], b);
-        acc[m] = _mm256_fmadd_ps(_mm256_add_ps(a, b), s, acc[m]);
-      }
-    }
-    for (int64_t m = 0; m < ROWS; ++m) out[m * N + n] = hsum(acc[m]) + w.min_dot(n, xsum + m * groups);
-  }
-}
-
-// out[m, r] += x[m, 0..kc) . t[r, 0..kc) for m < ROWS, r < NR (t: a dequantized tile).
-template <int64_t ROWS>
-void micro(const float* x, int64_t ldx, const float* t, int64_t kc, float* out, int64_t ldo) {
-  __m256 acc[ROWS][NR];
-  for (int64_t m = 0; m < ROWS; ++m)
-    for (int64_t r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < kc; k += 8) {
-    __m256 xv[ROWS];
-    for (int64_t m = 0; m < ROWS; ++m) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
-    for (int64_t r = 0; r < NR; ++r) {
-      const __m256 tv = _mm256_loadu_ps(t + r * KC + k);
-      for (int64_t m = 0; m < ROWS; ++m) acc[m][r] = _mm256_fmadd_ps(xv[m], tv, acc[m][r]);
-    }
-  }
-  for (int64_t m = 0; m < ROWS; ++m)
-    for (int64_t r = 0; r < NR; ++r) out[m * ldo + r] += hsum(acc[m][r]);
-}
-
-// Weight rows [n0, n1) (a multiple of NR apart) against all M activation rows,
-// a dequantized tile at a time: w = q * scale + min, exact in float32.
-template <typename W>
-void gemm(const W& w, const float* x, int64_t M, int64_t K, int64_t n0, int64_t n1, float* out,
-          int64_t N) {
-  std::vector<float> tile(NR * KC);
-  for (int64_t n = n0; n < n1; n += NR) {
-    for (int64_t k0 = 0; k0 < K; k0 += KC) {
-      const int64_t kc = std::min(KC, K - k0);
-      for (int64_t r = 0; r < NR; ++r) {
-        for (int64_t k = 0; k < kc; k += 32) {
-          const int64_t j = (k0 + k) / 32;
-          __m256 v[4];
-          w.load(n + r, j, v);
-          const __m256 s = _mm256_set1_ps(w.scale(n + r, j)), mn = _mm256_set1_ps(w.min(n + r, j));
-          for (int i = 0; i < 4; ++i)
-            _mm256_storeu_ps(tile.data() + r * KC + k + 8 * i, _mm256_fmadd_ps(v[i], s, mn));
+  // ROWS activation rows [ROWS, K] against weights q * scale.
+  template <int ROWS>
+  void gemv(const float* x, int64_t n0, int64_t n1, float* out, int64_t N) const {
+    std::vector<float> s(padded(K / 32));
+    for (int64_t n = n0; n < n1; ++n) {
+      row_scales(n, s.data());
+      __m256 even[ROWS], odd[ROWS];
+      for (int m = 0; m < ROWS; ++m) even[m] = odd[m] = _mm256_setzero_ps();
+      const int8_t* p = q + n * K;
+      for (int64_t j = 0; j < K / 32; ++j) {
+        const __m256 sc = _mm256_broadcast_ss(s.data() + j);
+#pragma GCC unroll 2
+        for (int i = 0; i < 4; i += 2) {
+          const __m256 w0 = _mm256_mul_ps(values(p + j * 32 + 8 * i), sc);
+          const __m256 w1 = _mm256_mul_ps(values(p + j * 32 + 8 * i + 8), sc);
+#pragma GCC unroll 4
+          for (int m = 0; m < ROWS; ++m) {
+            even[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + j * 32 + 8 * i), w0, even[m]);
+            odd[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + j * 32 + 8 * i + 8), w1, odd[m]);
+          }
         }
       }
-      int64_t m = 0;
-      for (; m + MR <= M; m += MR) micro<MR>(x + m * K + k0, K, tile.data(), kc, out + m * N + n, N);
-      for (; m < M; ++m) micro<1>(x + m * K + k0, K, tile.data(), kc, out + m * N + n, N);
+      for (int m = 0; m < ROWS; ++m) out[m * N + n] = hsum(_mm256_add_ps(even[m], odd[m]));
     }
+  }
+
+  void dequantize(int64_t n0, int64_t n1, float* dst) const {
+    std::vector<float> s(padded(K / 32));
+    for (int64_t n = n0; n < n1; ++n) {
+      row_scales(n, s.data());
+      for (int64_t j = 0; j < K / 32; ++j, dst += 32) {
+        const __m256 sc = _mm256_broadcast_ss(s.data() + j);
+        for (int i = 0; i < 4; ++i)
+          _mm256_storeu_ps(dst + 8 * i, _mm256_mul_ps(values(q + n * K + j * 32 + 8 * i), sc));
+      }
+    }
+  }
+};
+
+// One activation row, each weight row streamed once in its own order, scale and min
+// taken out of each group: out[n] = sum_j scale_j (x . q_j) + sum_j min_j xsum[j].
+template <typename W>
+void gemv1(const W& w, const float* x, const float* xsum, int64_t K, int64_t n0, int64_t n1,
+           float* out) {
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < K / 32; ++j) {
+      __m256 v[4];
+      w.load(n, j, v);
+      const float* xc = x + j * 32;
+      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(xc), v[0]);
+      __m256 b = _mm256_mul_ps(_mm256_loadu_ps(xc + 8), v[1]);
+      a = _mm256_fmadd_ps(_mm256_loadu_ps(xc + 16), v[2], a);
+      b = _mm256_fmadd_ps(_mm256_loadu_ps(xc + 24), v[3], b);
+      acc = _mm256_fmadd_ps(_mm256_add_ps(a, b), _mm256_set1_ps(w.scale(n, j)), acc);
+    }
+    out[n] = hsum(acc) + w.min_dot(n, xsum);
   }
 }
 
-// Sums of x over each group of 32 columns: [M, K / 32].
-std::vector<float> group_sums(const float* x, int64_t M, int64_t K) {
-  std::vector<float> sums(M * (K / 32));
-  for (int64_t i = 0; i < M * (K / 32); ++i) {
+// y[:, n0:n1] for ROWS <= GEMV_ROWS activation rows.
+template <int ROWS>
+void gemv(const Int8& w, const float* x, const float*, const float*, int64_t n0, int64_t n1,
+          float* y, int64_t N) {
+  if constexpr (ROWS == 1) gemv1(w, x, nullptr, w.K, n0, n1, y);
+  else w.gemv<ROWS>(x, n0, n1, y, N);
+}
+
+template <int ROWS>
+void gemv(const Int4& w, const float* x, const float* xp, const float* xsum, int64_t n0, int64_t n1,
+          float* y, int64_t N) {
+  if constexpr (ROWS == 1) gemv1(w, x, xsum, w.K, n0, n1, y);
+  else w.gemv<ROWS>(xp, n0, n1, y, N);
+}
+
+// Sums of one row of x over each group of 32 columns: [padded(K / 32)], zeros after K / 32.
+std::vector<float> group_sums(const float* x, int64_t K) {
+  std::vector<float> sums(padded(K / 32), 0.0f);
+  for (int64_t j = 0; j < K / 32; ++j) {
     float s = 0;
-    for (int k = 0; k < 32; ++k) s += x[i * 32 + k];
-    sums[i] = s;
+    for (int k = 0; k < 32; ++k) s += x[j * 32 + k];
+    sums[j] = s;
   }
   return sums;
 }
 
 template <typename W>
-void gemv_rows(const W& w, const float* x, const float* xsum, int64_t rows, int64_t K,
-               int64_t n0, int64_t n1, float* out, int64_t N) {
-  switch (rows) {
-    case 1: return gemv<1>(w, x, xsum, K, n0, n1, out, N);
-    case 2: return gemv<2>(w, x, xsum, K, n0, n1, out, N);
-    case 3: return gemv<3>(w, x, xsum, K, n0, n1, out, N);
-    default: return gemv<4>(w, x, xsum, K, n0, n1, out, N);
+void streamed(const W& w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
+  std::vector<float> xp, xsum;
+  if constexpr (std::is_same_v<W, Int4>) {
+    if (M == 1) xsum = group_sums(x, K);
+    else xp = permute_int4(x, M, K);
   }
+  const int64_t piece = std::max<int64_t>(4, PIECE / K / 4 * 4);
+  share(N, piece, N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1) {
+    switch (M) {
+      case 1: return gemv<1>(w, x, xp.data(), xsum.data(), n0, n1, y, N);
+      case 2: return gemv<2>(w, x, xp.data(), xsum.data(), n0, n1, y, N);
+      case 3: return gemv<3>(w, x, xp.data(), xsum.data(), n0, n1, y, N);
+      default: return gemv<4>(w, x, xp.data(), xsum.data(), n0, n1, y, N);
+    }
+  });
+}
+
+// y[m, r] = x[m, :] . tile[r, :] for m < ROWS, r < 4: tile [4, K] (dequantized rows,
+// in L1), x rows of stride K; one horizontal sum per output.
+template <int ROWS>
+void dots(const float* x, const float* tile, int64_t K, float* y, int64_t N) {
+  __m256 a0[ROWS], a1[ROWS], a2[ROWS], a3[ROWS];
+  for (int m = 0; m < ROWS; ++m) a0[m] = a1[m] = a2[m] = a3[m] = _mm256_setzero_ps();
+  int64_t k = 0;
+  do {  // K >= 32: a do-while keeps gcc from giving the accumulators a home in memory
+    const __m256 t0 = _mm256_loadu_ps(tile + k), t1 = _mm256_loadu_ps(tile + K + k);
+    const __m256 t2 = _mm256_loadu_ps(tile + 2 * K + k), t3 = _mm256_loadu_ps(tile + 3 * K + k);
+#pragma GCC unroll 3
+    for (int m = 0; m < ROWS; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      a0[m] = _mm256_fmadd_ps(xv, t0, a0[m]);
+      a1[m] = _mm256_fmadd_ps(xv, t1, a1[m]);
+      a2[m] = _mm256_fmadd_ps(xv, t2, a2[m]);
+      a3[m] = _mm256_fmadd_ps(xv, t3, a3[m]);
+    }
+  } while ((k += 8) < K);
+  for (int m = 0; m < ROWS; ++m) {
+    y[m * N] = hsum(a0[m]);
+    y[m * N + 1] = hsum(a1[m]);
+    y[m * N + 2] = hsum(a2[m]);
+    y[m * N + 3] = hsum(a3[m]);
+  }
+}
+
+// 5 to PANEL_ROWS - 1 activation rows: 4 weight rows at a time dequantized into a tile
+// (row-major, no transpose: cheaper per weight than a panel, which more rows repay)
+// and dotted with every activation row, 3 at a time.
+template <typename W>
+void tiled(const W& w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
+  std::vector<float> tiles(at::get_num_threads() * 4 * K);
+  share(N / 4, 4, N * K * M >= PARALLEL_MIN, [&](int64_t t0, int64_t t1) {
+    float* tile = tiles.data() + at::get_thread_num() * 4 * K;
+    for (int64_t t = t0; t < t1; ++t) {
+      w.dequantize(4 * t, 4 * t + 4, tile);
+      int64_t m = 0;
+      for (; m + 3 <= M; m += 3) dots<3>(x + m * K, tile, K, y + m * N + 4 * t, N);
+      for (; m < M; ++m) dots<1>(x + m * K, tile, K, y + m * N + 4 * t, N);
+    }
+  });
+}
+
+// 8 x 8 block of floats: src rows (stride ls) into dst columns (stride ld).
+inline void transpose8(const float* src, int64_t ls, float* dst, int64_t ld) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ls);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4)
+    for (int j = 0; j < 2; ++j) {
+      r[i + j] = _mm256_shuffle_ps(t[i + j], t[i + j + 2], 0x44);
+      r[i + j + 2] = _mm256_shuffle_ps(t[i + j], t[i + j + 2], 0xEE);
+    }
+  // r[0], r[2], r[1], r[3] hold columns 0, 1, 2, 3 of rows 0-3 (low half) and 4-7 of them
+  // (high half); r[4..7] the same for rows 4-7.
+  const int order[4] = {0, 2, 1, 3};
+  for (int c = 0; c < 4; ++c) {
+    _mm256_storeu_ps(dst + c * ld, _mm256_permute2f128_ps(r[order[c]], r[order[c] + 4], 0x20));
+    _mm256_storeu_ps(dst + (c + 4) * ld, _mm256_permute2f128_ps(r[order[c]], r[order[c] + 4], 0x31));
+  }
+}
+
+constexpr int64_t NB = 16;  // weight rows per panel (two vectors of outputs)
+constexpr int ROWS_MAX = 6;  // activation rows per micro-kernel
+
+// y[m, 0..16) = x[m, :] . panel[:, 0..16) for m < ROWS: panel [K, 16] (dequantized,
+// transposed), x rows of stride K, y rows of stride ldy; no horizontal sums.
+template <int ROWS>
+void micro(const float* x, const float* panel, int64_t K, float* y, int64_t ldy) {
+  __m256 lo[ROWS], hi[ROWS];  // two arrays, not one [ROWS][2]: gcc keeps these in registers
+  for (int m = 0; m < ROWS; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
+  int64_t k = 0;
+  do {
+    const __m256 w0 = _mm256_loadu_ps(panel + k * NB), w1 = _mm256_loadu_ps(panel + k * NB + 8);
+#pragma GCC unroll 6
+    for (int m = 0; m < ROWS; ++m) {
+      const __m256 xv = _mm256_broadcast_ss(x + m * K + k);
+      lo[m] = _mm256_fmadd_ps(xv, w0, lo[m]);
+      hi[m] = _mm256_fmadd_ps(xv, w1, hi[m]);
+    }
+  } while (++k < K);
+  for (int m = 0; m < ROWS; ++m) {
+    _mm256_storeu_ps(y + m * ldy, lo[m]);
+    _mm256_storeu_ps(y + m * ldy + 8, hi[m]);
+  }
+}
+
+void micro_rows(int64_t rows, const float* x, const float* panel, int64_t K, float* y, int64_t ldy) {
+  switch (rows) {
+    case 1: return micro<1>(x, panel, K, y, ldy);
+    case 2: return micro<2>(x, panel, K, y, ldy);
+    case 3: return micro<3>(x, panel, K, y, ldy);
+    case 4: return micro<4>(x, panel, K, y, ldy);
+    case 5: return micro<5>(x, panel, K, y, ldy);
+    default: return micro<6>(x, panel, K, y, ldy);
+  }
+}
+
+// More rows: NB weight rows at a time dequantized to float32 and transposed into a
+// panel [K, NB] (in L2), multiplied by every activation row, ROWS_MAX rows at a time.
+template <typename W>
+void paneled(const W& w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
+  const int64_t threads = at::get_num_threads(), panels = (N + NB - 1) / NB;
+  // per thread: the rows as dequantized [NB, K], the panel [K, NB], a partial panel's outputs
+  std::vector<float> scratch(threads * (2 * NB * K + ROWS_MAX * NB));
+  share(panels, 1, N * K * M >= PARALLEL_MIN, [&](int64_t p0, int64_t p1) {
+    float* rows = scratch.data() + at::get_thread_num() * (2 * NB * K + ROWS_MAX * NB);
+    float* panel = rows + NB * K;
+    float* part = panel + NB * K;
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * NB, nb = std::min(NB, N - n0);
+      w.dequantize(n0, n0 + nb, rows);
+      std::fill(rows + nb * K, rows + NB * K, 0.0f);
+      for (int64_t k = 0; k < K; k += 8)
+        for (int64_t r = 0; r < NB; r += 8) transpose8(rows + r * K + k, K, panel + k * NB + r, NB);
+      for (int64_t m = 0; m < M; m += ROWS_MAX) {
+        const int64_t rows_here = std::min<int64_t>(ROWS_MAX, M - m);
+        if (nb == NB) {
+          micro_rows(rows_here, x + m * K, panel, K, y + m * N + n0, N);
+          continue;
+        }
+        micro_rows(rows_here, x + m * K, panel, K, part, NB);
+        for (int64_t i = 0; i < rows_here; ++i)
+          std::copy(part + i * NB, part + i * NB + nb, y + (m + i) * N + n0);
+      }
+    }
+  });
 }
 
 // y = x @ W.T for float32 x [..., K] and the N x K weights `w`.
@@ -189,24 +444,13 @@ at::Tensor packed_linear(const at::Tensor& x_in, const W& w, int64_t N, int64_t 
   TORCH_CHECK(x_in.scalar_type() == at::kFloat, "expected float32 activations, got ",
               x_in.scalar_type());
   TORCH_CHECK(x_in.size(-1) == K, "expected activations of width ", K, ", got ", x_in.size(-1));
-  TORCH_CHECK(N % NR == 0 && K % 32 == 0, "expected N % 4 == 0 and K % 32 == 0, got ", N, ", ", K);
+  TORCH_CHECK(N % 4 == 0 && K % 32 == 0, "expected N % 4 == 0 and K % 32 == 0, got ", N, ", ", K);
   const at::Tensor x = x_in.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
-  at::Tensor y = M <= GEMV_ROWS ? at::empty({M, N}, x.options()) : at::zeros({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  if (M <= GEMV_ROWS) {  // gemv writes every output, gemm adds to it
-    const std::vector<float> xsum = group_sums(xp, M, K);
-    // a task of at least ~64K weights: a small layer's rows are not worth waking a thread
-    const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 16) / K);
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-      gemv_rows(w, xp, xsum.data(), M, K, n0, n1, yp, N);
-    });
-  } else {
-    at::parallel_for(0, N / NR, 1, [&](int64_t t0, int64_t t1) {
-      gemm(w, xp, M, K, t0 * NR, t1 * NR, yp, N);
-    });
-  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M <= GEMV_ROWS) streamed(w, x.data_ptr<float>(), M, N, K, y.data_ptr<float>());
+  else if (M < PANEL_ROWS) tiled(w, x.data_ptr<float>(), M, N, K, y.data_ptr<float>());
+  else paneled(w, x.data_ptr<float>(), M, N, K, y.data_ptr<float>());
   auto sizes = x_in.sizes().vec();
   sizes.back() = N;
   return y.view(sizes);
@@ -216,15 +460,16 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
                        const at::Tensor& mins) {
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous(), "bad qweight");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf, "bad scales");
+  TORCH_CHECK(scales.is_contiguous() && mins.is_contiguous(), "expected contiguous scales");
   const int64_t N = qweight.size(0), K = qweight.size(1) * 2;
   const Int4 w{qweight.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(),
-               K / 32};
+               K, K / 32};
   return packed_linear(x, w, N, K);
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
   TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.is_contiguous(), "bad qweight");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf, "bad scales");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous(), "bad scales");
   const int64_t N = qweight.size(0), K = qweight.size(1), group = K / scales.size(1);
   TORCH_CHECK(group % 32 == 0, "expected an int8 group size divisible by 32, got ", group);
   const Int8 w{qweight.data_ptr<int8_t>(), scales.data_ptr<at::Half>(), K, scales.size(1), group};

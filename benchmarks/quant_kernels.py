@@ -1,0 +1,133 @@
+"""The packed linear kernels against a baseline build of them and float32 F.linear.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/quant_kernels.py [--baseline main]
+        [--rows 1 4 32 256] [--shapes q k gate down head] [--rounds 5] [--threads N]
+
+The baseline is ``kernels.cpp`` as git ref ``--baseline`` has it (``none``:
+no baseline), built in this process under its own op namespace
+(``mstar_quant_base``) and build folder, so both run in one process, taking
+turns: per shape and rows, each variant is timed over ``--rounds`` rounds
+(each about 20 ms of calls), the variants alternating, and the best round
+is printed: microseconds per call (wall, and the process's CPU time of all
+its threads: on a shared machine the wall time mostly measures the others)
+and GB/s (wall) of the weight bytes it reads
+(int4: 0.625 bytes a weight with its scale and min; int8 in groups of 32:
+1.0625; float32: 4). Random weights, SmolLM2-135M's shapes (``head``: the
+tied vocabulary head, which the engine runs as int8). Prints the CPU and the
+load before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mstar.engine.cpu import cpu_info
+from mstar.engine.quant.kernels import SOURCE, build_kernels, kernel_or_why
+
+SHAPES = {
+    "q": (576, 576),
+    "k": (192, 576),
+    "gate": (1536, 576),
+    "down": (576, 1536),
+    "head": (49152, 576),
+}
+BYTES_PER_WEIGHT = {"int4": 0.625, "int8": 1.0625, "f32": 4.0}
+
+
+def baseline_ops(ref: str) -> object | None:
+    """``kernels.cpp`` at git ref ``ref``, built under the namespace
+    ``mstar_quant_base``: its ops (``torch.ops.mstar_quant_base``)."""
+    if ref == "none":
+        return None
+    relative = SOURCE.relative_to(Path(__file__).resolve().parents[1])
+    source = subprocess.run(
+        ["git", "show", f"{ref}:{relative}"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=SOURCE.parent,
+    ).stdout
+    build_kernels(source.replace("mstar_quant,", "mstar_quant_base,"), "mstar_quant_base")
+    return torch.ops.mstar_quant_base
+
+
+def best_us(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, tuple[float, float]]:
+    """Each call's best mean wall and process-CPU time per call (us) over ``rounds``
+    rounds, in turns."""
+    counts = {}
+    for name, call in calls.items():
+        call()
+        start = time.perf_counter()
+        call()
+        counts[name] = max(1, int(0.02 / max(time.perf_counter() - start, 1e-7)))
+    wall = dict.fromkeys(calls, float("inf"))
+    cpu = dict.fromkeys(calls, float("inf"))
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start, start_cpu = time.perf_counter(), time.process_time()
+            for _ in range(counts[name]):
+                call()
+            wall[name] = min(wall[name], (time.perf_counter() - start) / counts[name] * 1e6)
+            cpu[name] = min(cpu[name], (time.process_time() - start_cpu) / counts[name] * 1e6)
+    return {name: (wall[name], cpu[name]) for name in calls}
+
+
+def variants(ops: dict[str, object], n: int, k: int, rows: int) -> dict[str, Callable[[], object]]:
+    g = torch.Generator().manual_seed(0)
+    q4 = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(n, k // 32, generator=g) / 10).half()
+    mins = (-torch.rand(n, k // 32, generator=g) / 2).half()
+    q8 = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    calls: dict[str, Callable[[], object]] = {}
+    for label, op in ops.items():
+        calls[f"int4 {label}"] = lambda op=op: op.int4_linear(x, q4, scales, mins)
+        calls[f"int8 {label}"] = lambda op=op: op.int8_linear(x, q8, scales)
+    calls["f32 F.linear"] = lambda: F.linear(x, w)
+    return calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", default="main", help="git ref, or none")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32, 256])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch's threads (0: its own)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    why = kernel_or_why()
+    if why is not None:
+        raise SystemExit(f"the kernels do not run here: {why}")
+    ops = {"this tree": torch.ops.mstar_quant}
+    base = baseline_ops(args.baseline)
+    if base is not None:
+        ops[args.baseline] = base
+    print(f"CPU: {cpu_info().describe()}; load {os.getloadavg()[0]:.2f}")
+    print(f"{'shape':>14} {'rows':>4}  {'variant':<16} {'wall us':>9} {'GB/s':>6} {'cpu us':>9}")
+    for shape in args.shapes:
+        n, k = SHAPES[shape]
+        for rows in args.rows:
+            calls = variants(ops, n, k, rows)
+            timings = best_us(calls, args.rounds)
+            for name, (us, cpu_us) in timings.items():
+                gbs = n * k * BYTES_PER_WEIGHT[name.split()[0]] / us / 1e3
+                print(
+                    f"{shape:>5} {n:>5}x{k:<4} {rows:>4}  {name:<16} {us:9.1f} {gbs:6.1f}"
+                    f" {cpu_us:9.1f}"
+                )
+    print(f"load {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
