@@ -242,3 +242,26 @@ def test_logprobs_under_a_grammar_leave_out_masked_tokens(server):
     assert r.status_code == 200, r.text
     content = r.json()["choices"][0]["logprobs"]["content"]
     assert content and all(1 <= len(e["top_logprobs"]) < 20 for e in content)
+
+
+def test_the_mask_refuses_exactly_what_xgrammars_own_apply_refuses(engine):
+    """``Grammars.mask``'s unpacked select against xgrammar's reference
+    apply, on rows mid-JSON, mid-regex, unconstrained and at a start."""
+    import torch
+    import xgrammar
+
+    grammars = engine.pipeline.grammars
+    json_m = grammars.matcher(StructuredOutputs(json=SCHEMAS["nested"]))
+    assert json_m.accept_string('{"person": {"name": "Al')
+    regex_m = grammars.matcher(StructuredOutputs(regex=r"[0-9]{3}-[a-z]{2}"))
+    matchers = [json_m, None, regex_m, grammars.matcher(StructuredOutputs(json_object=True))]
+    logits = torch.randn(len(matchers), grammars.vocab_size)
+    want, before = logits.clone(), logits.clone()
+    bitmask = xgrammar.allocate_token_bitmask(len(matchers), grammars.vocab_size)
+    for i, m in enumerate(matchers):
+        if m is not None:
+            m.fill_next_token_bitmask(bitmask, i)
+    xgrammar.apply_token_bitmask_inplace(want, bitmask)
+    got = grammars.mask(logits, matchers)
+    assert torch.equal(got, want) and torch.equal(logits, before)
+    assert torch.equal(got[1], logits[1]) and torch.isinf(got[[0, 2, 3]]).any(dim=1).all()
