@@ -265,3 +265,29 @@ def test_the_mask_refuses_exactly_what_xgrammars_own_apply_refuses(engine):
     got = grammars.mask(logits, matchers)
     assert torch.equal(got, want) and torch.equal(logits, before)
     assert torch.equal(got[1], logits[1]) and torch.isinf(got[[0, 2, 3]]).any(dim=1).all()
+
+
+def test_a_greedy_row_drawn_before_its_mask_takes_the_masked_argmax(engine):
+    """Greedy rows without logprobs draw from the raw logits and are masked
+    only when the grammar refuses the draw; with logprobs they are masked
+    first. Both give the same tokens, in one batch, under a JSON schema and
+    a required tool call (hermes' structural tag), the grammar refusing some
+    of the raw draws (the unconstrained answer differs)."""
+    from toolcases import SCHEMAS as TOOL_SCHEMAS
+
+    from mstar.serve.tools.hermes import Hermes
+
+    tag = Hermes().structural_tag(list(TOOL_SCHEMAS.items()), True, True)
+    specs = [StructuredOutputs(json=SCHEMAS["nested"]), StructuredOutputs(structural_tag=tag)]
+    params = [
+        SamplingParams(max_new_tokens=NEW, temperature=0, logprobs=k, structured_outputs=so)
+        for so in specs
+        for k in (None, 0)
+    ]
+    free = engine.chat([ASK], SamplingParams(max_new_tokens=NEW, temperature=0))[0]
+    done = [c.outputs[0] for c in engine.chat([ASK] * len(params), params)]
+    for first, masked_first in zip(done[::2], done[1::2]):
+        assert first.token_ids == masked_first.token_ids, (first.text, masked_first.text)
+        assert first.token_ids[:4] != free.outputs[0].token_ids[:4]
+    jsonschema.validate(json.loads(done[0].text), SCHEMAS["nested"])
+    assert done[2].text.startswith('<tool_call>\n{"name": "'), done[2].text
