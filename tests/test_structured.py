@@ -245,8 +245,9 @@ def test_logprobs_under_a_grammar_leave_out_masked_tokens(server):
 
 
 def test_the_mask_refuses_exactly_what_xgrammars_own_apply_refuses(engine):
-    """``Grammars.mask``'s unpacked select against xgrammar's reference
-    apply, on rows mid-JSON, mid-regex, unconstrained and at a start."""
+    """``Grammars.mask``'s unpacked select and ``Grammars.allowed`` against
+    xgrammar's reference apply, on rows mid-JSON (inside a string: most
+    tokens allowed), mid-regex, unconstrained and at a start."""
     import torch
     import xgrammar
 
@@ -265,6 +266,9 @@ def test_the_mask_refuses_exactly_what_xgrammars_own_apply_refuses(engine):
     got = grammars.mask(logits, matchers)
     assert torch.equal(got, want) and torch.equal(logits, before)
     assert torch.equal(got[1], logits[1]) and torch.isinf(got[[0, 2, 3]]).any(dim=1).all()
+    for i in (0, 2, 3):  # the allowed ids alone, as a refused greedy draw reads them
+        allowed = grammars.allowed(matchers[i])
+        assert allowed.tolist() == torch.nonzero(~torch.isinf(want[i])).flatten().tolist()
 
 
 def test_a_greedy_row_drawn_before_its_mask_takes_the_masked_argmax(engine):

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from mstar.engine.logprobs import TokenNames, position_logprobs, sampled_logprobs
@@ -62,8 +63,8 @@ class LogitsPipeline:
 
     def choose(self, req: Request, sample: Sample, logits: torch.Tensor) -> int:
         """``sample``'s next token drawn from its row ``logits`` (``rows``'):
-        its matcher advanced (a refused first draw masked and drawn again),
-        its logprobs recorded when asked."""
+        its matcher advanced (a refused first draw, greedy, replaced by the
+        best allowed token), its logprobs recorded when asked."""
         token = sample_token(logits, req.params, sample.generator)
         matcher = sample.matcher
         if matcher is not None and not matcher.accept_token(token):  # a refused token: no change
@@ -72,12 +73,22 @@ class LogitsPipeline:
                     f"request {req.id!r}: the grammar refused token {token} it allowed"
                 )
             assert self.grammars is not None
-            logits = self.grammars.mask(logits[None], [matcher])[0]
-            token = sample_token(logits, req.params, sample.generator)
+            token = allowed_argmax(logits, self.grammars.allowed(matcher))
             accept(matcher, token, req.id)
         if sample.logprobs is not None:
             sample.logprobs.append(sampled_logprobs(logits, req.params, token, self.names))
         return token
+
+
+def allowed_argmax(row: torch.Tensor, allowed: np.ndarray) -> int:
+    """The masked row's argmax without the masked row: the best of the
+    ``allowed`` ids (ascending, so the first of equal ones, as ``argmax``)."""
+    if not len(allowed):
+        raise RuntimeError("the grammar allows no token")
+    if row.device.type == "cpu" and row.dtype == torch.float32:
+        return int(allowed[row.numpy()[allowed].argmax()])
+    ids = torch.from_numpy(allowed).to(row.device)
+    return int(ids[row[ids].argmax()])
 
 
 def draws_first(params: SamplingParams) -> bool:

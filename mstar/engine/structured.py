@@ -78,6 +78,7 @@ class Grammars:
         self._xgr: Any = None
         self._compiler: Any = None
         self._compiled: dict[StructuredOutputs, Any] = {}
+        self._one: Any = None
         self.vocab_size = vocab_size
 
     def matcher(self, spec: StructuredOutputs) -> Any:
@@ -100,6 +101,7 @@ class Grammars:
                 self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_ids or None
             )
             self._xgr, self._compiler = xgrammar, xgrammar.GrammarCompiler(info, max_threads=1)
+            self._one = xgrammar.allocate_token_bitmask(1, self.vocab_size)  # allowed()'s row
         return self._compiler
 
     def _compile(self, spec: StructuredOutputs) -> Any:
@@ -137,6 +139,17 @@ class Grammars:
             return logits
         keep = [k for k, refuses in enumerate(refusing) if refuses]
         return masked(logits, [rows[k] for k in keep], bitmask[keep])
+
+    def allowed(self, matcher: Any) -> np.ndarray:
+        """The ids ``matcher`` allows next, ascending (int64). Unpacks only
+        the bitmask's non-zero words: where a greedy draw is refused, a few
+        tokens are usually allowed."""
+        matcher.fill_next_token_bitmask(self._one, 0)
+        words = self._one.numpy()[0]
+        at = np.flatnonzero(words)
+        bits = np.flatnonzero(np.unpackbits(words[at].view(np.uint8), bitorder="little"))
+        ids = at[bits // 32] * 32 + bits % 32
+        return ids[ids < self.vocab_size]
 
 
 def masked(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
