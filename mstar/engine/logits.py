@@ -2,13 +2,14 @@
 penalties, grammar masks), the draw, and what runs after it (matchers,
 logprobs).
 
-A greedy row without logprobs is drawn first and masked only when its
-grammar refuses the draw (``draws_first``): the raw row's argmax, when
-allowed, is the masked row's, so the mask is skipped wherever the model
-already writes what the grammar wants (most steps inside a JSON value or a
-tool call). Every other constrained row is masked before its draw (a random
-draw or its logprobs need the masked distribution), so seeded sampling draws
-the same tokens as before.
+A greedy row without logprobs is drawn first, unmasked (``draws_first``):
+the raw row's argmax, when its grammar allows it, is the masked row's; when
+refused, the best of the allowed tokens is taken instead (the masked row's
+argmax, ``allowed_argmax``). So no mask is built wherever the model already
+writes what the grammar wants (most steps inside a JSON value or a tool
+call). Every other constrained row is masked before its draw (a random draw
+or its logprobs need the masked distribution), so seeded sampling draws the
+same tokens as before.
 
 ``LogitsPipeline.rows`` is a pure function of the logits rows and each row's
 state (request, stream label), batched over the rows, so it applies to any
