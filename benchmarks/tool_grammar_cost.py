@@ -1,6 +1,6 @@
 """What a grammar adds to a decode step at batch 8 on SmolLM2: tool calls and JSON.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/tool_grammar_cost.py [--rounds 5]
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/tool_grammar_cost.py [--rounds 5] [--steps 40]
         [--dtype float32] [--quantization auto] [--compile] [--temperature 0]
 
 Rounds alternate (A/B, so load moves every row alike): 8 requests (8
@@ -12,7 +12,8 @@ issue 30's row). In every decode step at batch 8 it times, wall clock:
 - the whole ``Engine.step``;
 - the logits' way to tokens inside it: ``LogitsPipeline.rows`` (penalties,
   grammar masks) plus ``Emitter._choose`` for each row (the draw, the
-  matcher's accept, and where a draw is refused its mask and redraw).
+  matcher's accept and, where a greedy draw is refused, the best allowed
+  token).
 
 Every round decodes the same tokens (greedy, or seeded), so each step's
 least time over the rounds is taken (what load added drops out), then the
@@ -35,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from toolcases import TOOLS
 
+from mstar.bench.serve import ANSWER_SCHEMA
 from mstar.engine import Engine, SamplingParams, StructuredOutputs
 from mstar.engine.cpu import cpu_info
 from mstar.serve.tools.hermes import Hermes
@@ -45,14 +47,6 @@ ROWS = 8
 TARGET = 0.02
 CITIES = ["Paris", "London", "Tokyo", "Paris", "London", "Tokyo", "Paris", "London"]
 FUNCTIONS = [(t["function"]["name"], t["function"]["parameters"]) for t in TOOLS]
-ANSWER = {
-    "type": "object",
-    "properties": {
-        "answer": {"type": "string", "maxLength": 80},
-        "confidence": {"enum": ["low", "medium", "high"]},
-    },
-    "required": ["answer", "confidence"],
-}
 
 
 def questions() -> list[list[dict]]:
@@ -96,7 +90,7 @@ def cases(engine: Engine) -> dict[str, tuple[list[list[int]], StructuredOutputs 
         "plain": (plain, None),
         "tools required": (tooled, tools("required")),
         "tools auto": (tooled, tools("auto")),
-        "json_schema": (plain, StructuredOutputs(json=ANSWER)),
+        "json_schema": (plain, StructuredOutputs(json=ANSWER_SCHEMA)),
     }
 
 
