@@ -87,7 +87,7 @@ def allowed_argmax(row: torch.Tensor, allowed: np.ndarray) -> int:
     if not len(allowed):
         raise RuntimeError("the grammar allows no token")
     if row.device.type == "cpu" and row.dtype == torch.float32:
-        return int(allowed[row.numpy()[allowed].argmax()])
+        return int(allowed[row.detach().numpy()[allowed].argmax()])
     ids = torch.from_numpy(allowed).to(row.device)
     return int(ids[row[ids].argmax()])
 

@@ -223,5 +223,5 @@ def greedy_token(logits: torch.Tensor) -> int:
     """The index of ``logits``' maximum, the first of equal ones (``argmax``'s):
     numpy's on a CPU float32 row (vectorized, ~10x torch's over 49152 logits)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return int(logits.numpy().argmax())
+        return int(logits.detach().numpy().argmax())
     return int(logits.argmax())
