@@ -241,6 +241,23 @@ def test_top_k_1_and_a_tiny_top_p_are_greedy():
         assert {sample_token(logits, params, generator) for _ in range(20)} == {best}
 
 
+def test_the_greedy_token_is_torchs_argmax_ties_and_nan_included():
+    """``greedy_token`` (numpy's argmax on a CPU float32 row) picks what
+    ``torch.argmax`` picks: the first of equal maxima, a NaN, any dtype,
+    a strided row."""
+    from mstar.engine.sampling import greedy_token
+
+    rows = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
+    rows[1, [7, 40, 299]] = 9.0  # ties: the first
+    rows[2, :] = float("-inf")
+    rows[3, 50] = float("nan")
+    rows[4, [3, 90]] = float("inf")
+    cases = [*rows, rows[5].bfloat16(), rows[:, 17], rows[0, ::2]]
+    for row in cases:
+        assert greedy_token(row) == int(row.argmax()), row
+    assert [greedy_token(r) for r in rows[1:3]] == [7, 0]
+
+
 def test_smollm2_greedy_equals_hf_generate_and_stops_at_eos(smollm2):
     from mstar.engine.loader import chat_prompt
 

@@ -242,3 +242,56 @@ def test_logprobs_under_a_grammar_leave_out_masked_tokens(server):
     assert r.status_code == 200, r.text
     content = r.json()["choices"][0]["logprobs"]["content"]
     assert content and all(1 <= len(e["top_logprobs"]) < 20 for e in content)
+
+
+def test_the_mask_refuses_exactly_what_xgrammars_own_apply_refuses(engine):
+    """``Grammars.mask``'s unpacked select and ``Grammars.allowed`` against
+    xgrammar's reference apply, on rows mid-JSON (inside a string: most
+    tokens allowed), mid-regex, unconstrained and at a start."""
+    import torch
+    import xgrammar
+
+    grammars = engine.pipeline.grammars
+    json_m = grammars.matcher(StructuredOutputs(json=SCHEMAS["nested"]))
+    assert json_m.accept_string('{"person": {"name": "Al')
+    regex_m = grammars.matcher(StructuredOutputs(regex=r"[0-9]{3}-[a-z]{2}"))
+    matchers = [json_m, None, regex_m, grammars.matcher(StructuredOutputs(json_object=True))]
+    logits = torch.randn(len(matchers), grammars.vocab_size)
+    want, before = logits.clone(), logits.clone()
+    bitmask = xgrammar.allocate_token_bitmask(len(matchers), grammars.vocab_size)
+    for i, m in enumerate(matchers):
+        if m is not None:
+            m.fill_next_token_bitmask(bitmask, i)
+    xgrammar.apply_token_bitmask_inplace(want, bitmask)
+    got = grammars.mask(logits, matchers)
+    assert torch.equal(got, want) and torch.equal(logits, before)
+    assert torch.equal(got[1], logits[1]) and torch.isinf(got[[0, 2, 3]]).any(dim=1).all()
+    for i in (0, 2, 3):  # the allowed ids alone, as a refused greedy draw reads them
+        allowed = grammars.allowed(matchers[i])
+        assert allowed.tolist() == torch.nonzero(~torch.isinf(want[i])).flatten().tolist()
+
+
+def test_a_greedy_row_drawn_before_its_mask_takes_the_masked_argmax(engine):
+    """Greedy rows without logprobs draw from the raw logits and are masked
+    only when the grammar refuses the draw; with logprobs they are masked
+    first. Both give the same tokens, in one batch, under a JSON schema and
+    a required tool call (hermes' structural tag), the grammar refusing some
+    of the raw draws (the unconstrained answer differs)."""
+    from toolcases import SCHEMAS as TOOL_SCHEMAS
+
+    from mstar.serve.tools.hermes import Hermes
+
+    tag = Hermes().structural_tag(list(TOOL_SCHEMAS.items()), True, True)
+    specs = [StructuredOutputs(json=SCHEMAS["nested"]), StructuredOutputs(structural_tag=tag)]
+    params = [
+        SamplingParams(max_new_tokens=NEW, temperature=0, logprobs=k, structured_outputs=so)
+        for so in specs
+        for k in (None, 0)
+    ]
+    free = engine.chat([ASK], SamplingParams(max_new_tokens=NEW, temperature=0))[0]
+    done = [c.outputs[0] for c in engine.chat([ASK] * len(params), params)]
+    for first, masked_first in zip(done[::2], done[1::2]):
+        assert first.token_ids == masked_first.token_ids, (first.text, masked_first.text)
+        assert first.token_ids[:4] != free.outputs[0].token_ids[:4]
+    jsonschema.validate(json.loads(done[0].text), SCHEMAS["nested"])
+    assert done[2].text.startswith('<tool_call>\n{"name": "'), done[2].text

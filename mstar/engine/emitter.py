@@ -8,7 +8,6 @@ import torch
 
 from mstar.engine.logits import LogitsPipeline
 from mstar.engine.request import GUIDED, Request, Sample
-from mstar.engine.sampling import sample_token
 
 
 class Emitter:
@@ -42,9 +41,7 @@ class Emitter:
                 self._emit(req, sample, self._choose(req, sample, logits))
 
     def _choose(self, req: Request, sample: Sample, logits: torch.Tensor) -> int:
-        token = sample_token(logits, req.params, sample.generator)
-        self.pipeline.chose(req, sample, logits, token)
-        return token
+        return self.pipeline.choose(req, sample, logits)
 
     def _emit(self, req: Request, sample: Sample, token: int) -> None:
         """Append ``token`` to ``sample`` and its text; feed it next, unless it

@@ -1,5 +1,15 @@
-"""From a step's logits rows to tokens, beside the sampler: what runs before
-it (biases, penalties, grammar masks) and after it (logprobs, matchers).
+"""From a step's logits rows to tokens: what runs before the sampler (biases,
+penalties, grammar masks), the draw, and what runs after it (matchers,
+logprobs).
+
+A greedy row without logprobs is drawn first, unmasked (``draws_first``):
+the raw row's argmax, when its grammar allows it, is the masked row's; when
+refused, the best of the allowed tokens is taken instead (the masked row's
+argmax, ``allowed_argmax``). So no mask is built wherever the model already
+writes what the grammar wants (most steps inside a JSON value or a tool
+call). Every other constrained row is masked before its draw (a random draw
+or its logprobs need the masked distribution), so seeded sampling draws the
+same tokens as before.
 
 ``LogitsPipeline.rows`` is a pure function of the logits rows and each row's
 state (request, stream label), batched over the rows, so it applies to any
@@ -12,11 +22,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from mstar.engine.logprobs import TokenNames, position_logprobs, sampled_logprobs
 from mstar.engine.penalties import penalize, row_state
 from mstar.engine.request import Request, Sample
+from mstar.engine.sampling import SamplingParams, sample_token
 from mstar.engine.structured import Grammars, accept
 
 
@@ -40,19 +52,50 @@ class LogitsPipeline:
             req.prompt_logprobs[p + 1] = record
 
     def rows(self, logits: torch.Tensor, chosen: Sequence[tuple[Request, str]]) -> torch.Tensor:
-        """The logits the sampler draws from: biases and penalties, then grammar masks."""
+        """The logits the sampler draws from: biases and penalties, then the
+        grammar masks of the rows that do not draw first."""
         logits = penalize(logits, [row_state(req, label) for req, label in chosen])
         if self.grammars is None:
             return logits
-        return self.grammars.mask(logits, [_row_matcher(req, label) for req, label in chosen])
+        matchers = [
+            None if draws_first(req.params) else _row_matcher(req, label) for req, label in chosen
+        ]
+        return self.grammars.mask(logits, matchers)
 
-    def chose(self, req: Request, sample: Sample, logits: torch.Tensor, token: int) -> None:
-        """``token`` was drawn for ``sample`` from ``logits``: advance its
-        matcher, record its logprobs when asked."""
-        if sample.matcher is not None:
-            accept(sample.matcher, token, req.id)
+    def choose(self, req: Request, sample: Sample, logits: torch.Tensor) -> int:
+        """``sample``'s next token drawn from its row ``logits`` (``rows``'):
+        its matcher advanced (a refused first draw, greedy, replaced by the
+        best allowed token), its logprobs recorded when asked."""
+        token = sample_token(logits, req.params, sample.generator)
+        matcher = sample.matcher
+        if matcher is not None and not matcher.accept_token(token):  # a refused token: no change
+            if not draws_first(req.params):
+                raise RuntimeError(
+                    f"request {req.id!r}: the grammar refused token {token} it allowed"
+                )
+            assert self.grammars is not None
+            token = allowed_argmax(logits, self.grammars.allowed(matcher))
+            accept(matcher, token, req.id)
         if sample.logprobs is not None:
             sample.logprobs.append(sampled_logprobs(logits, req.params, token, self.names))
+        return token
+
+
+def allowed_argmax(row: torch.Tensor, allowed: np.ndarray) -> int:
+    """The masked row's argmax without the masked row: the best of the
+    ``allowed`` ids (ascending, so the first of equal ones, as ``argmax``)."""
+    if not len(allowed):
+        raise RuntimeError("the grammar allows no token")
+    if row.device.type == "cpu" and row.dtype == torch.float32:
+        return int(allowed[row.detach().numpy()[allowed].argmax()])
+    ids = torch.from_numpy(allowed).to(row.device)
+    return int(ids[row[ids].argmax()])
+
+
+def draws_first(params: SamplingParams) -> bool:
+    """A greedy row without logprobs: its grammar's mask is needed only when
+    the raw row's argmax is refused."""
+    return params.greedy and params.logprobs is None
 
 
 def _row_matcher(req: Request, label: str) -> Any:
