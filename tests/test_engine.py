@@ -241,6 +241,24 @@ def test_top_k_1_and_a_tiny_top_p_are_greedy():
         assert {sample_token(logits, params, generator) for _ in range(20)} == {best}
 
 
+def test_draws_follow_the_probabilities_and_never_take_a_zero():
+    """``draw`` (the inverted cumulative sum) against the probabilities it
+    was given: 40000 draws within 4 standard deviations of each expected
+    count, a token of probability 0 never, the same draws from the same seed."""
+    from mstar.engine.sampling import draw
+
+    probs = torch.tensor([0.05, 0.0, 0.25, 0.6, 0.0, 0.1]) * 3  # unnormalized
+    generator = torch.Generator().manual_seed(3)
+    counts = torch.bincount(torch.tensor([draw(probs, generator) for _ in range(40000)]), None, 6)
+    expected = probs / probs.sum() * 40000
+    sd = (expected * (1 - probs / probs.sum())).sqrt()
+    assert ((counts - expected).abs() <= 4 * sd + 1e-9).all(), counts
+    assert counts[1] == counts[4] == 0
+    assert draw(torch.tensor([0.0, 0.0, 1.0]), generator) == 2
+    again = [torch.Generator().manual_seed(9) for _ in range(2)]
+    assert [draw(probs, again[0]) for _ in range(50)] == [draw(probs, again[1]) for _ in range(50)]
+
+
 def test_the_greedy_token_is_torchs_argmax_ties_and_nan_included():
     """``greedy_token`` (numpy's argmax on a CPU float32 row) picks what
     ``torch.argmax`` picks: the first of equal maxima, a NaN, any dtype,

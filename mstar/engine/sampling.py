@@ -216,7 +216,21 @@ def sample_token(
     probs = scores.softmax(-1)
     if params.min_p > 0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return draw(probs, generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One index drawn with probability ``probs[i] / probs.sum()`` (``probs``
+    ``[vocab]``, >= 0, some > 0) by inverting the float64 cumulative sum at
+    one uniform number: one random draw a token (``torch.multinomial`` on
+    the CPU spends ~1.5 ms a row over 49152 tokens, this ~0.1 ms). A token
+    of probability 0 adds no width to the cumulative sum, so it is never drawn."""
+    cdf = probs.double().cumsum(0)
+    u = torch.rand((), dtype=torch.float64, generator=generator, device=probs.device)
+    index = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+    if index >= len(cdf):  # u * total rounded up to the total: the last token drawable
+        index = int(torch.nonzero(probs)[-1])
+    return index
 
 
 def greedy_token(logits: torch.Tensor) -> int:
