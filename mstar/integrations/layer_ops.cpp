@@ -1,0 +1,222 @@
+// The small ops of a fused decoder layer (mstar/integrations/layer_ops.py), float32, CPU.
+//
+// rms_norm:      y = x * (1 / sqrt(mean(x^2) + eps)) * w, per row; with `delta`, first
+//                x += delta in place (the residual add before the norm).
+// rotary_:       the first `heads` heads of each row of x [T, W] (head_dim D) rotated in
+//                place: x * cos + swap(x) * sin', swap exchanging the two halves of a head,
+//                sin' = sin with its first half negated (see rotary.py).
+// decode_attention: the step's new keys and values written into the layer's pages
+//                (rows k_rows / v_rows of the layer seen as [P * 2 * S, H_kv * D], what
+//                KVCache.write_rows gives), then one query per row over that row's
+//                pages, softmax in float32; query heads h read KV head h / (H / H_kv).
+// Rows (tokens, or rows x KV heads for attention) are spread over torch's threads.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), name,
+              ": expected a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+}
+
+at::Tensor rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
+                    double eps) {
+  check_f32(x, "x");
+  check_f32(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1),
+              "expected x [T, N] and weight [N]");
+  const int64_t rows = x.size(0), n = x.size(1);
+  float* xp = x.data_ptr<float>();
+  const float* dp = nullptr;
+  if (delta.has_value()) {
+    check_f32(*delta, "delta");
+    TORCH_CHECK(delta->sizes() == x.sizes(), "expected delta of x's shape");
+    dp = delta->data_ptr<float>();
+  }
+  const float* wp = weight.data_ptr<float>();
+  auto out = at::empty_like(x);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = xp + r * n;
+      if (dp != nullptr) {
+        const float* d = dp + r * n;
+        for (int64_t i = 0; i < n; ++i) row[i] += d[i];
+      }
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < n; ++i) sum += row[i] * row[i];
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + static_cast<float>(eps));
+      float* o = op + r * n;
+      for (int64_t i = 0; i < n; ++i) o[i] = wp[i] * (row[i] * inv);
+    }
+  });
+  return out;
+}
+
+void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+             int64_t head_dim) {
+  check_f32(x, "x");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  const int64_t rows = x.size(0), width = x.size(1), half = head_dim / 2;
+  TORCH_CHECK(x.dim() == 2 && heads * head_dim <= width && head_dim % 2 == 0,
+              "expected x [T, W] holding `heads` heads of an even head_dim");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == rows * head_dim,
+              "expected cos and sin [T, head_dim]");
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* c = cp + r * head_dim;
+      const float* s = sp + r * head_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = xp + r * width + h * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = v[i], b = v[i + half];
+          v[i] = a * c[i] + b * s[i];
+          v[i + half] = b * c[i + half] + a * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+// Token t's k[t], v[t] ([H_kv, D], unit stride in D) into rows k_rows[t], v_rows[t].
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& layer,
+              const at::Tensor& k_rows, const at::Tensor& v_rows) {
+  const int64_t tokens = k.size(0), kv_heads = layer.size(3), dim = layer.size(4);
+  TORCH_CHECK(k.dim() == 3 && k.size(1) == kv_heads && k.size(2) == dim && k.stride(2) == 1 &&
+                  v.sizes() == k.sizes() && v.stride(2) == 1 &&
+                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "expected k and v float32 [T, H_kv, D] of the layer's shape");
+  TORCH_CHECK(k_rows.numel() == tokens && v_rows.numel() == tokens &&
+                  k_rows.scalar_type() == at::kLong && v_rows.scalar_type() == at::kLong,
+              "expected int64 write rows, one per token");
+  const int64_t slot = kv_heads * dim, num_rows = layer.numel() / slot;
+  float* lp = layer.data_ptr<float>();
+  const int64_t* kr = k_rows.data_ptr<int64_t>();
+  const int64_t* vr = v_rows.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(kr[t] >= 0 && kr[t] < num_rows && vr[t] >= 0 && vr[t] < num_rows,
+                "write row out of the layer");
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const float* ks = k.data_ptr<float>() + t * k.stride(0) + h * k.stride(1);
+      const float* vs = v.data_ptr<float>() + t * v.stride(0) + h * v.stride(1);
+      std::copy(ks, ks + dim, lp + kr[t] * slot + h * dim);
+      std::copy(vs, vs + dim, lp + vr[t] * slot + h * dim);
+    }
+  }
+}
+
+// q [T, H, D]; layer [P, 2, S, H_kv, D]; per row r: its query token q_index[r] (-1: none),
+// its pages kv_indices[kv_indptr[r]:kv_indptr[r+1]] holding kv_lens[r] keys in order.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            at::Tensor layer, const at::Tensor& k_rows,
+                            const at::Tensor& v_rows, const at::Tensor& q_index,
+                            const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                            const at::Tensor& kv_lens, double scale) {
+  check_f32(layer, "layer");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1,
+              "expected q float32 [T, H, D] with unit stride in D");
+  TORCH_CHECK(layer.dim() == 5 && layer.size(1) == 2 && layer.size(4) == q.size(2),
+              "expected layer [P, 2, S, H_kv, D] of q's head_dim");
+  for (const auto* t : {&q_index, &kv_indptr, &kv_indices, &kv_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "expected int64 indices");
+  }
+  write_kv(k, v, layer, k_rows, v_rows);
+  for (int64_t i = 0; i < kv_indices.numel(); ++i) {
+    const int64_t p = kv_indices.data_ptr<int64_t>()[i];
+    TORCH_CHECK(p >= 0 && p < layer.size(0), "page id ", p, " out of the layer");
+  }
+  for (int64_t r = 0; r < q_index.numel(); ++r) {
+    TORCH_CHECK(q_index.data_ptr<int64_t>()[r] < q.size(0), "query index out of q");
+  }
+  const int64_t heads = q.size(1), dim = q.size(2);
+  const int64_t page = layer.size(2), kv_heads = layer.size(3), rows = kv_lens.size(0);
+  const int64_t group = heads / kv_heads;
+  TORCH_CHECK(heads % kv_heads == 0, "expected H a multiple of H_kv");
+  auto out = at::zeros({q.size(0), heads, dim}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const float* lp = layer.data_ptr<float>();
+  const int64_t slot = kv_heads * dim, half_page = page * slot, page_stride = 2 * half_page;
+  const int64_t* qi = q_index.data_ptr<int64_t>();
+  const int64_t* indptr = kv_indptr.data_ptr<int64_t>();
+  const int64_t* indices = kv_indices.data_ptr<int64_t>();
+  const int64_t* lens = kv_lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  // a task per (row, KV head); threads only where each gets ~64K multiply-adds (a
+  // thread's wake-up costs more than a small row's work)
+  int64_t keys = 0;
+  for (int64_t r = 0; r < rows; ++r) keys += lens[r];
+  const int64_t per_task = std::max<int64_t>(1, keys / std::max<int64_t>(rows, 1) * group * dim * 2);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / per_task);
+  at::parallel_for(0, rows * kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<float> acc(dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, kvh = task % kv_heads, len = lens[r];
+      if (qi[r] < 0 || len == 0) continue;
+      scores.resize(len);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = kvh * group + g;
+        const float* qv = qp + qi[r] * qs0 + h * qs1;
+        float peak = -INFINITY;
+        for (int64_t l = 0; l < len; ++l) {
+          const float* k = lp + indices[indptr[r] + l / page] * page_stride + (l % page) * slot +
+                           kvh * dim;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t i = 0; i < dim; ++i) s += qv[i] * k[i];
+          s *= sc;
+          scores[l] = s;
+          peak = s > peak ? s : peak;
+        }
+        float total = 0.f;
+        for (int64_t l = 0; l < len; ++l) {
+          scores[l] = std::exp(scores[l] - peak);
+          total += scores[l];
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t l = 0; l < len; ++l) {
+          const float* v = lp + indices[indptr[r] + l / page] * page_stride + half_page +
+                           (l % page) * slot + kvh * dim;
+          const float p = scores[l];
+          for (int64_t i = 0; i < dim; ++i) acc[i] += p * v[i];
+        }
+        float* o = op + qi[r] * heads * dim + h * dim;
+        const float inv = 1.f / total;
+        for (int64_t i = 0; i < dim; ++i) o[i] = acc[i] * inv;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(mstar_layer, m) {
+  m.def("rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
+  m.def(
+      "decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) layer, Tensor k_rows,"
+      " Tensor v_rows, Tensor q_index, Tensor kv_indptr, Tensor kv_indices, Tensor kv_lens,"
+      " float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mstar_layer, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("rotary_", rotary_);
+  m.impl("decode_attention", decode_attention);
+}
