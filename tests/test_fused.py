@@ -215,13 +215,21 @@ def test_row_concat_shares_the_layers_weights():
 
 
 def test_layer_ops_decode_attention_matches_paged_attention():
-    """The decode kernel writes each layer's keys and values where
-    ``KVCache.write`` would, and attends as ``paged_attention`` does."""
+    """The decode kernel, from the q/k/v GEMM's output: rotary applied,
+    keys and values written where ``KVCache.write`` puts them, attention
+    as ``paged_attention``'s."""
     if layer_ops_or_why() is not None:
         pytest.skip(f"layer ops: {layer_ops_or_why()}")
+    from mstar.integrations.rotary import StepRotary
     from mstar.integrations.step_attention import StepAttention
 
     torch.manual_seed(2)
+    config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, head_dim=8)
+    rotary = StepRotary(
+        transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config),
+        torch.tensor([7, 3]),
+        torch.float32,
+    )
     streams = Streams(32, 4, seed=5)
     caches = [KVCache(num_layers=1, num_pages=32, page_size=4, num_kv_heads=2, head_dim=8)
               for _ in range(2)]  # fmt: skip
@@ -230,10 +238,70 @@ def test_layer_ops_decode_attention_matches_paged_attention():
     for cache in caches:
         cache.write(0, plan, k, v)
     plan = streams.decode_plan(["a", "b"])
-    q, k, v = torch.randn(2, 4, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    qkv = torch.randn(2, (4 + 2 * 2) * 8)
     fast = StepAttention(plan, caches[0], 0.3, torch.device("cpu"), kernels=True)
     slow = StepAttention(plan, caches[1], 0.3, torch.device("cpu"), kernels=False)
     assert fast.rows is not None and slow.rows is None
-    got, want = fast(0, q, k, v), slow(0, q, k, v)
-    assert torch.equal(caches[0].layer(0), caches[1].layer(0))
+    got = fast.decode(0, qkv, rotary, heads=4)
+    qk = rotary(qkv[:, :48].view(2, 6, 8))
+    want = slow(0, qk[:, :4], qk[:, 4:], qkv[:, 48:].view(2, 2, 8)).reshape(2, -1)
+    assert torch.allclose(caches[0].layer(0), caches[1].layer(0), atol=1e-6)
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def _engine_runs(model: torch.nn.Module, tokenizer, prompts, params, **options):
+    """Each prompt's completions through an engine on a copy of ``model``,
+    fused and not: ``{fused: [completion outputs per prompt]}``."""
+    from mstar.engine import Engine
+
+    runs = {}
+    for fused in (True, False):
+        engine = Engine(copy.deepcopy(model), tokenizer, fused=fused, **options)
+        runs[fused] = [c.outputs for c in engine.generate(prompts, params)]
+        if fused:
+            assert fused_step(engine.model) is not None
+    return runs
+
+
+def _same_runs(runs, tol: float) -> None:
+    for fused_outs, hf_outs in zip(runs[True], runs[False]):
+        for a, b in zip(fused_outs, hf_outs):
+            assert a.token_ids == b.token_ids
+            for ra, rb in zip(a.logprobs, b.logprobs):
+                assert [x.token_id for x in ra.top] == [y.token_id for y in rb.top]
+                assert max(abs(x.logprob - y.logprob) for x, y in zip(ra.top, rb.top)) <= tol
+
+
+def test_engine_with_forks_and_prefix_reuse_matches_hf():
+    """The engine's steps (prefill chunks beside decode rows, n=2 forks,
+    prompts reusing a cached prefix): the same tokens and log-probabilities
+    fused as through HF's forward."""
+    from mstar.engine import SamplingParams
+
+    _, paged = _llama()
+    shared = _prompt(10, 6)
+    prompts = [shared + _prompt(3, 7), shared + _prompt(5, 8), _prompt(7, 9)]
+    params = SamplingParams(max_new_tokens=6, n=2, temperature=0.7, seed=1, logprobs=3)
+    runs = _engine_runs(paged, None, prompts, params, num_pages=64, page_size=4,
+                        token_budget=12, prefix_cache=True)  # fmt: skip
+    _same_runs(runs, 1e-4)
+
+
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_smollm2_fused_matches_hf(smollm2, quantization):
+    """SmolLM2 (float32, and its GGUF's own packed weights): the engine's
+    greedy tokens and log-probabilities fused are those through HF's
+    forward, and float32's are ``generate``'s."""
+    from mstar.engine import SamplingParams
+    from mstar.engine.loader import load
+
+    model, tok = smollm2 if quantization == "none" else load("smollm2", quantization="gguf")
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=3)
+    runs = _engine_runs(model, tok, prompts, params, num_pages=32)
+    _same_runs(runs, 1e-3)
+    if quantization == "none":
+        for prompt, outs in zip(prompts, runs[True]):
+            ids = tok(prompt, return_tensors="pt").input_ids
+            want = model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :]
+            assert outs[0].token_ids == want.tolist()

@@ -5,8 +5,10 @@
 // rotary_:       the first `heads` heads of each row of x [T, W] (head_dim D) rotated in
 //                place: x * cos + swap(x) * sin', swap exchanging the two halves of a head,
 //                sin' = sin with its first half negated (see rotary.py).
-// decode_attention: the step's new keys and values written into the layer's pages
-//                (rows k_rows / v_rows of the layer seen as [P * 2 * S, H_kv * D], what
+// silu_mul:      silu(g) * u for x = [g | u] [T, 2I].
+// decode_attention: from the q/k/v GEMM's output, rotary applied to q and k, the step's
+//                new keys and values written into the layer's pages (rows k_rows /
+//                v_rows of the layer seen as [P * 2 * S, H_kv * D], what
 //                KVCache.write_rows gives), then one query per row over that row's
 //                pages, softmax in float32; query heads h read KV head h / (H / H_kv).
 // Rows (tokens, or rows x KV heads for attention) are spread over torch's threads.
@@ -91,61 +93,95 @@ void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t
   });
 }
 
-// Token t's k[t], v[t] ([H_kv, D], unit stride in D) into rows k_rows[t], v_rows[t].
-void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& layer,
-              const at::Tensor& k_rows, const at::Tensor& v_rows) {
-  const int64_t tokens = k.size(0), kv_heads = layer.size(3), dim = layer.size(4);
-  TORCH_CHECK(k.dim() == 3 && k.size(1) == kv_heads && k.size(2) == dim && k.stride(2) == 1 &&
-                  v.sizes() == k.sizes() && v.stride(2) == 1 &&
-                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "expected k and v float32 [T, H_kv, D] of the layer's shape");
+at::Tensor silu_mul(const at::Tensor& x) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "expected x [T, 2I]");
+  const int64_t rows = x.size(0), inner = x.size(1) / 2;
+  auto out = at::empty({rows, inner}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = xp + r * 2 * inner;
+      const float* u = g + inner;
+      float* o = op + r * inner;
+      for (int64_t i = 0; i < inner; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+// Row t of qkv [T, (H + 2 H_kv) D]: its K heads rotated into row k_rows[t] of the layer
+// seen as [P * 2 * S, H_kv * D], its V heads into row v_rows[t], its Q heads rotated
+// into q[t] ([T, H, D]).
+void rotate_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                  at::Tensor& layer, const at::Tensor& k_rows, const at::Tensor& v_rows,
+                  at::Tensor& q, int64_t heads) {
+  const int64_t tokens = qkv.size(0), kv_heads = layer.size(3), dim = layer.size(4);
+  const int64_t half = dim / 2, slot = kv_heads * dim, num_rows = layer.numel() / slot;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * dim,
+              "expected qkv [T, (H + 2 H_kv) * D] of the layer's heads");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == tokens * dim,
+              "expected cos and sin [T, D]");
   TORCH_CHECK(k_rows.numel() == tokens && v_rows.numel() == tokens &&
                   k_rows.scalar_type() == at::kLong && v_rows.scalar_type() == at::kLong,
               "expected int64 write rows, one per token");
-  const int64_t slot = kv_heads * dim, num_rows = layer.numel() / slot;
   float* lp = layer.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  const float* xp = qkv.data_ptr<float>();
   const int64_t* kr = k_rows.data_ptr<int64_t>();
   const int64_t* vr = v_rows.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(kr[t] >= 0 && kr[t] < num_rows && vr[t] >= 0 && vr[t] < num_rows,
                 "write row out of the layer");
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const float* ks = k.data_ptr<float>() + t * k.stride(0) + h * k.stride(1);
-      const float* vs = v.data_ptr<float>() + t * v.stride(0) + h * v.stride(1);
-      std::copy(ks, ks + dim, lp + kr[t] * slot + h * dim);
-      std::copy(vs, vs + dim, lp + vr[t] * slot + h * dim);
+    const float* row = xp + t * qkv.size(1);
+    const float* c = cos.data_ptr<float>() + t * dim;
+    const float* s = sin.data_ptr<float>() + t * dim;
+    for (int64_t h = 0; h < heads + kv_heads; ++h) {
+      const float* x = row + h * dim;
+      float* out = h < heads ? qp + (t * heads + h) * dim : lp + kr[t] * slot + (h - heads) * dim;
+      for (int64_t i = 0; i < half; ++i) {
+        out[i] = x[i] * c[i] + x[i + half] * s[i];
+        out[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+      }
     }
+    const float* v = row + (heads + kv_heads) * dim;
+    std::copy(v, v + slot, lp + vr[t] * slot);
   }
 }
 
-// q [T, H, D]; layer [P, 2, S, H_kv, D]; per row r: its query token q_index[r] (-1: none),
-// its pages kv_indices[kv_indptr[r]:kv_indptr[r+1]] holding kv_lens[r] keys in order.
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+// qkv [T, (H + 2 H_kv) D] (rotary applied here: cos, sin [T, D] as rotary_'s); layer
+// [P, 2, S, H_kv, D]; per row r: its query token q_index[r] (-1: none), its pages
+// kv_indices[kv_indptr[r]:kv_indptr[r+1]] holding kv_lens[r] keys in order (the step's
+// own written first). Returns [T, H * D].
+at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                             at::Tensor layer, const at::Tensor& k_rows,
                             const at::Tensor& v_rows, const at::Tensor& q_index,
                             const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-                            const at::Tensor& kv_lens, double scale) {
+                            const at::Tensor& kv_lens, int64_t heads, double scale) {
   check_f32(layer, "layer");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1,
-              "expected q float32 [T, H, D] with unit stride in D");
-  TORCH_CHECK(layer.dim() == 5 && layer.size(1) == 2 && layer.size(4) == q.size(2),
-              "expected layer [P, 2, S, H_kv, D] of q's head_dim");
+  check_f32(qkv, "qkv");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  TORCH_CHECK(layer.dim() == 5 && layer.size(1) == 2 && layer.size(4) % 2 == 0,
+              "expected layer [P, 2, S, H_kv, D], D even");
   for (const auto* t : {&q_index, &kv_indptr, &kv_indices, &kv_lens}) {
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "expected int64 indices");
   }
-  write_kv(k, v, layer, k_rows, v_rows);
+  auto q = at::empty({qkv.size(0), heads, layer.size(4)}, qkv.options());
+  rotate_write(qkv, cos, sin, layer, k_rows, v_rows, q, heads);
   for (int64_t i = 0; i < kv_indices.numel(); ++i) {
     const int64_t p = kv_indices.data_ptr<int64_t>()[i];
     TORCH_CHECK(p >= 0 && p < layer.size(0), "page id ", p, " out of the layer");
   }
   for (int64_t r = 0; r < q_index.numel(); ++r) {
-    TORCH_CHECK(q_index.data_ptr<int64_t>()[r] < q.size(0), "query index out of q");
+    TORCH_CHECK(q_index.data_ptr<int64_t>()[r] < q.size(0), "query index out of qkv");
   }
-  const int64_t heads = q.size(1), dim = q.size(2);
+  const int64_t dim = q.size(2);
   const int64_t page = layer.size(2), kv_heads = layer.size(3), rows = kv_lens.size(0);
   const int64_t group = heads / kv_heads;
   TORCH_CHECK(heads % kv_heads == 0, "expected H a multiple of H_kv");
-  auto out = at::zeros({q.size(0), heads, dim}, q.options());
+  auto out = at::zeros({q.size(0), heads * dim}, q.options());
   const float* qp = q.data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const float* lp = layer.data_ptr<float>();
@@ -210,13 +246,15 @@ TORCH_LIBRARY(mstar_layer, m) {
   m.def("rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
   m.def(
-      "decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) layer, Tensor k_rows,"
+      "decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) layer, Tensor k_rows,"
       " Tensor v_rows, Tensor q_index, Tensor kv_indptr, Tensor kv_indices, Tensor kv_lens,"
-      " float scale) -> Tensor");
+      " int heads, float scale) -> Tensor");
+  m.def("silu_mul(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mstar_layer, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("rotary_", rotary_);
   m.impl("decode_attention", decode_attention);
+  m.impl("silu_mul", silu_mul);
 }

@@ -5,9 +5,10 @@ for a packed step (``[T, hidden]``, no batch axis): RMSNorm as one
 ``torch.rms_norm``; q, k and v as one GEMM (``RowConcat``); rotary on q and
 k together (``StepRotary``); the KV write and paged attention of the step
 (``StepAttention``); o_proj; the residual added in place; RMSNorm; gate and
-up as one GEMM; ``act(gate) * up``; down; the residual in place. With the
-layer ops built (``layer_ops``), the norms (the second with the residual
-add) and the rotary are one call each. The sums are HF's own up to float32
+up as one GEMM; ``act(gate) * up``; down, added to the residual by the next
+layer. With the layer ops built (``layer_ops``), each norm is one call with
+the residual add before it, a decode step's rotary, KV write and attention
+one call, and SiLU times up one call. The sums are HF's own up to float32
 rounding (a GEMM over more rows, a norm's sum in another order, a fused
 multiply-add).
 """
@@ -15,6 +16,7 @@ multiply-add).
 from __future__ import annotations
 
 import torch
+from transformers.activations import SiLUActivation
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -73,16 +75,27 @@ class FusedLlamaLayer:
         self.heads = attn.q_proj.out_features // attn.head_dim
         self.kv_heads = attn.k_proj.out_features // attn.head_dim
         self.intermediate = mlp.gate_proj.out_features
+        self.silu = type(self.act) is SiLUActivation or type(self.act) is torch.nn.SiLU
 
     def current(self) -> bool:
         """Whether the HF layer's q/k/v and gate/up still share the fused weights."""
         return self.qkv.current() and self.gate_up.current()
 
-    def __call__(self, h: torch.Tensor, rotary: StepRotary, attention: StepAttention) -> None:
-        """The layer on the residual stream ``h`` ``[T, hidden]`` (contiguous), in place."""
+    def __call__(
+        self,
+        h: torch.Tensor,
+        pending: torch.Tensor | None,
+        rotary: StepRotary,
+        attention: StepAttention,
+    ) -> torch.Tensor:
+        """``h`` ``[T, hidden]`` (contiguous, the residual stream) plus
+        ``pending`` (the previous layer's MLP output; None at the first),
+        then this layer's attention added, in place; returns its MLP output,
+        for the next layer (or the caller) to add."""
         if self.kernels:
-            self._with_kernels(h, rotary, attention)
-            return
+            return self._with_kernels(h, pending, rotary, attention)
+        if pending is not None:
+            h.add_(pending)
         tokens, width = h.shape
         x = torch.rms_norm(h, (width,), self.norm1.weight, self.norm1.variance_epsilon)
         qkv = self.qkv(x)
@@ -92,25 +105,37 @@ class FusedLlamaLayer:
         out = attention(self.index, qk[:, : self.heads], qk[:, self.heads :], v)
         h.add_(linear(self.o_proj, out.reshape(tokens, -1)))
         x = torch.rms_norm(h, (width,), self.norm2.weight, self.norm2.variance_epsilon)
-        self._mlp(h, x)
-
-    def _with_kernels(self, h: torch.Tensor, rotary: StepRotary, attention: StepAttention) -> None:
-        """``__call__`` through the layer ops: the norms (the residual add
-        before the second) and the rotary each one call."""
-        ops, tokens, dim = torch.ops.mstar_layer, h.shape[0], self.head_dim
-        x = ops.rms_norm.default(h, None, self.norm1.weight, self.norm1.variance_epsilon)
-        qkv = self.qkv(x)
-        rotary.rotate_(qkv, self.heads + self.kv_heads)
-        q_end, k_end = self.heads * dim, (self.heads + self.kv_heads) * dim
-        q = qkv[:, :q_end].view(tokens, self.heads, dim)
-        k = qkv[:, q_end:k_end].view(tokens, self.kv_heads, dim)
-        v = qkv[:, k_end:].view(tokens, self.kv_heads, dim)
-        out = attention(self.index, q, k, v)
-        o = linear(self.o_proj, out.reshape(tokens, -1))
-        x = ops.rms_norm.default(h, o, self.norm2.weight, self.norm2.variance_epsilon)
-        self._mlp(h, x)
-
-    def _mlp(self, h: torch.Tensor, x: torch.Tensor) -> None:
         gate_up = self.gate_up(x)
         mixed = self.act(gate_up[:, : self.intermediate]).mul_(gate_up[:, self.intermediate :])
-        h.add_(linear(self.down, mixed))
+        return linear(self.down, mixed)
+
+    def _with_kernels(
+        self,
+        h: torch.Tensor,
+        pending: torch.Tensor | None,
+        rotary: StepRotary,
+        attention: StepAttention,
+    ) -> torch.Tensor:
+        """``__call__`` through the layer ops: each norm one call with the
+        residual add before it; a decode step's rotary, KV write and
+        attention one call; ``silu(gate) * up`` one call."""
+        ops = torch.ops.mstar_layer
+        x = ops.rms_norm.default(h, pending, self.norm1.weight, self.norm1.variance_epsilon)
+        qkv = self.qkv(x)
+        if attention.rows is not None:
+            out = attention.decode(self.index, qkv, rotary, self.heads)
+        else:
+            tokens, dim = qkv.shape[0], self.head_dim
+            rotary.rotate_(qkv, self.heads + self.kv_heads)
+            q_end, k_end = self.heads * dim, (self.heads + self.kv_heads) * dim
+            q = qkv[:, :q_end].view(tokens, self.heads, dim)
+            k = qkv[:, q_end:k_end].view(tokens, self.kv_heads, dim)
+            v = qkv[:, k_end:].view(tokens, self.kv_heads, dim)
+            out = attention(self.index, q, k, v).reshape(tokens, -1)
+        o = linear(self.o_proj, out)
+        x = ops.rms_norm.default(h, o, self.norm2.weight, self.norm2.variance_epsilon)
+        if self.silu:
+            return linear(self.down, ops.silu_mul.default(self.gate_up(x)))
+        gate_up = self.gate_up(x)
+        mixed = self.act(gate_up[:, : self.intermediate]).mul_(gate_up[:, self.intermediate :])
+        return linear(self.down, mixed)

@@ -105,8 +105,11 @@ class FusedLlama:
             h = torch.nn.functional.embedding(input_ids, self.embed.weight)
             rotary = StepRotary(self.rotary_emb, position_ids.to(h.device), h.dtype)
             attention = StepAttention(plan, cache, self.scaling, h.device, self.kernels)
+            pending = None
             for layer in self.layers:
-                layer(h, rotary, attention)
+                pending = layer(h, pending, rotary, attention)
+            if pending is not None:
+                h.add_(pending)
             if keep is not None:
                 h = h[keep.to(h.device)]
             h = torch.rms_norm(h, (h.shape[1],), self.norm.weight, self.norm.variance_epsilon)

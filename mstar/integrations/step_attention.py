@@ -7,10 +7,11 @@ indices and masks: ``AttentionSchedule``) and the options. Each layer then
 writes its keys and values where the plan says and attends over its pages.
 
 A step whose rows each have at most one query (decode) attends through the
-layer ops' ``decode_attention`` when they are built (``kernels``): the
-layer's keys and values written at the cache's ``write_rows``, then each
-row's query over its pages read in place, no gather, no padding; the row
-arrays it reads are converted once per step.
+layer ops' ``decode_attention`` when they are built (``kernels``,
+``decode``): from the q/k/v GEMM's output, rotary applied, the layer's keys
+and values written at the cache's ``write_rows``, then each row's query over
+its pages read in place, no gather, no padding; the row arrays it reads are
+converted once per step.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from mstar.engine.resources.attn.paged import AttentionSchedule, paged_attention
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.lengths import row_lengths
 from mstar.engine.resources.kv.plan import KVPlanOutput
+from mstar.integrations.rotary import StepRotary
 
 __all__ = ["StepAttention"]
 
@@ -51,7 +53,7 @@ class StepAttention:
                 torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
                 for a in (q_index, kv_indptr, indptrs.paged_kv_indices.numpy(), kv_lens)
             )
-            self.decode = torch.ops.mstar_layer.decode_attention.default
+            self._decode = torch.ops.mstar_layer.decode_attention.default
         else:
             self.schedule = AttentionSchedule(indptrs, cache.page_size, device)
             self.options = AttentionOptions(True, scaling)
@@ -62,10 +64,18 @@ class StepAttention:
         """Layer ``layer``: ``k``, ``v`` ``[T, H_kv, D]`` written into the
         cache, then ``q`` ``[T, H, D]``'s attention over the plan,
         ``[T, H, D_v]``."""
-        pages = self.cache.layer(layer)
-        if self.rows is not None:
-            return self.decode(q, k, v, pages, *self.rows, self.scaling)
         self.cache.write(layer, self.plan, k, v)
         return paged_attention(
-            q, pages, self.plan.cpu_indptrs, self.options, schedule=self.schedule
-        )
+            q, self.cache.layer(layer), self.plan.cpu_indptrs, self.options,
+            schedule=self.schedule,
+        )  # fmt: skip
+
+    def decode(self, layer: int, qkv: torch.Tensor, rotary: StepRotary, heads: int) -> torch.Tensor:
+        """A decode step's layer ``layer`` (``rows`` not None) straight from
+        the q/k/v GEMM's output ``[T, (H + 2 H_kv) D]``: rotary on q and k,
+        k and v written into the cache, q's attention over each row's pages:
+        ``[T, H * D]``."""
+        return self._decode(
+            qkv, rotary.cos_rows, rotary.sin_rows, self.cache.layer(layer), *self.rows,
+            heads, self.scaling,
+        )  # fmt: skip
