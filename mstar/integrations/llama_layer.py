@@ -105,9 +105,7 @@ class FusedLlamaLayer:
         out = attention(self.index, qk[:, : self.heads], qk[:, self.heads :], v)
         h.add_(linear(self.o_proj, out.reshape(tokens, -1)))
         x = torch.rms_norm(h, (width,), self.norm2.weight, self.norm2.variance_epsilon)
-        gate_up = self.gate_up(x)
-        mixed = self.act(gate_up[:, : self.intermediate]).mul_(gate_up[:, self.intermediate :])
-        return linear(self.down, mixed)
+        return self._mlp(x)
 
     def _with_kernels(
         self,
@@ -136,6 +134,10 @@ class FusedLlamaLayer:
         x = ops.rms_norm.default(h, o, self.norm2.weight, self.norm2.variance_epsilon)
         if self.silu:
             return linear(self.down, ops.silu_mul.default(self.gate_up(x)))
+        return self._mlp(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """``down(act(gate(x)) * up(x))`` in aten ops."""
         gate_up = self.gate_up(x)
         mixed = self.act(gate_up[:, : self.intermediate]).mul_(gate_up[:, self.intermediate :])
         return linear(self.down, mixed)
