@@ -35,8 +35,9 @@ _ATTRIBUTE = "_mstar_fused"
 
 def fused_step(model: PreTrainedModel) -> FusedLlama | None:
     """The model's ``FusedLlama`` (built at the first call, rebuilt when
-    the model's weights moved since), or None when ``fused_refusal``
-    refuses it."""
+    the model's q/k/v or gate/up weights got new storage since), or None
+    when ``fused_refusal`` refuses it (its verdict kept on the model, as
+    ``supports``'; hooks added after the first step are not seen)."""
     if model.training or "_mstar_eager_forward" in vars(model):
         return None  # HF's forward computes dropout / runs compiled
     fused = vars(model).get(_ATTRIBUTE)
@@ -59,6 +60,10 @@ def fused_refusal(model: PreTrainedModel) -> str | None:
     inner = model.model
     if type(inner.embed_tokens) is not torch.nn.Embedding or type(inner.norm) is not LlamaRMSNorm:
         return "has an embedding or final norm of its own"
+    if inner.embed_tokens.max_norm is not None:
+        return "renormalizes its embeddings (max_norm)"
+    if len(inner.layers) != model.config.num_hidden_layers:
+        return "runs fewer layers than it holds (config.num_hidden_layers)"
     weight = inner.embed_tokens.weight
     if weight.dtype != torch.float32 or weight.device.type != "cpu":
         return f"computes in {weight.dtype} on {weight.device}, not float32 on the CPU"
