@@ -14,6 +14,7 @@
 // Rows (tokens, or rows x KV heads for attention) are spread over torch's threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -22,6 +23,34 @@
 #include <vector>
 
 namespace {
+
+// a . b over n floats (AVX2 + FMA, two accumulators; n need not be a multiple of 8)
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+  }
+  for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+  __m256 s = _mm256_add_ps(s0, s1);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+  float total = _mm_cvtss_f32(h);
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+// y += a * x over n floats
+inline void axpy(float* y, float a, const float* x, int64_t n) {
+  const __m256 va = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  }
+  for (; i < n; ++i) y[i] += a * x[i];
+}
 
 void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), name,
@@ -199,42 +228,46 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   const int64_t per_task = std::max<int64_t>(1, keys / std::max<int64_t>(rows, 1) * group * dim * 2);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / per_task);
   at::parallel_for(0, rows * kv_heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc(dim);
+    std::vector<float> scores;  // [group, len]
+    std::vector<float> acc(group * dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, kvh = task % kv_heads, len = lens[r];
       if (qi[r] < 0 || len == 0) continue;
-      scores.resize(len);
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = kvh * group + g;
-        const float* qv = qp + qi[r] * qs0 + h * qs1;
-        float peak = -INFINITY;
-        for (int64_t l = 0; l < len; ++l) {
-          const float* k = lp + indices[indptr[r] + l / page] * page_stride + (l % page) * slot +
-                           kvh * dim;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t i = 0; i < dim; ++i) s += qv[i] * k[i];
-          s *= sc;
-          scores[l] = s;
-          peak = s > peak ? s : peak;
+      scores.resize(group * len);
+      const float* qv = qp + qi[r] * qs0 + kvh * group * qs1;  // the group's first head
+      // scores: each key read once for the group's query heads
+      for (int64_t l0 = 0; l0 < len; l0 += page) {
+        const float* base = lp + indices[indptr[r] + l0 / page] * page_stride + kvh * dim;
+        const int64_t n = std::min(page, len - l0);
+        for (int64_t j = 0; j < n; ++j) {
+          const float* k = base + j * slot;
+          for (int64_t g = 0; g < group; ++g) scores[g * len + l0 + j] = dot(qv + g * qs1, k, dim) * sc;
         }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * len;
+        float peak = -INFINITY;
+        for (int64_t l = 0; l < len; ++l) peak = sg[l] > peak ? sg[l] : peak;
         float total = 0.f;
         for (int64_t l = 0; l < len; ++l) {
-          scores[l] = std::exp(scores[l] - peak);
-          total += scores[l];
+          sg[l] = std::exp(sg[l] - peak);
+          total += sg[l];
         }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t l = 0; l < len; ++l) {
-          const float* v = lp + indices[indptr[r] + l / page] * page_stride + half_page +
-                           (l % page) * slot + kvh * dim;
-          const float p = scores[l];
-          for (int64_t i = 0; i < dim; ++i) acc[i] += p * v[i];
-        }
-        float* o = op + qi[r] * heads * dim + h * dim;
         const float inv = 1.f / total;
-        for (int64_t i = 0; i < dim; ++i) o[i] = acc[i] * inv;
+        for (int64_t l = 0; l < len; ++l) sg[l] *= inv;
       }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t l0 = 0; l0 < len; l0 += page) {
+        const float* base =
+            lp + indices[indptr[r] + l0 / page] * page_stride + half_page + kvh * dim;
+        const int64_t n = std::min(page, len - l0);
+        for (int64_t j = 0; j < n; ++j) {
+          const float* v = base + j * slot;
+          for (int64_t g = 0; g < group; ++g) axpy(acc.data() + g * dim, scores[g * len + l0 + j], v, dim);
+        }
+      }
+      float* o = op + qi[r] * heads * dim + kvh * group * dim;
+      std::copy(acc.begin(), acc.end(), o);
     }
   });
   return out;

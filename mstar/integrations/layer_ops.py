@@ -25,5 +25,8 @@ SOURCE = Path(__file__).with_name("layer_ops.cpp")
 
 @functools.cache
 def layer_ops_or_why() -> str | None:
-    """None when the ops are loaded (built first if need be), else why not."""
-    return build_or_why("mstar_layer_ops", SOURCE, "layer_ops", (*AVX2_FLAGS, "-fopenmp-simd"))
+    """None when the ops are loaded (built first if need be), else why not.
+    ``-fopenmp``: without it ATen's headers compile ``at::parallel_for``
+    serial (``INTRA_OP_PARALLEL`` is defined only under ``_OPENMP``); the
+    symbols resolve to torch's own OpenMP runtime."""
+    return build_or_why("mstar_layer_ops", SOURCE, "layer_ops", (*AVX2_FLAGS, "-fopenmp"))
