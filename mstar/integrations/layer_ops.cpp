@@ -210,7 +210,8 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   const int64_t page = layer.size(2), kv_heads = layer.size(3), rows = kv_lens.size(0);
   const int64_t group = heads / kv_heads;
   TORCH_CHECK(heads % kv_heads == 0, "expected H a multiple of H_kv");
-  auto out = at::zeros({q.size(0), heads * dim}, q.options());
+  // every token is a row's query (a decode step): each is written below
+  auto out = at::empty({q.size(0), heads * dim}, q.options());
   const float* qp = q.data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const float* lp = layer.data_ptr<float>();
@@ -232,7 +233,12 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
     std::vector<float> acc(group * dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, kvh = task % kv_heads, len = lens[r];
-      if (qi[r] < 0 || len == 0) continue;
+      if (qi[r] < 0) continue;  // a row without a query has no token in out
+      float* o = op + qi[r] * heads * dim + kvh * group * dim;
+      if (len == 0) {  // a query that sees no key gives zeros
+        std::fill(o, o + group * dim, 0.f);
+        continue;
+      }
       scores.resize(group * len);
       const float* qv = qp + qi[r] * qs0 + kvh * group * qs1;  // the group's first head
       // scores: each key read once for the group's query heads
@@ -266,7 +272,6 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
           for (int64_t g = 0; g < group; ++g) axpy(acc.data() + g * dim, scores[g * len + l0 + j], v, dim);
         }
       }
-      float* o = op + qi[r] * heads * dim + kvh * group * dim;
       std::copy(acc.begin(), acc.end(), o);
     }
   });
