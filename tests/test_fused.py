@@ -142,8 +142,11 @@ def test_mixed_steps_match_hf(kernels, packed):
     run.step([("a", a[:4]), ("b", b)])
     run.step([("b", [run.next_token("b")]), ("a", a[4:]), ("c", c[:2])])
     run.step([("c", c[2:]), ("a", [run.next_token("a")]), ("b", [])])
-    for _ in range(4):
+    for _ in range(3):
         run.decode(["a", "b", "c"])
+    # one token per row but a row that only reads: the decode kernel's rows without a query
+    run.step([("a", [run.next_token("a")]), ("b", []), ("c", [run.next_token("c")])])
+    run.decode(["a", "b", "c"])
     for name, prompt in (("a", a), ("b", b), ("c", c)):
         run.check(reference, name, len(prompt))
 
