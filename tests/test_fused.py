@@ -168,8 +168,8 @@ def test_rope_scaling_and_bias_follow_the_model(kernels):
 
 
 def test_refused_models_run_hf_forward():
-    """A Mistral, a layer with a hook, training mode, a compiled forward:
-    refused, and ``forward_step`` runs HF's forward (exact as before)."""
+    """A Mistral, a layer with a hook, training mode, a compiled or wrapped
+    forward: refused, and ``forward_step`` runs HF's forward (exact as before)."""
     config = transformers.MistralConfig(**SIZES)
     mistral = transformers.MistralForCausalLM(config).eval()
     assert "not a LlamaForCausalLM" in fused_refusal(mistral)
@@ -178,8 +178,11 @@ def test_refused_models_run_hf_forward():
     assert fused_refusal(paged) == "has hooks on its modules" and fused_step(paged) is None
     _, paged = _llama()
     assert fused_step(paged.train()) is None and fused_step(paged.eval()) is not None
-    vars(paged)["_mstar_eager_forward"] = paged.forward
+    paged.forward = paged.forward  # compiled or wrapped (an instance attribute): HF's
     assert fused_step(paged) is None
+    _, paged = _llama()
+    paged.model.layers[0].mlp.forward = paged.model.layers[0].mlp.forward
+    assert "replaced" in fused_refusal(paged)
 
 
 def test_weights_changed_after_the_first_step_are_followed():

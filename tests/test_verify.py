@@ -77,8 +77,7 @@ def test_a_half_precision_mode_that_disagrees_is_refused(paged, monkeypatch):
 
 
 def test_the_check_allows_a_flip_only_at_a_near_tie(paged):
-    # HF's forward (fused=False): the model's forward is what the test perturbs
-    engine = Engine(copy.deepcopy(paged), fused=False, **OPTIONS)
+    engine = Engine(copy.deepcopy(paged), **OPTIONS)
     reference = float32_reference(engine.model)
     assert check_mode(engine, reference, Tolerance(1e-3, 1e-3)).ok
     engine.model.forward = _perturbed(engine.model.forward, by=30.0)  # token 7 wins every step

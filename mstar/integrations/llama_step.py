@@ -5,7 +5,8 @@ as HF's eager forward does (up to float32 rounding), or None, and then
 ``forward_step`` runs HF's own forward. It serves ``LlamaForCausalLM``
 (SmolLM2, Llama 2/3, TinyLlama, ...) with HF's own modules (any rope type,
 activation, bias), float32 activations on the CPU, plain or packed
-(``PackedLinear``) linear layers, in eval mode, without hooks, not compiled;
+(``PackedLinear``) linear layers, in eval mode, without hooks or replaced
+forwards (a compiled forward is one);
 anything else is refused up front (``fused_refusal`` says why).
 
 A step: the embedding; the rotary tables at the step's positions and the
@@ -37,9 +38,10 @@ def fused_step(model: PreTrainedModel) -> FusedLlama | None:
     """The model's ``FusedLlama`` (built at the first call, rebuilt when
     the model's q/k/v or gate/up weights got new storage since), or None
     when ``fused_refusal`` refuses it (its verdict kept on the model, as
-    ``supports``'; hooks added after the first step are not seen)."""
-    if model.training or "_mstar_eager_forward" in vars(model):
-        return None  # HF's forward computes dropout / runs compiled
+    ``supports``'; hooks or replaced forwards of its submodules added after
+    the first step are not seen)."""
+    if model.training or "forward" in vars(model):
+        return None  # HF's forward computes dropout / a compiled or wrapped forward runs
     fused = vars(model).get(_ATTRIBUTE)
     if isinstance(fused, FusedLlama) and fused.current():
         return fused
@@ -52,7 +54,8 @@ def fused_step(model: PreTrainedModel) -> FusedLlama | None:
 
 def fused_refusal(model: PreTrainedModel) -> str | None:
     """Why the fused forward cannot serve ``model`` (None: it can), in
-    training mode or compiled aside (``fused_step`` checks those per step)."""
+    training mode or with its forward replaced (compiled, wrapped) aside
+    (``fused_step`` checks those per step)."""
     if type(model) is not LlamaForCausalLM or type(model.model) is not LlamaModel:
         return f"is a {type(model).__name__}, not a LlamaForCausalLM"
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -72,6 +75,8 @@ def fused_refusal(model: PreTrainedModel) -> str | None:
         return "has parameters that are not float32 on the CPU"
     if any(m._forward_hooks or m._forward_pre_hooks for m in (model, inner, inner.norm)):
         return "has hooks on its modules"
+    if any("forward" in vars(m) for m in model.modules()):
+        return "has a module whose forward was replaced on the instance"
     reason = concat_refusal((model.lm_head,))
     for layer in inner.layers:
         reason = reason or layer_refusal(layer)
