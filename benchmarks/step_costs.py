@@ -17,7 +17,10 @@ layers and head (oneDNN's or aten's GEMMs), the attention op, the graph's
 own kernels, dynamo's guards and the rest (wall time of the ops). Then the
 linear layers alone (``mstar.bench.roofline.linear_alone_s``) at the same
 rows on the same clock, for the ratio.
-Prints the CPU (``mstar.engine.cpu``) and the load.
+Prints the CPU (``mstar.engine.cpu``) and the load. It breaks down HF's
+eager forward (``Engine(fused=False)``): the fused forward that eager
+engines run by default calls its GEMMs and layer ops directly, and its step
+is measured against its linear layers by ``mstar-kv bench --roofline``.
 """
 
 from __future__ import annotations
@@ -46,7 +49,11 @@ def decoding_engine(rows: int, compile: bool, dtype: torch.dtype) -> Engine:
     """An engine with ``rows`` requests decoding, two decode steps warm."""
     model, tokenizer = load("smollm2", dtype=dtype)
     pages = rows * 8 + 16
-    engine = Engine(model, tokenizer, num_pages=pages, prefix_cache=False, compile=compile)
+    # HF's forward (fused=False): its modules are what the eager parts are timed around; the
+    # fused forward (the default) calls its GEMMs and layer ops directly (see docs/performance.md)
+    engine = Engine(
+        model, tokenizer, num_pages=pages, prefix_cache=False, compile=compile, fused=False
+    )
     params = SamplingParams(max_new_tokens=80, ignore_eos=True)
     for i in range(rows):
         engine.add_request([(7 * i + j) % 1000 for j in range(PROMPT_TOKENS)], params)

@@ -56,9 +56,10 @@ class Runner:
         page_size: int,
         num_pages: int = 64,
         flashinfer: FlashInferPagedAttention | None = None,
+        fused: bool = True,
     ) -> None:
         self.model = model
-        self.flashinfer = flashinfer
+        self.flashinfer, self.fused = flashinfer, fused
         self.streams = Streams(num_pages, page_size, seed=1)
         self.cache = KVCache(
             num_pages=num_pages, page_size=page_size, **hf.kv_spec(model).cache_kwargs()
@@ -81,7 +82,9 @@ class Runner:
 
     def _run(self, plan: KVPlanOutput, feeds: list[tuple[str, list[int]]]) -> None:
         ids = torch.tensor([t for _, chunk in feeds for t in chunk])
-        logits = forward_step(self.model, ids, plan, self.cache, flashinfer=self.flashinfer)
+        logits = forward_step(
+            self.model, ids, plan, self.cache, flashinfer=self.flashinfer, fused=self.fused
+        )
         for (name, chunk), rows in zip(feeds, logits.split([len(c) for _, c in feeds])):
             self.tokens.setdefault(name, []).extend(chunk)
             self.logits.setdefault(name, []).append(rows)
@@ -107,10 +110,11 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, SIZES["vocab_size"], (n,), generator=gen).tolist()
 
 
-def test_chunked_prefill_then_decode(llama):
+@pytest.mark.parametrize("fused", [True, False])
+def test_chunked_prefill_then_decode(llama, fused):
     reference, paged = llama
     prompt = _prompt(11, seed=0)
-    run = Runner(paged, page_size=3)
+    run = Runner(paged, page_size=3, fused=fused)
     for lo, hi in ((0, 4), (4, 9), (9, 11)):
         run.prefill([("a", prompt[lo:hi])])
     for _ in range(4):
@@ -118,12 +122,13 @@ def test_chunked_prefill_then_decode(llama):
     _check_stream(reference, run, "a", len(prompt))
 
 
-def test_a_decode_step_never_builds_views(llama):
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_decode_step_never_builds_views(llama, fused):
     """Positions, cache writes and attention of a decode plan read its index
     arrays alone (its view builder raises), and the logits stay exact."""
     reference, paged = llama
     a, b = _prompt(6, seed=12), _prompt(3, seed=13)
-    run = Runner(paged, page_size=4)
+    run = Runner(paged, page_size=4, fused=fused)
     run.prefill([("a", a), ("b", b)])
     for _ in range(4):
         run.decode(["a", "b"], allow_views=False)
@@ -131,11 +136,12 @@ def test_a_decode_step_never_builds_views(llama):
     _check_stream(reference, run, "b", len(b))
 
 
-def test_two_streams_batched(llama):
+@pytest.mark.parametrize("fused", [True, False])
+def test_two_streams_batched(llama, fused):
     """Chunks and decode rows of two streams share steps."""
     reference, paged = llama
     a, b = _prompt(7, seed=1), _prompt(5, seed=2)
-    run = Runner(paged, page_size=4)
+    run = Runner(paged, page_size=4, fused=fused)
     run.prefill([("a", a[:4]), ("b", b)])
     run.prefill([("b", [run.next_token("b")]), ("a", a[4:])])
     for _ in range(3):
@@ -164,7 +170,8 @@ def test_flashinfer_adapter_is_planned_once_per_step(llama, fake_flashinfer):
     _, paged = llama
     adapter, log = fake_flashinfer()
     prompt = _prompt(9, seed=4)
-    plain, fused = Runner(paged, page_size=4), Runner(paged, page_size=4, flashinfer=adapter)
+    plain = Runner(paged, page_size=4, fused=False)  # HF's forward, as the adapter's
+    fused = Runner(paged, page_size=4, flashinfer=adapter)
     for run in (plain, fused):
         run.prefill([("a", prompt)])
         run.decode(["a"])

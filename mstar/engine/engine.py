@@ -13,6 +13,7 @@ decodes ``cond``/``uncond`` in lockstep.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import time
@@ -85,6 +86,11 @@ class Engine:
     ``engine.mode_check`` holds the result): a compiled forward that
     disagrees falls back to eager, an eager one raises ``ModeMismatch``.
 
+    ``fused`` (the default) runs an eager Llama-family model on the CPU
+    through fused decoder layers (``mstar.integrations.llama_step``: the same
+    logits up to float32 rounding, a fraction of the host work);
+    ``fused=False`` runs HF's own forward, for comparison.
+
     A call that raises leaves the engine as it found it: nothing of that call
     stays queued, no page leaks.
     """
@@ -104,12 +110,19 @@ class Engine:
         speculative: str | None = None,
         num_speculative_tokens: int = 4,
         compile: bool = False,
+        fused: bool = True,
     ) -> None:
         check_options(tokenizer, num_pages, page_size, token_budget, prefix_cache, compile)
+        if not isinstance(fused, bool):
+            raise TypeError(f"expected fused a bool, got {fused!r}")
         self.spec = speculator(speculative, num_speculative_tokens)  # see speculative.py
         self.tp = shard(model, tensor_parallel_size)  # refuses before starting workers
         model = model if self.tp is None else self.tp.model
-        self._forward_step = forward_step if self.tp is None else self.tp.forward_step
+        self._forward_step = (
+            functools.partial(forward_step, fused=fused)
+            if self.tp is None
+            else self.tp.forward_step
+        )
         spec = kv_spec(model)  # refuses a model the paged path cannot serve exactly
         if prefix_cache is None:  # windows release pages, which a prefix cache would keep
             prefix_cache = all(window is None for window, _ in spec.groups)

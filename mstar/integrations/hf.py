@@ -21,6 +21,7 @@ from mstar.engine.resources.kv.plan import KVPlanOutput
 from mstar.engine.resources.position import positions
 from mstar.integrations.hf_attention import ATTENTION_NAME, CONTEXT, PagedStep, register
 from mstar.integrations.hf_support import KVSpec, flashinfer_unsupported, kv_spec, supports
+from mstar.integrations.llama_step import fused_step
 
 __all__ = ["ATTENTION_NAME", "KVSpec", "forward_step", "kv_spec", "register", "supports"]
 
@@ -33,6 +34,7 @@ def forward_step(
     *,
     flashinfer: FlashInferPagedAttention | None = None,
     logits_at: torch.Tensor | None = None,
+    fused: bool = True,
 ) -> torch.Tensor:
     """One packed step: ``input_ids`` ``[plan.get_total_len()]`` in plan order
     in; logits ``[len(logits_at), vocab]`` out, at the step's token indices
@@ -49,7 +51,12 @@ def forward_step(
     group of ``block_groups(kv_spec(model).groups, k)`` and ``cache`` the
     groups' ``KVCache`` of ``k`` layer slots, each layer reading its group's
     plan and its slot; one plan and one cache over every layer serve any
-    model (every page kept)."""
+    model (every page kept).
+
+    ``fused`` (the default) runs a model ``fused_step`` serves (the Llama
+    family on the CPU, float32 activations, eager) through its fused layers
+    (``mstar.integrations.llama_step``), the same logits up to float32
+    rounding; anything else, or ``fused=False``, runs HF's forward."""
     spec = kv_spec(model)
     implementation = model.config._attn_implementation
     if implementation != ATTENTION_NAME:
@@ -82,6 +89,11 @@ def forward_step(
     for each, window in zip(plans, windows):
         if each.kv_offsets is not None:
             _check_window(each, position_ids.numpy(), window)
+    if fused and flashinfer is None and len(plans) == 1 and _plain_attention(spec):
+        fast = fused_step(model)
+        if fast is not None:
+            logits = fast(input_ids, position_ids, plans[0], caches[0], keep)
+            return logits if logits_at is None else logits[: len(logits_at)]
     options: dict[str, Any] = {}
     if keep is not None and spec.keeps_logits:
         options["logits_to_keep"] = keep.to(input_ids.device)
@@ -100,6 +112,12 @@ def forward_step(
     if keep is not None and not spec.keeps_logits:
         logits = logits[keep.to(logits.device)]
     return logits if logits_at is None else logits[: len(logits_at)]
+
+
+def _plain_attention(spec: KVSpec) -> bool:
+    """Whether every layer attends causally over every key (no window,
+    chunks or sinks): what ``StepAttention`` computes."""
+    return not spec.sinks and not any(spec.chunk_sizes) and not any(spec.layer_windows)
 
 
 def _layout(

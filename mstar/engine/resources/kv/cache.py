@@ -108,15 +108,24 @@ class KVCache:
                 raise ValueError(f"expected {name} of dtype {self.dtype}, got {t.dtype}")
             if t.device != self.device:
                 raise ValueError(f"expected {name} on {self.device}, got {t.device}")
-        if not same:
-            pages, offsets = _write_slots(plan, self.page_size)
-            self._slots = (plan, *self._rows(pages, offsets))
-        _, k_rows, v_rows = self._slots
+        k_rows, v_rows = self.write_rows(plan)
         cache = self._layers[layer]
         k_width, v_width = self.num_kv_heads * self.head_dim, self.num_kv_heads * self.v_head_dim
         k_cache, v_cache = cache if isinstance(cache, tuple) else (cache, cache)
         k_cache.view(-1, k_width).index_copy_(0, k_rows, k.reshape(total, k_width))
         v_cache.view(-1, v_width).index_copy_(0, v_rows, v.reshape(total, v_width))
+
+    def write_rows(self, plan: KVPlanOutput) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows ``plan``'s new keys and values go to, int64
+        ``[plan.get_total_len()]`` each, in a layer seen as one row per token
+        slot (``[..., H_kv * dim]``; K and V of a ``[num_pages, 2, ...]``
+        layer are rows of one such view): what ``write`` copies into,
+        computed once per plan. For a caller writing every layer of a step
+        itself (a fused kernel)."""
+        if self._slots is None or self._slots[0] is not plan:
+            pages, offsets = _write_slots(plan, self.page_size)
+            self._slots = (plan, *self._rows(pages, offsets))
+        return self._slots[1], self._slots[2]
 
     def _rows(self, pages: np.ndarray, offsets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V rows of slots ``(pages, offsets)`` in a layer seen as

@@ -1,0 +1,131 @@
+"""Linear layers that read one input, run as one.
+
+``RowConcat`` concatenates the layers' weight rows (q/k/v, gate/up) into one
+matrix, so a step runs one GEMM where the model runs several; the output is
+the layers' outputs side by side, each row's dot products the same as its
+own layer's. The model's layers keep working: their weights become views of
+the concatenated ones (no second copy), and ``current()`` says whether they
+still are (a ``model.to(...)`` or ``half()`` afterwards gives them new
+storage, and the concatenation must then be rebuilt).
+
+Plain ``nn.Linear`` layers concatenate their ``weight`` (and ``bias``);
+packed ones (``PackedLinear``, int4 or int8 GGUF blocks) their ``qweight``,
+``scales`` and ``mins`` rows, which is exact: each packed row is its own
+weights and scales.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from mstar.engine.quant.linear import PackedLinear
+from mstar.engine.quant.packed import Packed
+
+__all__ = ["RowConcat", "concat_refusal", "linear"]
+
+_PACKED_TENSORS = ("qweight", "scales", "mins")
+
+
+def concat_refusal(layers: Sequence[torch.nn.Module]) -> str | None:
+    """Why ``layers`` cannot run as one ``RowConcat`` (None: they can)."""
+    kinds = {type(m) for m in layers}
+    if len(kinds) != 1 or kinds.pop() not in (torch.nn.Linear, PackedLinear):
+        return f"has linear layers of types {sorted(type(m).__name__ for m in layers)}"
+    if any(m._forward_hooks or m._forward_pre_hooks for m in layers):
+        return "has hooks on its linear layers"
+    if len({m.in_features for m in layers}) != 1:
+        return "has linear layers of different input widths"
+    if len({m.bias is None for m in layers}) != 1:
+        return "has linear layers with and without bias"
+    tensors = [t for m in layers for t in _tensors(m)]
+    if any(type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter for t in tensors):
+        return "has linear weights of a tensor subclass (a sharded or quantized tensor)"
+    if any(t.dtype != tensors[0].dtype or t.device != tensors[0].device for t in _main(layers)):
+        return "has linear layers of different dtypes or devices"
+    packed = isinstance(layers[0], PackedLinear)
+    if packed and len({(m.kind, m.scales.shape[1]) for m in layers}) != 1:
+        return "has packed layers of different formats"
+    return None
+
+
+class RowConcat:
+    """``layers`` (``concat_refusal`` None) as one linear layer of their
+    rows in order: ``x [T, in] -> [T, sum(out)]``. Rebinds the layers'
+    weights as views of the concatenation."""
+
+    def __init__(self, layers: Sequence[torch.nn.Module]) -> None:
+        reason = concat_refusal(layers)
+        if reason is not None:
+            raise ValueError(f"expected linear layers that concatenate, got one that {reason}")
+        self.layers = tuple(layers)
+        self.widths = tuple(m.out_features for m in layers)
+        with torch.no_grad():
+            self.module = _joined(self.layers)
+            names = _PACKED_TENSORS if isinstance(self.module, PackedLinear) else ("weight",)
+            self._rebind(names + (("bias",) if layers[0].bias is not None else ()))
+        self._storage = tuple(t.data_ptr() for t in _main(self.layers))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(self.module, x)
+
+    def current(self) -> bool:
+        """Whether the layers' weights are still views of the concatenation."""
+        return all(t.data_ptr() == p for t, p in zip(_main(self.layers), self._storage))
+
+    def _rebind(self, names: Sequence[str]) -> None:
+        """Each layer's tensors ``names`` become row views of the joined ones."""
+        start = 0
+        for layer, width in zip(self.layers, self.widths):
+            for name in names:
+                joined = getattr(self.module, name)
+                if joined is None:
+                    continue
+                view = joined[start : start + width]
+                if isinstance(getattr(layer, name), torch.nn.Parameter):
+                    setattr(layer, name, torch.nn.Parameter(view, requires_grad=False))
+                else:
+                    setattr(layer, name, view)
+            start += width
+
+
+def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for an ``nn.Linear`` or ``PackedLinear`` without the
+    module call's overhead (its weights read as they are now)."""
+    if type(module) is torch.nn.Linear:
+        return F.linear(x, module.weight, module.bias)
+    return module.forward(x)
+
+
+def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    names = _PACKED_TENSORS if isinstance(module, PackedLinear) else ("weight",)
+    tensors = [getattr(module, n) for n in names if getattr(module, n) is not None]
+    return tensors + ([module.bias] if module.bias is not None else [])
+
+
+def _main(layers: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
+    """Each layer's main weight tensor (``weight``, or packed ``qweight``)."""
+    return [m.qweight if isinstance(m, PackedLinear) else m.weight for m in layers]
+
+
+def _joined(layers: Sequence[torch.nn.Module]) -> torch.nn.Module:
+    """One layer of ``layers``' rows in order (copies)."""
+    bias = _bias(layers)
+    if isinstance(layers[0], PackedLinear):
+        parts = [None if getattr(layers[0], n) is None else torch.cat([getattr(m, n) for m in layers])
+                 for n in _PACKED_TENSORS]  # fmt: skip
+        return PackedLinear(Packed(layers[0].kind, *parts), bias)
+    weight = torch.cat([m.weight for m in layers])
+    joined = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    joined.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        joined.bias = torch.nn.Parameter(bias, requires_grad=False)
+    return joined
+
+
+def _bias(layers: Sequence[torch.nn.Module]) -> torch.Tensor | None:
+    if layers[0].bias is None:
+        return None
+    return torch.cat([m.bias.detach() for m in layers])

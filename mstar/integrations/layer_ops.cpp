@@ -1,0 +1,298 @@
+// The small ops of a fused decoder layer (mstar/integrations/layer_ops.py), float32, CPU.
+//
+// rms_norm:      y = x * (1 / sqrt(mean(x^2) + eps)) * w, per row; with `delta`, first
+//                x += delta in place (the residual add before the norm).
+// rotary_:       the first `heads` heads of each row of x [T, W] (head_dim D) rotated in
+//                place: x * cos + swap(x) * sin', swap exchanging the two halves of a head,
+//                sin' = sin with its first half negated (see rotary.py).
+// silu_mul:      silu(g) * u for x = [g | u] [T, 2I].
+// decode_attention: from the q/k/v GEMM's output, rotary applied to q and k, the step's
+//                new keys and values written into the layer's pages (rows k_rows /
+//                v_rows of the layer seen as [P * 2 * S, H_kv * D], what
+//                KVCache.write_rows gives), then one query per row over that row's
+//                pages, softmax in float32; query heads h read KV head h / (H / H_kv).
+// Rows (tokens, or rows x KV heads for attention) are spread over torch's threads.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// a . b over n floats (AVX2 + FMA, two accumulators; n need not be a multiple of 8)
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+  }
+  for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+  __m256 s = _mm256_add_ps(s0, s1);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+  float total = _mm_cvtss_f32(h);
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+// y += a * x over n floats
+inline void axpy(float* y, float a, const float* x, int64_t n) {
+  const __m256 va = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  }
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), name,
+              ": expected a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+}
+
+at::Tensor rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
+                    double eps) {
+  check_f32(x, "x");
+  check_f32(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1),
+              "expected x [T, N] and weight [N]");
+  const int64_t rows = x.size(0), n = x.size(1);
+  float* xp = x.data_ptr<float>();
+  const float* dp = nullptr;
+  if (delta.has_value()) {
+    check_f32(*delta, "delta");
+    TORCH_CHECK(delta->sizes() == x.sizes(), "expected delta of x's shape");
+    dp = delta->data_ptr<float>();
+  }
+  const float* wp = weight.data_ptr<float>();
+  auto out = at::empty_like(x);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = xp + r * n;
+      if (dp != nullptr) {
+        const float* d = dp + r * n;
+        for (int64_t i = 0; i < n; ++i) row[i] += d[i];
+      }
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < n; ++i) sum += row[i] * row[i];
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + static_cast<float>(eps));
+      float* o = op + r * n;
+      for (int64_t i = 0; i < n; ++i) o[i] = wp[i] * (row[i] * inv);
+    }
+  });
+  return out;
+}
+
+void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+             int64_t head_dim) {
+  check_f32(x, "x");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  const int64_t rows = x.size(0), width = x.size(1), half = head_dim / 2;
+  TORCH_CHECK(x.dim() == 2 && heads * head_dim <= width && head_dim % 2 == 0,
+              "expected x [T, W] holding `heads` heads of an even head_dim");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == rows * head_dim,
+              "expected cos and sin [T, head_dim]");
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* c = cp + r * head_dim;
+      const float* s = sp + r * head_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = xp + r * width + h * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = v[i], b = v[i + half];
+          v[i] = a * c[i] + b * s[i];
+          v[i + half] = b * c[i + half] + a * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& x) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "expected x [T, 2I]");
+  const int64_t rows = x.size(0), inner = x.size(1) / 2;
+  auto out = at::empty({rows, inner}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = xp + r * 2 * inner;
+      const float* u = g + inner;
+      float* o = op + r * inner;
+      for (int64_t i = 0; i < inner; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+// Row t of qkv [T, (H + 2 H_kv) D]: its K heads rotated into row k_rows[t] of the layer
+// seen as [P * 2 * S, H_kv * D], its V heads into row v_rows[t], its Q heads rotated
+// into q[t] ([T, H, D]).
+void rotate_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                  at::Tensor& layer, const at::Tensor& k_rows, const at::Tensor& v_rows,
+                  at::Tensor& q, int64_t heads) {
+  const int64_t tokens = qkv.size(0), kv_heads = layer.size(3), dim = layer.size(4);
+  const int64_t half = dim / 2, slot = kv_heads * dim, num_rows = layer.numel() / slot;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * dim,
+              "expected qkv [T, (H + 2 H_kv) * D] of the layer's heads");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == tokens * dim,
+              "expected cos and sin [T, D]");
+  TORCH_CHECK(k_rows.numel() == tokens && v_rows.numel() == tokens &&
+                  k_rows.scalar_type() == at::kLong && v_rows.scalar_type() == at::kLong,
+              "expected int64 write rows, one per token");
+  float* lp = layer.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  const float* xp = qkv.data_ptr<float>();
+  const int64_t* kr = k_rows.data_ptr<int64_t>();
+  const int64_t* vr = v_rows.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(kr[t] >= 0 && kr[t] < num_rows && vr[t] >= 0 && vr[t] < num_rows,
+                "write row out of the layer");
+    const float* row = xp + t * qkv.size(1);
+    const float* c = cos.data_ptr<float>() + t * dim;
+    const float* s = sin.data_ptr<float>() + t * dim;
+    for (int64_t h = 0; h < heads + kv_heads; ++h) {
+      const float* x = row + h * dim;
+      float* out = h < heads ? qp + (t * heads + h) * dim : lp + kr[t] * slot + (h - heads) * dim;
+      for (int64_t i = 0; i < half; ++i) {
+        out[i] = x[i] * c[i] + x[i + half] * s[i];
+        out[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+      }
+    }
+    const float* v = row + (heads + kv_heads) * dim;
+    std::copy(v, v + slot, lp + vr[t] * slot);
+  }
+}
+
+// qkv [T, (H + 2 H_kv) D] (rotary applied here: cos, sin [T, D] as rotary_'s); layer
+// [P, 2, S, H_kv, D]; per row r: its query token q_index[r] (-1: none), its pages
+// kv_indices[kv_indptr[r]:kv_indptr[r+1]] holding kv_lens[r] keys in order (the step's
+// own written first). Returns [T, H * D].
+at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                            at::Tensor layer, const at::Tensor& k_rows,
+                            const at::Tensor& v_rows, const at::Tensor& q_index,
+                            const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                            const at::Tensor& kv_lens, int64_t heads, double scale) {
+  check_f32(layer, "layer");
+  check_f32(qkv, "qkv");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  TORCH_CHECK(layer.dim() == 5 && layer.size(1) == 2 && layer.size(4) % 2 == 0,
+              "expected layer [P, 2, S, H_kv, D], D even");
+  for (const auto* t : {&q_index, &kv_indptr, &kv_indices, &kv_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "expected int64 indices");
+  }
+  auto q = at::empty({qkv.size(0), heads, layer.size(4)}, qkv.options());
+  rotate_write(qkv, cos, sin, layer, k_rows, v_rows, q, heads);
+  for (int64_t i = 0; i < kv_indices.numel(); ++i) {
+    const int64_t p = kv_indices.data_ptr<int64_t>()[i];
+    TORCH_CHECK(p >= 0 && p < layer.size(0), "page id ", p, " out of the layer");
+  }
+  for (int64_t r = 0; r < q_index.numel(); ++r) {
+    TORCH_CHECK(q_index.data_ptr<int64_t>()[r] < q.size(0), "query index out of qkv");
+  }
+  const int64_t dim = q.size(2);
+  const int64_t page = layer.size(2), kv_heads = layer.size(3), rows = kv_lens.size(0);
+  const int64_t group = heads / kv_heads;
+  TORCH_CHECK(heads % kv_heads == 0, "expected H a multiple of H_kv");
+  // every token is a row's query (a decode step): each is written below
+  auto out = at::empty({q.size(0), heads * dim}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const float* lp = layer.data_ptr<float>();
+  const int64_t slot = kv_heads * dim, half_page = page * slot, page_stride = 2 * half_page;
+  const int64_t* qi = q_index.data_ptr<int64_t>();
+  const int64_t* indptr = kv_indptr.data_ptr<int64_t>();
+  const int64_t* indices = kv_indices.data_ptr<int64_t>();
+  const int64_t* lens = kv_lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  // a task per (row, KV head); threads only where each gets ~64K multiply-adds (a
+  // thread's wake-up costs more than a small row's work)
+  int64_t keys = 0;
+  for (int64_t r = 0; r < rows; ++r) keys += lens[r];
+  const int64_t per_task = std::max<int64_t>(1, keys / std::max<int64_t>(rows, 1) * group * dim * 2);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / per_task);
+  at::parallel_for(0, rows * kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;  // [group, len]
+    std::vector<float> acc(group * dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, kvh = task % kv_heads, len = lens[r];
+      if (qi[r] < 0) continue;  // a row without a query has no token in out
+      float* o = op + qi[r] * heads * dim + kvh * group * dim;
+      if (len == 0) {  // a query that sees no key gives zeros
+        std::fill(o, o + group * dim, 0.f);
+        continue;
+      }
+      scores.resize(group * len);
+      const float* qv = qp + qi[r] * qs0 + kvh * group * qs1;  // the group's first head
+      // scores: each key read once for the group's query heads
+      for (int64_t l0 = 0; l0 < len; l0 += page) {
+        const float* base = lp + indices[indptr[r] + l0 / page] * page_stride + kvh * dim;
+        const int64_t n = std::min(page, len - l0);
+        for (int64_t j = 0; j < n; ++j) {
+          const float* k = base + j * slot;
+          for (int64_t g = 0; g < group; ++g) scores[g * len + l0 + j] = dot(qv + g * qs1, k, dim) * sc;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * len;
+        float peak = -INFINITY;
+        for (int64_t l = 0; l < len; ++l) peak = sg[l] > peak ? sg[l] : peak;
+        float total = 0.f;
+        for (int64_t l = 0; l < len; ++l) {
+          sg[l] = std::exp(sg[l] - peak);
+          total += sg[l];
+        }
+        const float inv = 1.f / total;
+        for (int64_t l = 0; l < len; ++l) sg[l] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t l0 = 0; l0 < len; l0 += page) {
+        const float* base =
+            lp + indices[indptr[r] + l0 / page] * page_stride + half_page + kvh * dim;
+        const int64_t n = std::min(page, len - l0);
+        for (int64_t j = 0; j < n; ++j) {
+          const float* v = base + j * slot;
+          for (int64_t g = 0; g < group; ++g) axpy(acc.data() + g * dim, scores[g * len + l0 + j], v, dim);
+        }
+      }
+      std::copy(acc.begin(), acc.end(), o);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(mstar_layer, m) {
+  m.def("rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
+  m.def(
+      "decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) layer, Tensor k_rows,"
+      " Tensor v_rows, Tensor q_index, Tensor kv_indptr, Tensor kv_indices, Tensor kv_lens,"
+      " int heads, float scale) -> Tensor");
+  m.def("silu_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mstar_layer, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("rotary_", rotary_);
+  m.impl("decode_attention", decode_attention);
+  m.impl("silu_mul", silu_mul);
+}

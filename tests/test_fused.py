@@ -1,0 +1,313 @@
+"""The fused Llama forward (``mstar.integrations.llama_step``) against HF's
+own: the same logits step by step (float32 and packed weights, with and
+without the layer ops), the same greedy tokens as ``generate``, and HF's
+forward for whatever it refuses."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from oracles import Streams
+
+transformers = pytest.importorskip("transformers")
+
+from mstar.engine.quant.at_load import quantize_int4, quantize_int8  # noqa: E402
+from mstar.engine.quant.kernels import kernel_or_why  # noqa: E402
+from mstar.engine.quant.linear import PackedLinear  # noqa: E402
+from mstar.engine.resources.kv.cache import KVCache  # noqa: E402
+from mstar.integrations import hf, llama_step  # noqa: E402
+from mstar.integrations.fused_linear import RowConcat  # noqa: E402
+from mstar.integrations.hf import forward_step, register  # noqa: E402
+from mstar.integrations.layer_ops import layer_ops_or_why  # noqa: E402
+from mstar.integrations.llama_step import fused_refusal, fused_step  # noqa: E402
+
+SIZES = {
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "rope_theta": 500.0,
+}
+TOL = 1e-4
+
+
+def _llama(packed: bool = False, **settings) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A seeded tiny Llama (the reference: its own forward, SDPA attention)
+    and its twin on the plan; ``packed``: both with int4 layers and an int8
+    head (the reference dequantized, as the mode check's)."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES, **settings)).eval()
+    if packed:
+        if kernel_or_why() is not None:
+            pytest.skip(f"packed kernels: {kernel_or_why()}")
+        for name, module in list(model.named_modules()):
+            if isinstance(module, torch.nn.Linear):
+                pack = quantize_int8 if name == "lm_head" else quantize_int4
+                model.set_submodule(name, PackedLinear(pack(module.weight), module.bias))
+    paged = copy.deepcopy(model)
+    paged.set_attn_implementation(register())
+    reference = copy.deepcopy(model)
+    for name, module in list(reference.named_modules()):
+        if isinstance(module, PackedLinear):
+            reference.set_submodule(name, module.dequantized())
+    return reference, paged
+
+
+@pytest.fixture(params=["layer ops", "aten"])
+def kernels(request, monkeypatch):
+    """Both ways a fused layer computes: through the layer ops, or aten alone."""
+    if request.param == "layer ops":
+        if layer_ops_or_why() is not None:
+            pytest.skip(f"layer ops: {layer_ops_or_why()}")
+    else:
+        monkeypatch.setattr(llama_step, "layer_ops_or_why", lambda: "off in this test")
+    return request.param
+
+
+class Twin:
+    """Feeds the same steps through the fused path and HF's, each with a
+    cache of its own, and keeps each stream's tokens and fused logits."""
+
+    def __init__(self, model: torch.nn.Module, page_size: int = 4, num_pages: int = 48) -> None:
+        self.model = model
+        self.streams = {f: Streams(num_pages, page_size, seed=3) for f in (True, False)}
+        spec = hf.kv_spec(model).cache_kwargs()
+        self.caches = {
+            f: KVCache(num_pages=num_pages, page_size=page_size, **spec) for f in (True, False)
+        }
+        self.tokens: dict[str, list[int]] = {}
+        self.logits: dict[str, list[torch.Tensor]] = {}
+
+    def step(self, feeds: list[tuple[str, list[int]]], decode: bool = False) -> None:
+        """One step of ``feeds`` (``decode``: a decode plan, one token each)."""
+        ids = torch.tensor([t for _, chunk in feeds for t in chunk], dtype=torch.long)
+        out = {}
+        for fused in (True, False):
+            streams = self.streams[fused]
+            plan = (
+                streams.decode_plan([n for n, _ in feeds])
+                if decode
+                else streams.plan([(n, len(c)) for n, c in feeds])
+            )
+            out[fused] = forward_step(self.model, ids, plan, self.caches[fused], fused=fused)
+        err = (out[True] - out[False]).abs().max().item() if ids.numel() else 0.0
+        assert err <= TOL, f"fused against HF's forward: max abs logit error {err}"
+        for (name, chunk), rows in zip(feeds, out[True].split([len(c) for _, c in feeds])):
+            if chunk:
+                self.tokens.setdefault(name, []).extend(chunk)
+                self.logits.setdefault(name, []).append(rows)
+
+    def next_token(self, name: str) -> int:
+        return int(self.logits[name][-1][-1].argmax())
+
+    def decode(self, names: list[str]) -> None:
+        self.step([(n, [self.next_token(n)]) for n in names], decode=True)
+
+    def check(self, reference: torch.nn.Module, name: str, prompt_len: int) -> None:
+        """The stream's logits against one full forward, its greedy tokens
+        against ``generate``."""
+        tokens = torch.tensor([self.tokens[name]])
+        with torch.no_grad():
+            expected = reference(tokens, use_cache=False).logits[0]
+        err = (torch.cat(self.logits[name]) - expected).abs().max().item()
+        assert err <= TOL, f"{name}: max abs logit error {err}"
+        new = tokens.shape[1] - prompt_len + 1
+        generated = reference.generate(tokens[:, :prompt_len], max_new_tokens=new, do_sample=False)
+        assert generated[0, prompt_len:].tolist() == [
+            *self.tokens[name][prompt_len:],
+            self.next_token(name),
+        ]
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, SIZES["vocab_size"], (n,), generator=gen).tolist()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["float32", "packed"])
+def test_mixed_steps_match_hf(kernels, packed):
+    """Chunked prefills beside decode rows, a row that only reads, then
+    decode plans of three rows: every step's logits are HF's forward's, and
+    each stream's are the model's own full forward and generate."""
+    reference, paged = _llama(packed)
+    assert fused_step(paged) is not None
+    a, b, c = _prompt(9, 1), _prompt(5, 2), _prompt(6, 3)
+    run = Twin(paged)
+    run.step([("a", a[:4]), ("b", b)])
+    run.step([("b", [run.next_token("b")]), ("a", a[4:]), ("c", c[:2])])
+    run.step([("c", c[2:]), ("a", [run.next_token("a")]), ("b", [])])
+    for _ in range(3):
+        run.decode(["a", "b", "c"])
+    # one token per row but a row that only reads: the decode kernel's rows without a query
+    run.step([("a", [run.next_token("a")]), ("b", []), ("c", [run.next_token("c")])])
+    run.decode(["a", "b", "c"])
+    for name, prompt in (("a", a), ("b", b), ("c", c)):
+        run.check(reference, name, len(prompt))
+
+
+def test_rope_scaling_and_bias_follow_the_model(kernels):
+    """Llama 3's rope scaling and biased projections come from the model's
+    own modules."""
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8,
+            "rope_theta": 500.0}  # fmt: skip
+    reference, paged = _llama(rope_parameters=rope, attention_bias=True, mlp_bias=True)
+    assert fused_step(paged) is not None
+    prompt = _prompt(12, 4)
+    run = Twin(paged, page_size=3)
+    run.step([("a", prompt)])
+    for _ in range(3):
+        run.decode(["a"])
+    run.check(reference, "a", len(prompt))
+
+
+def test_refused_models_run_hf_forward():
+    """A Mistral, a layer with a hook, training mode, a compiled or wrapped
+    forward: refused, and ``forward_step`` runs HF's forward (exact as before)."""
+    config = transformers.MistralConfig(**SIZES)
+    mistral = transformers.MistralForCausalLM(config).eval()
+    assert "not a LlamaForCausalLM" in fused_refusal(mistral)
+    _, paged = _llama()
+    paged.model.layers[1].mlp.register_forward_hook(lambda *args: None)
+    assert fused_refusal(paged) == "has hooks on its modules" and fused_step(paged) is None
+    _, paged = _llama()
+    assert fused_step(paged.train()) is None and fused_step(paged.eval()) is not None
+    paged.forward = paged.forward  # compiled or wrapped (an instance attribute): HF's
+    assert fused_step(paged) is None
+    _, paged = _llama()
+    paged.model.layers[0].mlp.forward = paged.model.layers[0].mlp.forward
+    assert "replaced" in fused_refusal(paged)
+
+
+def test_weights_changed_after_the_first_step_are_followed():
+    """The HF layers share the fused weights; a layer given new storage
+    afterwards is noticed and the fused weights rebuilt (never stale)."""
+    reference, paged = _llama()
+    run = Twin(paged)
+    prompt = _prompt(6, 5)
+    run.step([("a", prompt)])
+    first = fused_step(paged)
+    for model in (reference, paged):
+        attn = model.model.layers[2].self_attn
+        attn.v_proj.weight = torch.nn.Parameter(torch.randn_like(attn.v_proj.weight))
+    assert fused_step(paged) is not first
+    run.decode(["a"])  # each step checks the fused logits against HF's forward
+    run.decode(["a"])
+
+
+def test_row_concat_shares_the_layers_weights():
+    """q/k/v as one packed GEMM: the same outputs as the three layers, whose
+    weights are now views of the concatenation (no second copy)."""
+    if kernel_or_why() is not None:
+        pytest.skip(f"packed kernels: {kernel_or_why()}")
+    torch.manual_seed(1)
+    layers = [PackedLinear(quantize_int4(torch.randn(n, 64))) for n in (64, 32, 32)]
+    x = torch.randn(5, 64)
+    alone = torch.cat([m(x) for m in layers], dim=1)
+    joined = RowConcat(layers)
+    assert torch.allclose(joined(x), alone, atol=1e-5)
+    assert torch.allclose(torch.cat([m(x) for m in layers], dim=1), alone, atol=0)
+    assert layers[1].qweight.data_ptr() == joined.module.qweight[64:].data_ptr()
+    assert joined.current()
+    layers[2].scales = layers[2].scales.clone()
+    layers[2].qweight = layers[2].qweight.clone()
+    assert not joined.current()
+
+
+def test_layer_ops_decode_attention_matches_paged_attention():
+    """The decode kernel, from the q/k/v GEMM's output: rotary applied,
+    keys and values written where ``KVCache.write`` puts them, attention
+    as ``paged_attention``'s."""
+    if layer_ops_or_why() is not None:
+        pytest.skip(f"layer ops: {layer_ops_or_why()}")
+    from mstar.integrations.rotary import StepRotary
+    from mstar.integrations.step_attention import StepAttention
+
+    torch.manual_seed(2)
+    config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, head_dim=8)
+    rotary = StepRotary(
+        transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config),
+        torch.tensor([7, 3]),
+        torch.float32,
+    )
+    streams = Streams(32, 4, seed=5)
+    caches = [KVCache(num_layers=1, num_pages=32, page_size=4, num_kv_heads=2, head_dim=8)
+              for _ in range(2)]  # fmt: skip
+    plan = streams.plan([("a", 7), ("b", 3)])
+    k, v = torch.randn(10, 2, 8), torch.randn(10, 2, 8)
+    for cache in caches:
+        cache.write(0, plan, k, v)
+    plan = streams.decode_plan(["a", "b"])
+    qkv = torch.randn(2, (4 + 2 * 2) * 8)
+    fast = StepAttention(plan, caches[0], 0.3, torch.device("cpu"), kernels=True)
+    slow = StepAttention(plan, caches[1], 0.3, torch.device("cpu"), kernels=False)
+    assert fast.rows is not None and slow.rows is None
+    got = fast.decode(0, qkv, rotary, heads=4)
+    qk = rotary(qkv[:, :48].view(2, 6, 8))
+    want = slow(0, qk[:, :4], qk[:, 4:], qkv[:, 48:].view(2, 2, 8)).reshape(2, -1)
+    assert torch.allclose(caches[0].layer(0), caches[1].layer(0), atol=1e-6)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def _engine_runs(model: torch.nn.Module, tokenizer, prompts, params, **options):
+    """Each prompt's completions through an engine on a copy of ``model``,
+    fused and not: ``{fused: [completion outputs per prompt]}``."""
+    from mstar.engine import Engine
+
+    runs = {}
+    for fused in (True, False):
+        engine = Engine(copy.deepcopy(model), tokenizer, fused=fused, **options)
+        runs[fused] = [c.outputs for c in engine.generate(prompts, params)]
+        if fused:
+            assert fused_step(engine.model) is not None
+    return runs
+
+
+def _same_runs(runs, tol: float) -> None:
+    for fused_outs, hf_outs in zip(runs[True], runs[False]):
+        for a, b in zip(fused_outs, hf_outs):
+            assert a.token_ids == b.token_ids
+            for ra, rb in zip(a.logprobs, b.logprobs):
+                assert [x.token_id for x in ra.top] == [y.token_id for y in rb.top]
+                assert max(abs(x.logprob - y.logprob) for x, y in zip(ra.top, rb.top)) <= tol
+
+
+def test_engine_with_forks_and_prefix_reuse_matches_hf():
+    """The engine's steps (prefill chunks beside decode rows, n=2 forks,
+    prompts reusing a cached prefix): the same tokens and log-probabilities
+    fused as through HF's forward."""
+    from mstar.engine import SamplingParams
+
+    _, paged = _llama()
+    shared = _prompt(10, 6)
+    prompts = [shared + _prompt(3, 7), shared + _prompt(5, 8), _prompt(7, 9)]
+    params = SamplingParams(max_new_tokens=6, n=2, temperature=0.7, seed=1, logprobs=3)
+    runs = _engine_runs(paged, None, prompts, params, num_pages=64, page_size=4,
+                        token_budget=12, prefix_cache=True)  # fmt: skip
+    _same_runs(runs, 1e-4)
+
+
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_smollm2_fused_matches_hf(smollm2, quantization):
+    """SmolLM2 (float32, and its GGUF's own packed weights): the engine's
+    greedy tokens and log-probabilities fused are those through HF's
+    forward, and float32's are ``generate``'s."""
+    from mstar.engine import SamplingParams
+    from mstar.engine.loader import load
+
+    model, tok = smollm2 if quantization == "none" else load("smollm2", quantization="gguf")
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=3)
+    runs = _engine_runs(model, tok, prompts, params, num_pages=32)
+    _same_runs(runs, 1e-3)
+    if quantization == "none":
+        for prompt, outs in zip(prompts, runs[True]):
+            ids = tok(prompt, return_tensors="pt").input_ids
+            want = model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :]
+            assert outs[0].token_ids == want.tolist()
