@@ -19,10 +19,14 @@ from pathlib import Path
 
 import torch
 
+from mstar.engine.cpp_build import AVX2_FLAGS
+
 __all__ = ["build_kernels", "kernel_or_why"]
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17"]
+# -fopenmp: without it ATen's headers compile ``at::parallel_for`` serial
+# (its parallel backend needs ``_OPENMP``) and every call runs on one thread
+FLAGS = [*AVX2_FLAGS, "-fopenmp"]
 
 
 def build_kernels(source: str, stem: str = "mstar_quant_kernels") -> str:
