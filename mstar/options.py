@@ -66,7 +66,10 @@ def mode_line(choice: Any, engine: Any, forward: str | None = None) -> str:
     """What the start-up line says of the dtype, the forward (``forward``,
     else ``engine.compiled``), the mode check, speculation and the
     quantization (last: its summary lists layers)."""
-    forward = forward or engine.compiled or "eager (--enforce-eager)"
+    eager = (
+        "eager, fused layers (faster than compiled)" if engine.fused else "eager (--enforce-eager)"
+    )
+    forward = forward or engine.compiled or eager
     parts = [f"{choice.describe()} weights", f"forward {forward}"]
     if engine.mode_check is not None:
         parts.append(f"checked: {engine.mode_check.describe()}")
@@ -141,20 +144,20 @@ def load_model(
 def make_engine(
     model: Any, tokenizer: Any, device: str, *, enforce_eager: bool = True, **kwargs: Any
 ) -> Any:
-    """An ``Engine``, compiled unless ``enforce_eager`` (with a progress line
-    on stderr), or a usage error for options it refuses (a pool too big for memory)."""
+    """An ``Engine``, compiled unless ``enforce_eager`` or it runs the fused
+    forward (``engine.fused``: faster eager than HF's compiled forward, see
+    docs/performance.md), with a progress line on stderr; or a usage error
+    for options it refuses (a pool too big for memory)."""
     from mstar.engine import Engine
     from mstar.engine.device import flashinfer_or_none
 
     flashinfer = flashinfer_or_none(device, model) if device.startswith("cuda") else None
-    if not enforce_eager:
-        say("compiling the forward (cached for later runs)...")
     from mstar.engine.verify import ModeMismatch
 
     try:
-        engine = Engine(
-            model, tokenizer, flashinfer=flashinfer, compile=not enforce_eager, **kwargs
-        )
+        engine = Engine(model, tokenizer, flashinfer=flashinfer, **kwargs)
+        if not enforce_eager and not engine.fused:  # the fused forward beats compiled HF
+            compile_now(engine)
     except ModeMismatch:
         raise  # the caller serves float32 instead (float32_unless_checked)
     except (TypeError, ValueError) as err:
@@ -188,11 +191,12 @@ def model_name(args: argparse.Namespace) -> str:
 
 
 def build_engine(
-    args: argparse.Namespace, enforce_eager: bool | None = None, forward: str | None = None
+    args: argparse.Namespace, enforce_eager: bool | None = None, compiling_later: bool = False
 ) -> tuple[Any, str]:
     """The engine ``serve``'s options describe (eager when ``enforce_eager``,
-    default ``--enforce-eager``), and its dtype and forward (``mode_line``,
-    ``forward`` saying what the forward is when given)."""
+    default ``--enforce-eager``), and its dtype and forward (``mode_line``;
+    ``compiling_later``: the caller compiles it in the background unless it
+    runs the fused forward, ``engine.fused``)."""
     choice = resolved_dtype(args.dtype, args.device)
     eager = args.enforce_eager if enforce_eager is None else enforce_eager
 
@@ -214,7 +218,10 @@ def build_engine(
         )  # fmt: skip
 
     engine, choice = float32_unless_checked(build, choice, args.quantization)
-    return engine, mode_line(choice, engine, forward)
+    later = compiling_later and not engine.fused
+    return engine, mode_line(
+        choice, engine, "eager, compiling in the background" if later else None
+    )
 
 
 def float32_unless_checked(build: Any, choice: Any, quantization: str) -> tuple[Any, Any]:

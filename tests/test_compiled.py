@@ -73,8 +73,13 @@ def test_a_forward_that_does_not_compile_runs_eager_and_exact(models, monkeypatc
     assert done.outputs[0].token_ids == _hf(reference, prompt, 6)
 
 
-@pytest.mark.parametrize("flag, compiles", [([], True), (["--enforce-eager"], False)])
-def test_the_cli_compiles_unless_told_not_to(flag, compiles, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "flag, fused, compiles",
+    [([], False, True), ([], True, False), (["--enforce-eager"], False, False)],
+)
+def test_the_cli_compiles_unless_told_not_to_or_fused(flag, fused, compiles, monkeypatch, capsys):
+    """The CLI compiles the forward unless ``--enforce-eager``, or the
+    engine runs the fused forward (faster eager than HF's compiled one)."""
     asked = []
 
     def record(engine):
@@ -83,11 +88,14 @@ def test_the_cli_compiles_unless_told_not_to(flag, compiles, monkeypatch, capsys
 
     monkeypatch.delenv("MSTAR_KV_ENFORCE_EAGER", raising=False)
     monkeypatch.setattr("mstar.engine.build.compiled_or_why", record)
+    if not fused:
+        monkeypatch.setattr("mstar.engine.engine.runs_fused", lambda model: False)
     args = ["demo", "--model", "random", "--quiet", "--requests", "2", "--max-new-tokens", "2"]
     assert main([*args, *flag]) == 0
     err = capsys.readouterr().err
     assert bool(asked) == compiles
     assert ("weights, forward compiled (0 s), checked: agrees" in err) == compiles
+    assert ("forward eager, fused layers (faster than compiled)" in err) == fused
 
 
 def test_compiled_verify_rows_are_exact_against_hf(models):

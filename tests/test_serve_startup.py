@@ -139,3 +139,25 @@ def test_a_body_that_is_not_json_gets_400_saying_so(paged, headers):
 
 def test_serve_threads_are_not_left_behind():
     assert not [t for t in threading.enumerate() if t.name == "mstar-compile" and t.is_alive()]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_serve_compiles_in_the_background_only_an_unfused_forward(fused, monkeypatch):
+    """``serve``'s engine (built eager, ``compiling_later``) says it compiles
+    behind the eager forward only when that forward is not the fused one
+    (faster eager than HF's compiled forward)."""
+    import argparse
+
+    from mstar.options import build_engine
+
+    if not fused:
+        monkeypatch.setattr("mstar.engine.engine.runs_fused", lambda model: False)
+    args = argparse.Namespace(
+        model="random", seed=0, device="cpu", dtype="float32", pages=48, page_size=8,
+        budget=64, no_prefix_cache=False, tensor_parallel_size=1, enforce_eager=False,
+        speculative=None, num_speculative_tokens=4, quantization="none",
+    )  # fmt: skip
+    engine, line = build_engine(args, enforce_eager=True, compiling_later=True)
+    assert engine.fused == fused and engine.compiled is None
+    assert ("forward eager, fused layers (faster than compiled)" in line) == fused
+    assert ("forward eager, compiling in the background" in line) == (not fused)

@@ -44,7 +44,7 @@ from mstar.engine.resources.step import KVStep
 from mstar.engine.sampling import SamplingParams
 from mstar.engine.speculative import speculator
 from mstar.engine.tp import shard
-from mstar.integrations.hf import forward_step, kv_spec, register
+from mstar.integrations.hf import forward_step, kv_spec, register, runs_fused
 
 Prompt = str | Sequence[int]
 Message = dict[str, str]
@@ -89,7 +89,8 @@ class Engine:
     ``fused`` (the default) runs an eager Llama-family model on the CPU
     through fused decoder layers (``mstar.integrations.llama_step``: the same
     logits up to float32 rounding, a fraction of the host work);
-    ``fused=False`` runs HF's own forward, for comparison.
+    ``fused=False`` runs HF's own forward, for comparison. ``engine.fused``
+    says whether it runs (a compiled forward is HF's, compiled).
 
     A call that raises leaves the engine as it found it: nothing of that call
     stays queued, no page leaks.
@@ -162,6 +163,13 @@ class Engine:
         # compiled: None, eager as asked; else "compiled (N s)" or why it runs eager
         # mode_check: how the mode agreed with eager float32 (None: float32 eager, unchecked)
         self.compiled, self.mode_check = checked_forward(self, compile)
+        self._fused = fused and self.tp is None and flashinfer is None
+
+    @property
+    def fused(self) -> bool:
+        """Whether steps run the fused forward (``mstar.integrations.llama_step``):
+        asked for, and the model (as it is now: not compiled) one it serves."""
+        return self._fused and runs_fused(self.model)
 
     @classmethod
     def from_pretrained(

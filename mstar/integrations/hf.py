@@ -23,7 +23,15 @@ from mstar.integrations.hf_attention import ATTENTION_NAME, CONTEXT, PagedStep, 
 from mstar.integrations.hf_support import KVSpec, flashinfer_unsupported, kv_spec, supports
 from mstar.integrations.llama_step import fused_step
 
-__all__ = ["ATTENTION_NAME", "KVSpec", "forward_step", "kv_spec", "register", "supports"]
+__all__ = [
+    "ATTENTION_NAME",
+    "KVSpec",
+    "forward_step",
+    "kv_spec",
+    "register",
+    "runs_fused",
+    "supports",
+]
 
 
 def forward_step(
@@ -112,6 +120,13 @@ def forward_step(
     if keep is not None and not spec.keeps_logits:
         logits = logits[keep.to(logits.device)]
     return logits if logits_at is None else logits[: len(logits_at)]
+
+
+def runs_fused(model: PreTrainedModel) -> bool:
+    """Whether ``forward_step(model, ...)`` (``fused=True``, no FlashInfer)
+    runs the fused forward: a model ``fused_step`` serves, every layer
+    attending causally over every key."""
+    return _plain_attention(kv_spec(model)) and fused_step(model) is not None
 
 
 def _plain_attention(spec: KVSpec) -> bool:

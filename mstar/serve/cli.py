@@ -139,10 +139,7 @@ def run(args: argparse.Namespace) -> int:
                 import uvicorn  # noqa: F401
 
                 import mstar.serve.app  # noqa: F401
-            engine, mode = build_engine(
-                args, enforce_eager=True, forward="eager, compiling in the background"
-                if compiling(args) else None,
-            )  # fmt: skip
+            engine, mode = build_engine(args, enforce_eager=True, compiling_later=compiling(args))
             tiers = attach_tiers(engine) if attach_tiers else None
         return _serve(args, sock, engine, mode, tiers)
 
@@ -196,7 +193,8 @@ def _serve(args: argparse.Namespace, sock: Any, engine: Any, mode: str, tiers: A
     # uvicorn re-raises the signal it stopped on once it has shut down: let that be a no-op
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    compile_thread = compile_in_background(engine, say) if compiling(args) else None
+    later = compiling(args) and not engine.fused  # the fused forward stays: faster than compiled
+    compile_thread = compile_in_background(engine, say) if later else None
     GracefulServer(config, app.state.engine).run(sockets=[sock])
     close_tiers(tiers)  # the pool's pages stored before any early exit below
     if compile_thread is not None and compile_thread.is_alive():

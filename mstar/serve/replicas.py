@@ -100,12 +100,10 @@ class EngineReplica:
         self.rank = _rank()
         args = argparse.Namespace(**{**asdict(config), "kv_events": None})
         compiling = not config.enforce_eager and config.tensor_parallel_size == 1
-        engine, mode = build_engine(  # eager at once; compiled swapped in when ready
-            args, enforce_eager=True, forward="eager, compiling in the background" if compiling
-            else None,
-        )  # fmt: skip
+        # eager at once; compiled swapped in when ready (unless the fused forward runs)
+        engine, mode = build_engine(args, enforce_eager=True, compiling_later=compiling)
         print(f"mstar-kv replica {self.rank}: {mode}", flush=True)
-        if compiling:
+        if compiling and not engine.fused:
             compile_in_background(
                 engine, lambda line: print(f"mstar-kv replica {self.rank}: {line}", flush=True)
             )
