@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from mstar.engine.cpp_build import build
 from mstar.engine.cpu import cpu_info
-from mstar.engine.quant.kernels import SOURCE, build_kernels, kernel_or_why
+from mstar.engine.quant.kernels import SOURCE, kernel_or_why
 
 SHAPES = {
     "q": (576, 576),
@@ -55,7 +56,7 @@ def baseline_ops(ref: str) -> object | None:
         check=True,
         cwd=SOURCE.parent,
     ).stdout
-    build_kernels(source.replace("mstar_quant,", "mstar_quant_base,"), "mstar_quant_base")
+    build("mstar_quant_base", source.replace("mstar_quant,", "mstar_quant_base,"), "kernels")
     return torch.ops.mstar_quant_base
 
 

@@ -1,43 +1,60 @@
 """Building a C++ extension of torch ops at first use: compiled with the
-system's compiler for AVX2 (+ FMA, F16C), cached under the cache folder
-(``cache_root() / folder``), loaded into the process (its ops registered
-with torch). Callers keep an aten fallback for when it does not build."""
+system's compiler for AVX2 (+ FMA, F16C) and OpenMP, cached under the cache
+folder (``cache_root() / folder / <stem>_<hash>``: a build is named by a
+hash of its source and flags, so a changed source builds afresh and two
+trees with different sources never share a build folder), loaded into the
+process (its ops registered with torch). Callers keep an aten fallback for
+when it does not build."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import hashlib
 
 import torch
 
-__all__ = ["AVX2_FLAGS", "build_or_why"]
+__all__ = ["FLAGS", "build", "build_or_why"]
 
-AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17")
+# -fopenmp: without it ATen's headers compile ``at::parallel_for`` serial
+# (``INTRA_OP_PARALLEL`` is defined only under ``_OPENMP``); the symbols
+# resolve to torch's own OpenMP runtime
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-fopenmp")
 
 
-def build_or_why(
-    name: str, source: Path, folder: str, flags: tuple[str, ...] = AVX2_FLAGS
-) -> str | None:
-    """Build (or load the cached build of) ``source`` as the extension
-    ``name``: None when its ops are loaded, else why not (a CPU without
-    AVX2, no compiler, a failed build)."""
+def build(stem: str, source: str, folder: str, flags: tuple[str, ...] = FLAGS) -> str:
+    """Build (or find built) the C++ ``source`` text and load it into this
+    process; returns the build's name (``stem`` and a hash of the source
+    and flags). Raises what the build raises."""
+    from torch.utils import cpp_extension
+
+    from mstar.engine.cachedir import cache_root
+
+    digest = hashlib.sha256("\n".join([source, *flags]).encode()).hexdigest()[:12]
+    name = f"{stem}_{digest}"
+    where = cache_root() / folder / name
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / f"{stem}.cpp"
+    if not path.exists() or path.read_text() != source:
+        path.write_text(source)
+    cpp_extension.load(
+        name=name,
+        sources=[str(path)],
+        extra_cflags=list(flags),
+        build_directory=str(where),
+        is_python_module=False,
+    )
+    return name
+
+
+def build_or_why(stem: str, source: str, folder: str, what: str) -> str | None:
+    """``build`` with the default flags: None when the ops are loaded, else
+    why not (a CPU without AVX2, no compiler, a failed build: "``what`` did
+    not build ...")."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         return f"the CPU lacks AVX2 (torch sees {capability})"
     try:
-        from torch.utils import cpp_extension
-
-        from mstar.engine.cachedir import cache_root
-
-        build = cache_root() / folder
-        build.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name=name,
-            sources=[str(source)],
-            extra_cflags=list(flags),
-            build_directory=str(build),
-            is_python_module=False,
-        )
+        build(stem, source, folder)
     except Exception as err:  # no compiler, no ninja, a failed build: fall back, say why
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
-        return f"{name} did not build ({type(err).__name__}: {first})"
+        return f"{what} did not build ({type(err).__name__}: {first})"
     return None
