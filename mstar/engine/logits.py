@@ -68,11 +68,11 @@ class LogitsPipeline:
         best allowed token), its logprobs recorded when asked."""
         token = sample_token(logits, req.params, sample.generator)
         matcher = sample.matcher
-        if matcher is not None and not matcher.accept_token(token):  # a refused token: no change
-            if not draws_first(req.params):
-                raise RuntimeError(
-                    f"request {req.id!r}: the grammar refused token {token} it allowed"
-                )
+        if matcher is None:
+            pass
+        elif not draws_first(req.params):  # drawn under its mask
+            accept(matcher, token, req.id)
+        elif not matcher.accept_token(token):  # a refused draw leaves the matcher as it was
             assert self.grammars is not None
             token = allowed_argmax(logits, self.grammars.allowed(matcher))
             accept(matcher, token, req.id)
