@@ -21,7 +21,7 @@ from mstar.engine.resources.kv.plan import KVPlanOutput
 from mstar.engine.resources.position import positions
 from mstar.integrations.hf_attention import ATTENTION_NAME, CONTEXT, PagedStep, register
 from mstar.integrations.hf_support import KVSpec, flashinfer_unsupported, kv_spec, supports
-from mstar.integrations.llama_step import fused_step
+from mstar.integrations.llama_step import FusedLlama, fused_step
 
 __all__ = [
     "ATTENTION_NAME",
@@ -97,11 +97,10 @@ def forward_step(
     for each, window in zip(plans, windows):
         if each.kv_offsets is not None:
             _check_window(each, position_ids.numpy(), window)
-    if fused and flashinfer is None and len(plans) == 1 and _plain_attention(spec):
-        fast = fused_step(model)
-        if fast is not None:
-            logits = fast(input_ids, position_ids, plans[0], caches[0], keep)
-            return logits if logits_at is None else logits[: len(logits_at)]
+    fast = _fused(model, spec) if fused and flashinfer is None and len(plans) == 1 else None
+    if fast is not None:
+        logits = fast(input_ids, position_ids, plans[0], caches[0], keep)
+        return logits if logits_at is None else logits[: len(logits_at)]
     options: dict[str, Any] = {}
     if keep is not None and spec.keeps_logits:
         options["logits_to_keep"] = keep.to(input_ids.device)
@@ -126,13 +125,16 @@ def runs_fused(model: PreTrainedModel) -> bool:
     """Whether ``forward_step(model, ...)`` (``fused=True``, no FlashInfer)
     runs the fused forward: a model ``fused_step`` serves, every layer
     attending causally over every key."""
-    return _plain_attention(kv_spec(model)) and fused_step(model) is not None
+    return _fused(model, kv_spec(model)) is not None
 
 
-def _plain_attention(spec: KVSpec) -> bool:
-    """Whether every layer attends causally over every key (no window,
-    chunks or sinks): what ``StepAttention`` computes."""
-    return not spec.sinks and not any(spec.chunk_sizes) and not any(spec.layer_windows)
+def _fused(model: PreTrainedModel, spec: KVSpec) -> FusedLlama | None:
+    """The model's fused forward (``fused_step``) when every layer attends
+    causally over every key (no window, chunks or sinks: what
+    ``StepAttention`` computes), else None."""
+    if spec.sinks or any(spec.chunk_sizes) or any(spec.layer_windows):
+        return None
+    return fused_step(model)
 
 
 def _layout(
