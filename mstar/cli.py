@@ -261,7 +261,7 @@ def run_generate(args: argparse.Namespace) -> int:
         engine.intake.request("generate", prompt, params)  # checked, not queued
     except ValueError as err:
         raise UsageError(str(err)) from err
-    if not args.enforce_eager:
+    if not args.enforce_eager and not engine.fused:  # the fused forward beats compiled HF
         compile_now(engine)
     completions = engine.stream(prompt, params)
     say(mode_line(choice, engine))

@@ -150,14 +150,17 @@ def make_engine(
     for options it refuses (a pool too big for memory)."""
     from mstar.engine import Engine
     from mstar.engine.device import flashinfer_or_none
+    from mstar.engine.verify import ModeMismatch
+    from mstar.integrations.hf import runs_fused
 
     flashinfer = flashinfer_or_none(device, model) if device.startswith("cuda") else None
-    from mstar.engine.verify import ModeMismatch
-
+    # as Engine.fused will say: the fused forward beats compiled HF, so it is not compiled
+    fused = flashinfer is None and kwargs.get("tensor_parallel_size", 1) == 1 and runs_fused(model)
+    compile = not enforce_eager and not fused
+    if compile:
+        say("compiling the forward (cached for later runs)...")
     try:
-        engine = Engine(model, tokenizer, flashinfer=flashinfer, **kwargs)
-        if not enforce_eager and not engine.fused:  # the fused forward beats compiled HF
-            compile_now(engine)
+        engine = Engine(model, tokenizer, flashinfer=flashinfer, compile=compile, **kwargs)
     except ModeMismatch:
         raise  # the caller serves float32 instead (float32_unless_checked)
     except (TypeError, ValueError) as err:

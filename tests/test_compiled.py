@@ -88,7 +88,8 @@ def test_the_cli_compiles_unless_told_not_to_or_fused(flag, fused, compiles, mon
 
     monkeypatch.delenv("MSTAR_KV_ENFORCE_EAGER", raising=False)
     monkeypatch.setattr("mstar.engine.build.compiled_or_why", record)
-    if not fused:
+    if not fused:  # as the CLI decides it (make_engine) and as the engine says it
+        monkeypatch.setattr("mstar.integrations.hf.runs_fused", lambda model: False)
         monkeypatch.setattr("mstar.engine.engine.runs_fused", lambda model: False)
     args = ["demo", "--model", "random", "--quiet", "--requests", "2", "--max-new-tokens", "2"]
     assert main([*args, *flag]) == 0
