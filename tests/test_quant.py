@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from mstar.demo import build_model
-from mstar.engine import Engine, SamplingParams
+from mstar.engine import Engine, SamplingParams, cpp_build
 from mstar.engine.quant import QuantChoice, quantize_model, resolve_quantization
 from mstar.engine.quant.at_load import quantize_int4, quantize_int8
 from mstar.engine.quant.gguf import BLOCK_BYTES, decode_blocks
-from mstar.engine.quant.kernels import kernel_or_why
+from mstar.engine.quant.kernels import SOURCE, kernel_or_why
 from mstar.engine.quant.linear import PackedLinear
 from mstar.engine.quant.packed import Packed, pack_int4
 
@@ -95,20 +95,36 @@ def test_packed_linear_matches_f_linear_on_the_dequantized_weights(kernels, kind
 BATCHES = [*range(1, 10), 32, 200]
 
 
+@pytest.fixture(scope="module", params=["this CPU's build", "AVX2 build"])
+def ops(request, kernels):
+    """The kernels' ops as built for this CPU, and (where that build is not the
+    AVX2 one, e.g. with AVX-512) the same source built for AVX2 alone under its
+    own namespace, so both code paths are checked on this machine."""
+    if request.param == "this CPU's build":
+        return torch.ops.mstar_quant
+    if cpp_build.flags() == cpp_build.FLAGS:
+        pytest.skip("this CPU's build is the AVX2 build")
+    source = SOURCE.read_text().replace("mstar_quant,", "mstar_quant_avx2,")
+    cpp_build.build("mstar_quant_avx2", source, "kernels", cpp_build.FLAGS)
+    return torch.ops.mstar_quant_avx2
+
+
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 @pytest.mark.parametrize("shape", [(52, 576), (36, 1536), (4, 32), (20, 96), (460, 576)])
-def test_every_kernel_path_matches_f_linear_on_the_dequantized_weights(kernels, kind, shape):
+def test_every_kernel_path_matches_f_linear_on_the_dequantized_weights(ops, kind, shape):
     """1-4 rows stream the weights, more go through dequantized 16-row panels (52, 36,
     20: a partial last panel; 460 x 576: enough weights to share among threads); the
     activations arrive non-contiguous (every other column)."""
     packed = random_packed(kind, *shape, seed=shape[0])
     weight = packed.dequantize().double()
-    layer = PackedLinear(packed)
     g = torch.Generator().manual_seed(3)
     for batch in BATCHES:
         x = torch.randn(batch, 2 * shape[1], generator=g)[:, ::2]
         assert not x.is_contiguous()
-        y = layer(x)
+        if kind == "int4":
+            y = ops.int4_linear(x, packed.qweight, packed.scales, packed.mins)
+        else:
+            y = ops.int8_linear(x, packed.qweight, packed.scales)
         expected = F.linear(x.double(), weight)
         assert y.shape == (batch, shape[0])
         torch.testing.assert_close(

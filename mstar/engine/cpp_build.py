@@ -1,5 +1,6 @@
 """Building a C++ extension of torch ops at first use: compiled with the
-system's compiler for AVX2 (+ FMA, F16C) and OpenMP, cached under the cache
+system's compiler for AVX2 (+ FMA, F16C), AVX-512 too where torch sees it
+(``flags()``), and OpenMP, cached under the cache
 folder (``cache_root() / folder / <stem>_<hash>``: a build is named by a
 hash of its source and flags, so a changed source builds afresh and two
 trees with different sources never share a build folder), loaded into the
@@ -12,23 +13,33 @@ import hashlib
 
 import torch
 
-__all__ = ["FLAGS", "build", "build_or_why"]
+__all__ = ["AVX512_FLAGS", "FLAGS", "build", "build_or_why", "flags"]
 
 # -fopenmp: without it ATen's headers compile ``at::parallel_for`` serial
 # (``INTRA_OP_PARALLEL`` is defined only under ``_OPENMP``); the symbols
 # resolve to torch's own OpenMP runtime
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-fopenmp")
+# the subset torch's "AVX512" capability requires; sources test __AVX512F__
+AVX512_FLAGS = (*FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 
 
-def build(stem: str, source: str, folder: str, flags: tuple[str, ...] = FLAGS) -> str:
+def flags() -> tuple[str, ...]:
+    """The build flags for this CPU: ``AVX512_FLAGS`` where torch runs its
+    AVX-512 kernels, else ``FLAGS``."""
+    return AVX512_FLAGS if torch.backends.cpu.get_cpu_capability() == "AVX512" else FLAGS
+
+
+def build(stem: str, source: str, folder: str, cflags: tuple[str, ...] | None = None) -> str:
     """Build (or find built) the C++ ``source`` text and load it into this
-    process; returns the build's name (``stem`` and a hash of the source
-    and flags). Raises what the build raises."""
+    process with ``cflags`` (``flags()`` unless given); returns the build's
+    name (``stem`` and a hash of the source and flags). Raises what the
+    build raises."""
     from torch.utils import cpp_extension
 
     from mstar.engine.cachedir import cache_root
 
-    digest = hashlib.sha256("\n".join([source, *flags]).encode()).hexdigest()[:12]
+    cflags = flags() if cflags is None else cflags
+    digest = hashlib.sha256("\n".join([source, *cflags]).encode()).hexdigest()[:12]
     name = f"{stem}_{digest}"
     where = cache_root() / folder / name
     where.mkdir(parents=True, exist_ok=True)
@@ -38,7 +49,7 @@ def build(stem: str, source: str, folder: str, flags: tuple[str, ...] = FLAGS) -
     cpp_extension.load(
         name=name,
         sources=[str(path)],
-        extra_cflags=list(flags),
+        extra_cflags=list(cflags),
         build_directory=str(where),
         is_python_module=False,
     )
@@ -46,7 +57,7 @@ def build(stem: str, source: str, folder: str, flags: tuple[str, ...] = FLAGS) -
 
 
 def build_or_why(stem: str, source: str, folder: str, what: str) -> str | None:
-    """``build`` with the default flags: None when the ops are loaded, else
+    """``build`` with this CPU's flags: None when the ops are loaded, else
     why not (a CPU without AVX2, no compiler, a failed build: "``what`` did
     not build ...")."""
     capability = torch.backends.cpu.get_cpu_capability()
