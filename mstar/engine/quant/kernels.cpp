@@ -17,10 +17,10 @@
 // 32-bit lanes and takes nibble i of every lane at once ((d >> 4i) & 15): no byte
 // shuffles; the activations are permuted once per call to match (`permute_int4`).
 // With AVX-512 they take `gemv_wide` instead: 16 lanes, the weights dequantized exactly.
-// More rows (prefill, batched decode): 16 weight rows at a time are dequantized into
-// a float32 panel, transposed ([K, 16], in L2), and every activation row is multiplied
-// against it by a register-blocked kernel (6 rows x 16 outputs in 12 accumulators,
-// the activations broadcast, no horizontal sums).
+// More rows (prefill, batched decode): 16 weight rows at a time (32 with AVX-512) are
+// dequantized into a float32 panel, transposed ([K, 16], in L2), and every activation
+// row is multiplied against it by a register-blocked kernel (6 rows x 16 outputs in 12
+// accumulators, 6 x 32 with AVX-512; the activations broadcast, no horizontal sums).
 // The work is handed out in pieces to torch's threads, each taking the next piece
 // as it finishes (`share`), so a core busy with something else does less of it.
 #include <ATen/ATen.h>
@@ -37,7 +37,11 @@
 namespace {
 
 constexpr int64_t GEMV_ROWS = 4;         // most activation rows for the streaming path
-constexpr int64_t PANEL_ROWS = 48;       // fewest activation rows for the panel path (measured)
+#if defined(__AVX512F__)
+constexpr int64_t PANEL_ROWS = 12;       // fewest activation rows for the panel path (measured)
+#else
+constexpr int64_t PANEL_ROWS = 48;
+#endif
 constexpr int64_t PIECE = 16384;         // weights per piece of GEMV work
 constexpr int64_t PARALLEL_MIN = 1 << 18;  // fewer weights (x rows) than this: one thread
 
@@ -467,13 +471,35 @@ inline void transpose8(const float* src, int64_t ls, float* dst, int64_t ld) {
   }
 }
 
-constexpr int64_t NB = 16;  // weight rows per panel (two vectors of outputs)
+#if defined(__AVX512F__)
+constexpr int64_t NB = 32;  // weight rows per panel (two vectors of outputs)
+#else
+constexpr int64_t NB = 16;
+#endif
 constexpr int ROWS_MAX = 6;  // activation rows per micro-kernel
 
 // y[m, 0..16) = x[m, :] . panel[:, 0..16) for m < ROWS: panel [K, 16] (dequantized,
 // transposed), x rows of stride K, y rows of stride ldy; no horizontal sums.
 template <int ROWS>
 void micro(const float* x, const float* panel, int64_t K, float* y, int64_t ldy) {
+#if defined(__AVX512F__)
+  __m512 lo[ROWS], hi[ROWS];
+  for (int m = 0; m < ROWS; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  do {
+    const __m512 w0 = _mm512_loadu_ps(panel + k * NB), w1 = _mm512_loadu_ps(panel + k * NB + 16);
+#pragma GCC unroll 6
+    for (int m = 0; m < ROWS; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * K + k]);
+      lo[m] = _mm512_fmadd_ps(xv, w0, lo[m]);
+      hi[m] = _mm512_fmadd_ps(xv, w1, hi[m]);
+    }
+  } while (++k < K);
+  for (int m = 0; m < ROWS; ++m) {
+    _mm512_storeu_ps(y + m * ldy, lo[m]);
+    _mm512_storeu_ps(y + m * ldy + 16, hi[m]);
+  }
+#else
   __m256 lo[ROWS], hi[ROWS];  // two arrays, not one [ROWS][2]: gcc keeps these in registers
   for (int m = 0; m < ROWS; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
   int64_t k = 0;
@@ -490,6 +516,7 @@ void micro(const float* x, const float* panel, int64_t K, float* y, int64_t ldy)
     _mm256_storeu_ps(y + m * ldy, lo[m]);
     _mm256_storeu_ps(y + m * ldy + 8, hi[m]);
   }
+#endif
 }
 
 void micro_rows(int64_t rows, const float* x, const float* panel, int64_t K, float* y, int64_t ldy) {
