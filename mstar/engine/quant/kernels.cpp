@@ -374,7 +374,7 @@ void gemv_wide(Wide& wide, const float* x, int64_t K, int64_t n0, int64_t n1, fl
 template <typename W>
 void streamed(const W& w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
   using Wide = std::conditional_t<std::is_same_v<W, Int4>, Int4Wide, Int8Wide>;
-  const int64_t piece = std::max<int64_t>(4, PIECE / K / 4 * 4);
+  const int64_t piece = std::max<int64_t>(4, (N / at::get_num_threads() + 3) / 4 * 4);
   share(N, piece, N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1) {
     Wide wide(w);
     switch (M) {
