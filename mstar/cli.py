@@ -160,7 +160,9 @@ def run_demo(args: argparse.Namespace) -> int:
             pages=args.pages, page_size=args.page_size, budget=args.budget, seed=args.seed,
             device=checked_device(args.device), verify=args.check,
         )  # fmt: skip
-    choice = resolved_dtype(args.dtype, args.device, exact=args.check)
+    # --check is exact against HF in float32: auto keeps the float weights
+    quantization = "none" if args.check and args.quantization == "auto" else args.quantization
+    choice = resolved_dtype(args.dtype, args.device, args.check, args.model, quantization)
     dtype = choice.dtype
     if args.model == "random":
         reference, model = build_model(args.seed, checked_device(args.device))
@@ -168,8 +170,6 @@ def run_demo(args: argparse.Namespace) -> int:
         tokenizer = None
         workload = random_workload(model.config.vocab_size, args.requests, args.seed)
     else:
-        # --check is exact against HF in float32: auto keeps the float weights
-        quantization = "none" if args.check and args.quantization == "auto" else args.quantization
         model, tokenizer = load_model(
             args.model, args.device, dtype=dtype, quantization=quantization
         )
@@ -246,7 +246,9 @@ def run_generate(args: argparse.Namespace) -> int:
             **speculative_options(args),
         )  # fmt: skip
 
-    choice = resolved_dtype(args.dtype, args.device)
+    choice = resolved_dtype(
+        args.dtype, args.device, model=args.model, quantization=args.quantization
+    )
     engine, choice = float32_unless_checked(build, choice, args.quantization)
     chat = not args.raw and engine.tokenizer.chat_template is not None
     if (args.chat or args.system) and not chat:

@@ -46,14 +46,19 @@ def add_speed_options(parser: argparse.ArgumentParser, dtype: str | None = "auto
     )  # fmt: skip
 
 
-def resolved_dtype(value: str, device: str, exact: bool = False) -> Any:
+def resolved_dtype(
+    value: str, device: str, exact: bool = False, model: str = "", quantization: str = "none"
+) -> Any:
     """``--dtype`` as a ``DtypeChoice``; ``auto`` is float32 when ``exact``
-    (a check against HF that claims exactness)."""
+    (a check against HF that claims exactness), and where ``quantization``
+    asks for packed weights for ``model`` (``loader.asks_packed``)."""
     from mstar.engine.dtypes import resolve_dtype
+    from mstar.engine.loader import asks_packed
 
+    packed = asks_packed(model, quantization)
     try:
         choice = resolve_dtype(
-            "float32" if exact and value == "auto" else value, checked_device(device)
+            "float32" if exact and value == "auto" else value, checked_device(device), packed
         )
     except ValueError as err:
         raise UsageError(f"--dtype {value}: {err}") from err
@@ -200,7 +205,9 @@ def build_engine(
     default ``--enforce-eager``), and its dtype and forward (``mode_line``;
     ``compiling_later``: the caller compiles it in the background unless it
     runs the fused forward, ``engine.fused``)."""
-    choice = resolved_dtype(args.dtype, args.device)
+    choice = resolved_dtype(
+        args.dtype, args.device, model=args.model, quantization=args.quantization
+    )
     eager = args.enforce_eager if enforce_eager is None else enforce_eager
 
     def build(dtype: Any, quantization: str) -> Any:

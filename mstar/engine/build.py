@@ -14,6 +14,7 @@ import torch
 from mstar.engine.compiled import compiled_or_why, restore_eager
 from mstar.engine.device import checked_device, flashinfer_or_none
 from mstar.engine.dtypes import resolve_dtype
+from mstar.engine.loader import asks_packed
 from mstar.engine.resources.groups import KVGroups, group_size
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.manager import KVManager
@@ -95,7 +96,7 @@ def from_pretrained(
     if not isinstance(name, str | os.PathLike):
         raise TypeError(f"expected name a str or a path, got {name!r}")
     device = checked_device(device)
-    dtype = resolve_dtype(dtype, device).dtype
+    dtype = resolve_dtype(dtype, device, asks_packed(os.fspath(name), quantization)).dtype
     try:
         return _loaded(make, os.fspath(name), device, dtype, dict(kwargs), quantization)
     except ModeMismatch as err:

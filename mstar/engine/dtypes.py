@@ -3,7 +3,11 @@
 ``auto`` takes bfloat16 where the hardware multiplies it natively (CUDA, and
 CPUs with AVX512-BF16 or AMX, where a bfloat16 matmul runs ~4x a float32
 one and a decode step streams half the bytes), float32 elsewhere (a CPU
-without them emulates bfloat16 and runs slower than float32).
+without them emulates bfloat16 and runs slower than float32). Packed
+weights (a GGUF file's own, or int8/int4 at load) on the CPU take float32
+whatever the CPU: their kernels take float32 activations (on Zen 5 with
+AVX512-BF16 SmolLM2's own Q4_1 step ran 3x bfloat16's at batch 1 and faster
+at 32, docs/performance.md).
 
 Float32 is the dtype the engine is exact in: token for token against the
 model's own Hugging Face ``generate`` in float32. In bfloat16 the engine runs
@@ -40,9 +44,13 @@ class DtypeChoice:
         return f"{self.name} ({self.reason})"
 
 
-def resolve_dtype(value: str | torch.dtype, device: torch.device | str = "cpu") -> DtypeChoice:
+def resolve_dtype(
+    value: str | torch.dtype, device: torch.device | str = "cpu", packed: bool = False
+) -> DtypeChoice:
     """``value`` (one of ``DTYPE_CHOICES`` or a floating ``torch.dtype``) as
-    the dtype to load weights in on ``device``; ``ValueError`` naming it otherwise."""
+    the dtype to load weights in on ``device``; ``ValueError`` naming it
+    otherwise. ``packed``: packed weights are asked for (``loader.asks_packed``),
+    which take float32 activations."""
     if isinstance(value, torch.dtype):
         if not value.is_floating_point:
             raise ValueError(f"expected dtype a floating torch.dtype, got {value!r}")
@@ -56,10 +64,18 @@ def resolve_dtype(value: str | torch.dtype, device: torch.device | str = "cpu") 
         return DtypeChoice(DTYPES[value], "as asked")
     if torch.device(device).type == "cuda":
         return DtypeChoice(torch.bfloat16, "auto: CUDA")
+    if packed and _packed_kernels_run():
+        return DtypeChoice(torch.float32, "auto: packed weights take float32 activations")
     native = native_cpu_bf16()
     if native:
         return DtypeChoice(torch.bfloat16, f"auto: the CPU has {native}")
     return DtypeChoice(torch.float32, "auto: the CPU has no native bfloat16 matmul")
+
+
+def _packed_kernels_run() -> bool:
+    from mstar.engine.quant.kernels import kernel_or_why
+
+    return kernel_or_why() is None
 
 
 def native_cpu_bf16() -> str | None:

@@ -37,6 +37,17 @@ def smollm2_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
 
 
+def is_gguf(name: str) -> bool:
+    """Whether the model ``name`` (as ``load`` takes it) is a GGUF file."""
+    return name == SMOLLM2 or Path(name).suffix == ".gguf"
+
+
+def asks_packed(name: str, quantization: str) -> bool:
+    """Whether ``quantization`` asks for packed weights for the model ``name``
+    (as ``load`` takes it): int8, int4 or gguf, or auto on a GGUF file."""
+    return quantization in ("gguf", "int8", "int4") or (quantization == "auto" and is_gguf(name))
+
+
 def load(
     name: str,
     *,
@@ -53,7 +64,7 @@ def load(
     from mstar.engine.quant import quantize_model, resolve_quantization
 
     source = smollm2_path() if name == SMOLLM2 else Path(name)
-    gguf = source.suffix == ".gguf"
+    gguf = is_gguf(name)
     choice = resolve_quantization(quantization, gguf=gguf, device=device, dtype=dtype)
     path = model_folder(name)
     tokenizer = load_tokenizer(path)
