@@ -136,6 +136,31 @@ def test_every_kernel_path_matches_f_linear_on_the_dequantized_weights(ops, kind
         )
 
 
+def _packed_call_in_child(conn, packed, x) -> None:
+    conn.send(PackedLinear(packed)(x).tolist())  # plain values: the child exits first
+    conn.close()
+
+
+def test_a_forked_child_shares_the_kernels_work_with_threads_of_its_own(kernels):
+    """The kernels' helper threads are the process's: a child forked after the
+    parent used them (a server's workers) builds its own instead of waiting on
+    threads it does not have, and answers the same."""
+    import multiprocessing
+
+    packed = random_packed("int4", 4096, 576)
+    x = torch.randn(1, 576, generator=torch.Generator().manual_seed(2))
+    want = PackedLinear(packed)(x)  # the parent's threads now exist
+    context = multiprocessing.get_context("fork")
+    parent, child = context.Pipe()
+    process = context.Process(target=_packed_call_in_child, args=(child, packed, x))
+    process.start()
+    process.join(60)
+    if process.is_alive():
+        process.kill()
+    assert process.exitcode == 0 and parent.poll(5)
+    assert parent.recv() == want.tolist()
+
+
 def test_packed_linear_keeps_leading_dims_and_adds_its_bias(kernels):
     packed = random_packed("int4", 8, 64)
     bias = torch.randn(8)

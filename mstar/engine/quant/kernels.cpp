@@ -21,16 +21,24 @@
 // dequantized into a float32 panel, transposed ([K, 16], in L2), and every activation
 // row is multiplied against it by a register-blocked kernel (6 rows x 16 outputs in 12
 // accumulators, 6 x 32 with AVX-512; the activations broadcast, no horizontal sums).
-// The work is handed out in pieces to torch's threads, each taking the next piece
-// as it finishes (`share`), so a core busy with something else does less of it.
+// The work is handed out in pieces to the kernels' own threads (`Team`: as many as
+// torch's, kept awake through a step), each taking the next piece as it finishes
+// (`share`), so a core busy with something else does less of it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -64,19 +72,95 @@ inline void to_float(const at::Half* h, int64_t n, float* out) {
   for (; j < padded(n); ++j) out[j] = 0.0f;
 }
 
-// Runs fn(i0, i1) over [0, n) in pieces of `piece`, torch's threads taking the next
-// piece as they finish; inline (one thread) unless `parallel`.
+// The threads the kernels share their work with: the caller and torch's thread count less
+// one helpers (fixed at first use), each helper awake (spinning) for SPIN after its last
+// job before it sleeps. So the ~120 calls of a decode step wake a helper once, not once a
+// call: torch's OpenMP threads, under OMP_WAIT_POLICY=PASSIVE, sleep after every parallel
+// region, and waking one cost ~25 us a call here (a one-row GEMV's whole time).
+class Team {
+ public:
+  static constexpr auto SPIN = std::chrono::microseconds(500);
+
+  // This process's team (a forked child builds its own: the parent's helpers are not in it).
+  static Team& get() {
+    static std::atomic<Team*> team{nullptr};
+    static std::mutex made;
+    std::lock_guard<std::mutex> lock(made);
+    Team* t = team.load();
+    if (t == nullptr || t->pid_ != getpid()) {
+      t = new Team(std::max(1, at::get_num_threads()));  // lives as long as the process
+      team.store(t);
+    }
+    return *t;
+  }
+
+  int size() const { return size_; }
+
+  // job(i) for i < threads (<= size()) at once, the caller running job(0); returns when all have.
+  void run(int threads, const std::function<void(int)>& job) {
+    std::lock_guard<std::mutex> one_at_a_time(running_);
+    job_ = &job;
+    threads_ = threads;
+    pending_.store(size_ - 1, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      epoch_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+    job(0);
+    while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
+  }
+
+ private:
+  explicit Team(int size) : size_(size), pid_(getpid()) {
+    for (int i = 1; i < size; ++i) std::thread([this, i] { loop(i); }).detach();
+  }
+
+  void loop(int index) {
+    uint64_t seen = 0;
+    for (;;) {
+      const auto start = std::chrono::steady_clock::now();
+      for (int spins = 0; epoch_.load(std::memory_order_acquire) == seen; ++spins) {
+        _mm_pause();
+        if (spins % 256 == 0 && std::chrono::steady_clock::now() - start > SPIN) {
+          std::unique_lock<std::mutex> lock(mu_);
+          cv_.wait(lock, [&] { return epoch_.load(std::memory_order_acquire) != seen; });
+        }
+      }
+      seen = epoch_.load(std::memory_order_acquire);
+      if (index < threads_) (*job_)(index);
+      pending_.fetch_sub(1, std::memory_order_release);
+    }
+  }
+
+  const int size_;
+  const pid_t pid_;
+  const std::function<void(int)>* job_ = nullptr;
+  int threads_ = 1;
+  std::atomic<uint64_t> epoch_{0};
+  std::atomic<int> pending_{0};
+  std::mutex mu_, running_;
+  std::condition_variable cv_;
+};
+
+// Runs fn(i0, i1, thread) over [0, n) in pieces of `piece`, the team's threads (numbered
+// from 0, the caller) taking the next piece as they finish; inline (thread 0) unless
+// `parallel`.
 template <typename F>
 void share(int64_t n, int64_t piece, bool parallel, const F& fn) {
   if (!parallel || n <= piece || at::get_num_threads() == 1 || at::in_parallel_region()) {
-    fn(int64_t{0}, n);
+    fn(int64_t{0}, n, 0);
     return;
   }
+  Team& team = Team::get();
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    for (int64_t i; (i = next.fetch_add(piece)) < n;) fn(i, std::min(n, i + piece));
+  team.run(std::min(team.size(), at::get_num_threads()), [&](int thread) {
+    for (int64_t i; (i = next.fetch_add(piece)) < n;) fn(i, std::min(n, i + piece), thread);
   });
 }
+
+// Threads `share` may use (scratch space for each).
+int64_t team_threads() { return std::min<int64_t>(Team::get().size(), at::get_num_threads()); }
 
 // The eight vectors of a 64-weight int4 chunk (32 bytes, lane l = bytes 4l..4l+3):
 // vector i holds nibble i of each lane, as float32.
@@ -374,8 +458,8 @@ void gemv_wide(Wide& wide, const float* x, int64_t K, int64_t n0, int64_t n1, fl
 template <typename W>
 void streamed(const W& w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
   using Wide = std::conditional_t<std::is_same_v<W, Int4>, Int4Wide, Int8Wide>;
-  const int64_t piece = std::max<int64_t>(4, (N / at::get_num_threads() + 3) / 4 * 4);
-  share(N, piece, N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1) {
+  const int64_t piece = std::max<int64_t>(4, (N / team_threads() + 3) / 4 * 4);
+  share(N, piece, N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1, int) {
     Wide wide(w);
     switch (M) {
       case 1: return gemv_wide<1>(wide, x, K, n0, n1, y, N);
@@ -394,7 +478,7 @@ void streamed(const W& w, const float* x, int64_t M, int64_t N, int64_t K, float
     else xp = permute_int4(x, M, K);
   }
   const int64_t piece = std::max<int64_t>(4, PIECE / K / 4 * 4);
-  share(N, piece, N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1) {
+  share(N, piece, N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1, int) {
     switch (M) {
       case 1: return gemv<1>(w, x, xp.data(), xsum.data(), n0, n1, y, N);
       case 2: return gemv<2>(w, x, xp.data(), xsum.data(), n0, n1, y, N);
@@ -437,9 +521,9 @@ void dots(const float* x, const float* tile, int64_t K, float* y, int64_t N) {
 // and dotted with every activation row, 3 at a time.
 template <typename W>
 void tiled(const W& w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
-  std::vector<float> tiles(at::get_num_threads() * 4 * K);
-  share(N / 4, 4, N * K * M >= PARALLEL_MIN, [&](int64_t t0, int64_t t1) {
-    float* tile = tiles.data() + at::get_thread_num() * 4 * K;
+  std::vector<float> tiles(team_threads() * 4 * K);
+  share(N / 4, 4, N * K * M >= PARALLEL_MIN, [&](int64_t t0, int64_t t1, int thread) {
+    float* tile = tiles.data() + thread * 4 * K;
     for (int64_t t = t0; t < t1; ++t) {
       w.dequantize(4 * t, 4 * t + 4, tile);
       int64_t m = 0;
@@ -534,11 +618,11 @@ void micro_rows(int64_t rows, const float* x, const float* panel, int64_t K, flo
 // panel [K, NB] (in L2), multiplied by every activation row, ROWS_MAX rows at a time.
 template <typename W>
 void paneled(const W& w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
-  const int64_t threads = at::get_num_threads(), panels = (N + NB - 1) / NB;
+  const int64_t threads = team_threads(), panels = (N + NB - 1) / NB;
   // per thread: the rows as dequantized [NB, K], the panel [K, NB], a partial panel's outputs
   std::vector<float> scratch(threads * (2 * NB * K + ROWS_MAX * NB));
-  share(panels, 1, N * K * M >= PARALLEL_MIN, [&](int64_t p0, int64_t p1) {
-    float* rows = scratch.data() + at::get_thread_num() * (2 * NB * K + ROWS_MAX * NB);
+  share(panels, 1, N * K * M >= PARALLEL_MIN, [&](int64_t p0, int64_t p1, int thread) {
+    float* rows = scratch.data() + thread * (2 * NB * K + ROWS_MAX * NB);
     float* panel = rows + NB * K;
     float* part = panel + NB * K;
     for (int64_t p = p0; p < p1; ++p) {
