@@ -382,6 +382,8 @@ std::vector<float> group_sums(const float* x, int64_t K) {
 // their own order, each group of 32 weights dequantized into two 16-lane vectors
 // exactly as `dequantize` does, and multiplied in place.
 
+constexpr int64_t AHEAD_BYTES = 1024;  // how far ahead a row's stream of weights is asked for (measured)
+
 // int4: the group's 16 bytes widened to 32-bit lanes hold weights 0-15 (low nibbles)
 // and 16-31 (high nibbles) in order; each is looked up in the group's table
 // fma(0..15, scale, min) (vpermps reads an index's low 4 bits only).
@@ -392,6 +394,9 @@ struct Int4Wide {
   void row(int64_t n) {
     to_float(w.scales + n * w.G, w.G, s.data());
     to_float(w.mins + n * w.G, w.G, mn.data());
+  }
+  void ahead(int64_t n, int64_t j) const {
+    _mm_prefetch(reinterpret_cast<const char*>(w.q + (n * w.G + j) * 16 + AHEAD_BYTES), _MM_HINT_T0);
   }
   void group(int64_t n, int64_t j, __m512 v[2]) const {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -409,6 +414,9 @@ struct Int8Wide {
   std::vector<float> s;
   explicit Int8Wide(const Int8& w) : w(w), s(padded(w.K / 32)) {}
   void row(int64_t n) { w.row_scales(n, s.data()); }
+  void ahead(int64_t n, int64_t j) const {
+    _mm_prefetch(reinterpret_cast<const char*>(w.q + n * w.K + j * 32 + AHEAD_BYTES), _MM_HINT_T0);
+  }
   void group(int64_t n, int64_t j, __m512 v[2]) const {
     const int8_t* p = w.q + n * w.K + j * 32;
     const __m512 sc = _mm512_set1_ps(s[j]);
@@ -432,6 +440,7 @@ void gemv_wide(Wide& wide, const float* x, int64_t K, int64_t n0, int64_t n1, fl
     int64_t j = 0;
     for (; j + 2 <= G; j += 2) {
       __m512 v[4];
+      wide.ahead(n, j);
       wide.group(n, j, v);
       wide.group(n, j + 1, v + 2);
 #pragma GCC unroll 4
