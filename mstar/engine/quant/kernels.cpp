@@ -121,8 +121,8 @@ class Team {
     for (;;) {
       const auto start = std::chrono::steady_clock::now();
       for (int spins = 0; epoch_.load(std::memory_order_acquire) == seen; ++spins) {
-        _mm_pause();
-        if (spins % 256 == 0 && std::chrono::steady_clock::now() - start > SPIN) {
+        std::this_thread::yield();  // a thread of torch's own (attention, prefill) may want this core
+        if (spins % 16 == 0 && std::chrono::steady_clock::now() - start > SPIN) {
           std::unique_lock<std::mutex> lock(mu_);
           cv_.wait(lock, [&] { return epoch_.load(std::memory_order_acquire) != seen; });
         }
