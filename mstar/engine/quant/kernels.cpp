@@ -564,52 +564,51 @@ inline void transpose8(const float* src, int64_t ls, float* dst, int64_t ld) {
   }
 }
 
+// The widest float vector the build has: 16 lanes with AVX-512, else 8.
+struct Lanes {
 #if defined(__AVX512F__)
-constexpr int64_t NB = 32;  // weight rows per panel (two vectors of outputs)
+  using V = __m512;
+  static constexpr int64_t N = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V set1(float a) { return _mm512_set1_ps(a); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
 #else
-constexpr int64_t NB = 16;
+  using V = __m256;
+  static constexpr int64_t N = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V set1(float a) { return _mm256_set1_ps(a); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
 #endif
+};
+
+constexpr int64_t NB = 2 * Lanes::N;  // weight rows per panel (two vectors of outputs)
 constexpr int ROWS_MAX = 6;  // activation rows per micro-kernel
 
-// y[m, 0..16) = x[m, :] . panel[:, 0..16) for m < ROWS: panel [K, 16] (dequantized,
+// y[m, 0..NB) = x[m, :] . panel[:, 0..NB) for m < ROWS: panel [K, NB] (dequantized,
 // transposed), x rows of stride K, y rows of stride ldy; no horizontal sums.
 template <int ROWS>
 void micro(const float* x, const float* panel, int64_t K, float* y, int64_t ldy) {
-#if defined(__AVX512F__)
-  __m512 lo[ROWS], hi[ROWS];
-  for (int m = 0; m < ROWS; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
+  using V = Lanes::V;
+  V lo[ROWS], hi[ROWS];  // two arrays, not one [ROWS][2]: gcc keeps these in registers
+  for (int m = 0; m < ROWS; ++m) lo[m] = hi[m] = Lanes::zero();
   int64_t k = 0;
   do {
-    const __m512 w0 = _mm512_loadu_ps(panel + k * NB), w1 = _mm512_loadu_ps(panel + k * NB + 16);
+    const V w0 = Lanes::load(panel + k * NB), w1 = Lanes::load(panel + k * NB + Lanes::N);
 #pragma GCC unroll 6
     for (int m = 0; m < ROWS; ++m) {
-      const __m512 xv = _mm512_set1_ps(x[m * K + k]);
-      lo[m] = _mm512_fmadd_ps(xv, w0, lo[m]);
-      hi[m] = _mm512_fmadd_ps(xv, w1, hi[m]);
+      const V xv = Lanes::set1(x[m * K + k]);
+      lo[m] = Lanes::fma(xv, w0, lo[m]);
+      hi[m] = Lanes::fma(xv, w1, hi[m]);
     }
   } while (++k < K);
   for (int m = 0; m < ROWS; ++m) {
-    _mm512_storeu_ps(y + m * ldy, lo[m]);
-    _mm512_storeu_ps(y + m * ldy + 16, hi[m]);
+    Lanes::store(y + m * ldy, lo[m]);
+    Lanes::store(y + m * ldy + Lanes::N, hi[m]);
   }
-#else
-  __m256 lo[ROWS], hi[ROWS];  // two arrays, not one [ROWS][2]: gcc keeps these in registers
-  for (int m = 0; m < ROWS; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
-  int64_t k = 0;
-  do {
-    const __m256 w0 = _mm256_loadu_ps(panel + k * NB), w1 = _mm256_loadu_ps(panel + k * NB + 8);
-#pragma GCC unroll 6
-    for (int m = 0; m < ROWS; ++m) {
-      const __m256 xv = _mm256_broadcast_ss(x + m * K + k);
-      lo[m] = _mm256_fmadd_ps(xv, w0, lo[m]);
-      hi[m] = _mm256_fmadd_ps(xv, w1, hi[m]);
-    }
-  } while (++k < K);
-  for (int m = 0; m < ROWS; ++m) {
-    _mm256_storeu_ps(y + m * ldy, lo[m]);
-    _mm256_storeu_ps(y + m * ldy + 8, hi[m]);
-  }
-#endif
 }
 
 void micro_rows(int64_t rows, const float* x, const float* panel, int64_t K, float* y, int64_t ldy) {
