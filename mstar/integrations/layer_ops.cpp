@@ -164,7 +164,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
   auto out = at::empty({rows, inner}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain(inner * 4), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(inner), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* g = xp + r * 2 * inner;
       const float* u = g + inner;
