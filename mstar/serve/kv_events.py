@@ -178,4 +178,4 @@ def attach(engine: Any, publisher: KVEventPublisher) -> None:
     """Make ``publisher`` hear ``engine``'s prefix cache; ``ValueError`` when it has none."""
     if not engine.prefix_cache:
         raise ValueError("expected an engine with the prefix cache on for KV events, got it off")
-    engine.mgr._pages.registry.listener = publisher  # the pool is the manager's own
+    engine.mgr.pool.registry.listener = publisher

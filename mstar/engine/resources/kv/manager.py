@@ -178,6 +178,12 @@ class KVManager:
     def num_free_pages(self) -> int:
         return self._pages.num_free
 
+    @property
+    def pool(self) -> PagePool:
+        """The manager's page pool, for what hooks into its prefix cache (KV
+        events hear its registry, KV tiers fill and spill its pages)."""
+        return self._pages
+
     def stored_len(self, request_id: str, label: str) -> int:
         """Tokens committed to the stream (those behind its window included)."""
         with self._lock:

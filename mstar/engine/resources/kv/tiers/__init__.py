@@ -41,7 +41,7 @@ def attach(
         stores.append(DiskStore(disk, disk_size))
     if remote is not None:
         stores.append(RemoteStore(remote))
-    pool = engine.mgr._pages  # the manager's own pool: the tiers hook into it
+    pool = engine.mgr.pool
     identity = model_identity(engine.model, engine.cache, pool.page_size)
     tiers = KVTiers(pool, engine.cache, identity, stores, offload)
     pool.tiers = tiers
