@@ -68,8 +68,9 @@ inline int64_t grain(int64_t per_row) {
   return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(per_row, 1));
 }
 
-// Keys (and values) ahead of the one being read that are asked of memory now: a row's
-// keys lie a slot apart in its pages, from DRAM at batch sizes whose caches outgrow L3.
+// Keys (and values) ahead of the one being read that are asked of memory now (in its
+// page, and the next page's first ones as a page starts): a row's keys lie a slot apart
+// in pages anywhere in the cache, read from DRAM once the caches outgrow L3.
 constexpr int64_t AHEAD = 4;
 
 // The cache lines of n floats at p, asked for (a hint: p may lie past a page's end).
@@ -283,12 +284,23 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
       scores.resize(group * len);
       const float* qv = qp + qi[r] * qs0 + kvh * group * qs1;  // the group's first head
       // scores: each key read once for the group's query heads
+      // the row's keys (half 0) or values (half 1) in page p of its pages, at its KV head
+      const auto page_at = [&](int64_t p, int64_t half) {
+        return lp + indices[indptr[r] + p] * page_stride + half * half_page + kvh * dim;
+      };
+      // the first slots of the page after the one starting at l0, asked for ahead
+      const auto next_page = [&](int64_t l0, int64_t half) {
+        if (l0 + page >= len) return;
+        const float* next = page_at(l0 / page + 1, half);
+        for (int64_t j = 0; j < std::min(AHEAD, len - l0 - page); ++j) prefetch(next + j * slot, dim);
+      };
       for (int64_t l0 = 0; l0 < len; l0 += page) {
-        const float* base = lp + indices[indptr[r] + l0 / page] * page_stride + kvh * dim;
+        const float* base = page_at(l0 / page, 0);
         const int64_t n = std::min(page, len - l0);
+        next_page(l0, 0);
         for (int64_t j = 0; j < n; ++j) {
           const float* k = base + j * slot;
-          prefetch(k + AHEAD * slot, dim);
+          if (j + AHEAD < n) prefetch(k + AHEAD * slot, dim);
           for (int64_t g = 0; g < group; ++g) scores[g * len + l0 + j] = dot(qv + g * qs1, k, dim) * sc;
         }
       }
@@ -307,12 +319,12 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t l0 = 0; l0 < len; l0 += page) {
-        const float* base =
-            lp + indices[indptr[r] + l0 / page] * page_stride + half_page + kvh * dim;
+        const float* base = page_at(l0 / page, 1);
         const int64_t n = std::min(page, len - l0);
+        next_page(l0, 1);
         for (int64_t j = 0; j < n; ++j) {
           const float* v = base + j * slot;
-          prefetch(v + AHEAD * slot, dim);
+          if (j + AHEAD < n) prefetch(v + AHEAD * slot, dim);
           for (int64_t g = 0; g < group; ++g) axpy(acc.data() + g * dim, scores[g * len + l0 + j], v, dim);
         }
       }
