@@ -81,17 +81,15 @@ class Team {
  public:
   static constexpr auto SPIN = std::chrono::microseconds(500);
 
-  // This process's team (a forked child builds its own: the parent's helpers are not in it).
+  // This process's team, built anew in a forked child (the parent's helpers are not in
+  // it) and when torch's thread count has grown past it (the old helpers sleep on).
   static Team& get() {
-    static std::atomic<Team*> team{nullptr};
+    static Team* team = nullptr;
     static std::mutex made;
     std::lock_guard<std::mutex> lock(made);
-    Team* t = team.load();
-    if (t == nullptr || t->pid_ != getpid()) {
-      t = new Team(std::max(1, at::get_num_threads()));  // lives as long as the process
-      team.store(t);
-    }
-    return *t;
+    if (team == nullptr || team->pid_ != getpid() || team->size_ < at::get_num_threads())
+      team = new Team(std::max(1, at::get_num_threads()));  // lives as long as the process
+    return *team;
   }
 
   int size() const { return size_; }
