@@ -283,27 +283,29 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
       }
       scores.resize(group * len);
       const float* qv = qp + qi[r] * qs0 + kvh * group * qs1;  // the group's first head
-      // scores: each key read once for the group's query heads
       // the row's keys (half 0) or values (half 1) in page p of its pages, at its KV head
       const auto page_at = [&](int64_t p, int64_t half) {
         return lp + indices[indptr[r] + p] * page_stride + half * half_page + kvh * dim;
       };
-      // the first slots of the page after the one starting at l0, asked for ahead
-      const auto next_page = [&](int64_t l0, int64_t half) {
-        if (l0 + page >= len) return;
-        const float* next = page_at(l0 / page + 1, half);
-        for (int64_t j = 0; j < std::min(AHEAD, len - l0 - page); ++j) prefetch(next + j * slot, dim);
-      };
-      for (int64_t l0 = 0; l0 < len; l0 += page) {
-        const float* base = page_at(l0 / page, 0);
-        const int64_t n = std::min(page, len - l0);
-        next_page(l0, 0);
-        for (int64_t j = 0; j < n; ++j) {
-          const float* k = base + j * slot;
-          if (j + AHEAD < n) prefetch(k + AHEAD * slot, dim);
-          for (int64_t g = 0; g < group; ++g) scores[g * len + l0 + j] = dot(qv + g * qs1, k, dim) * sc;
+      // f(l, slot) for each of the row's keys (half 0) or values (half 1) in order, asking
+      // for the slot AHEAD on in its page, and for the next page's first ones as a page starts
+      const auto walk = [&](int64_t half, const auto& f) {
+        for (int64_t l0 = 0; l0 < len; l0 += page) {
+          const float* base = page_at(l0 / page, half);
+          const int64_t n = std::min(page, len - l0);
+          if (l0 + page < len) {
+            const float* next = page_at(l0 / page + 1, half);
+            for (int64_t j = 0; j < std::min(AHEAD, len - l0 - page); ++j) prefetch(next + j * slot, dim);
+          }
+          for (int64_t j = 0; j < n; ++j) {
+            if (j + AHEAD < n) prefetch(base + (j + AHEAD) * slot, dim);
+            f(l0 + j, base + j * slot);
+          }
         }
-      }
+      };
+      walk(0, [&](int64_t l, const float* k) {  // each key read once for the group's heads
+        for (int64_t g = 0; g < group; ++g) scores[g * len + l] = dot(qv + g * qs1, k, dim) * sc;
+      });
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * len;
         float peak = -INFINITY;
@@ -318,16 +320,9 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
         for (int64_t l = 0; l < len; ++l) sg[l] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t l0 = 0; l0 < len; l0 += page) {
-        const float* base = page_at(l0 / page, 1);
-        const int64_t n = std::min(page, len - l0);
-        next_page(l0, 1);
-        for (int64_t j = 0; j < n; ++j) {
-          const float* v = base + j * slot;
-          if (j + AHEAD < n) prefetch(v + AHEAD * slot, dim);
-          for (int64_t g = 0; g < group; ++g) axpy(acc.data() + g * dim, scores[g * len + l0 + j], v, dim);
-        }
-      }
+      walk(1, [&](int64_t l, const float* v) {
+        for (int64_t g = 0; g < group; ++g) axpy(acc.data() + g * dim, scores[g * len + l], v, dim);
+      });
       std::copy(acc.begin(), acc.end(), o);
     }
   });
