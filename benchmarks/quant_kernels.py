@@ -29,9 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mstar.engine.cpp_build import build
 from mstar.engine.cpu import cpu_info
-from mstar.engine.quant.kernels import SOURCE, kernel_or_why
+from mstar.engine.quant.kernels import SOURCE, build_under, kernel_or_why
 
 SHAPES = {
     "q": (576, 576),
@@ -56,8 +55,7 @@ def baseline_ops(ref: str) -> object | None:
         check=True,
         cwd=SOURCE.parent,
     ).stdout
-    build("mstar_quant_base", source.replace("mstar_quant,", "mstar_quant_base,"), "kernels")
-    return torch.ops.mstar_quant_base
+    return build_under("mstar_quant_base", source)
 
 
 def best_us(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, tuple[float, float]]:

@@ -16,7 +16,7 @@ from mstar.engine import Engine, SamplingParams, cpp_build
 from mstar.engine.quant import QuantChoice, quantize_model, resolve_quantization
 from mstar.engine.quant.at_load import quantize_int4, quantize_int8
 from mstar.engine.quant.gguf import BLOCK_BYTES, decode_blocks
-from mstar.engine.quant.kernels import SOURCE, kernel_or_why
+from mstar.engine.quant.kernels import SOURCE, build_under, kernel_or_why
 from mstar.engine.quant.linear import PackedLinear
 from mstar.engine.quant.packed import Packed, pack_int4
 
@@ -104,16 +104,14 @@ def ops(request, kernels):
         return torch.ops.mstar_quant
     if cpp_build.flags() == cpp_build.FLAGS:
         pytest.skip("this CPU's build is the AVX2 build")
-    source = SOURCE.read_text().replace("mstar_quant,", "mstar_quant_avx2,")
-    cpp_build.build("mstar_quant_avx2", source, "kernels", cpp_build.FLAGS)
-    return torch.ops.mstar_quant_avx2
+    return build_under("mstar_quant_avx2", SOURCE.read_text(), cpp_build.FLAGS)
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 @pytest.mark.parametrize("shape", [(52, 576), (36, 1536), (4, 32), (20, 96), (460, 576)])
 def test_every_kernel_path_matches_f_linear_on_the_dequantized_weights(ops, kind, shape):
-    """1-4 rows stream the weights, more go through dequantized 16-row panels (52, 36,
-    20: a partial last panel; 460 x 576: enough weights to share among threads); the
+    """1-4 rows stream the weights, more go through dequantized tiles or 16- or
+    32-row panels (52, 36, 20: a partial last panel; 460 x 576: enough weights to share among threads); the
     activations arrive non-contiguous (every other column)."""
     packed = random_packed(kind, *shape, seed=shape[0])
     weight = packed.dequantize().double()

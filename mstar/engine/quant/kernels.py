@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from mstar.engine.cpp_build import build_or_why
+from mstar.engine.cpp_build import build, build_or_why
 
-__all__ = ["kernel_or_why"]
+__all__ = ["build_under", "kernel_or_why"]
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 
@@ -31,6 +31,15 @@ def kernel_or_why() -> str | None:
     if why is None:
         _register_fakes()
     return why
+
+
+def build_under(namespace: str, source: str, cflags: tuple[str, ...] | None = None) -> object:
+    """A kernels ``source`` text (this one's, or another version's) built with
+    ``cflags`` (this CPU's unless given) and its ops registered under
+    ``namespace`` instead of ``mstar_quant``, beside this build in one process:
+    ``torch.ops.<namespace>``."""
+    build(namespace, source.replace("mstar_quant,", f"{namespace},"), "kernels", cflags)
+    return getattr(torch.ops, namespace)
 
 
 def _register_fakes() -> None:
