@@ -14,11 +14,12 @@ from oracles import Streams
 transformers = pytest.importorskip("transformers")
 
 from mstar.engine.quant.at_load import quantize_int4, quantize_int8  # noqa: E402
-from mstar.engine.quant.kernels import kernel_or_why  # noqa: E402
+from mstar.engine.quant.kernels import bf16_or_why, kernel_or_why  # noqa: E402
 from mstar.engine.quant.linear import PackedLinear  # noqa: E402
+from mstar.engine.quant.packed import bf16_panels  # noqa: E402
 from mstar.engine.resources.kv.cache import KVCache  # noqa: E402
 from mstar.integrations import hf, llama_step  # noqa: E402
-from mstar.integrations.fused_linear import RowConcat  # noqa: E402
+from mstar.integrations.fused_linear import RowConcat, concat_refusal  # noqa: E402
 from mstar.integrations.hf import forward_step, register  # noqa: E402
 from mstar.integrations.layer_ops import layer_ops_or_why  # noqa: E402
 from mstar.integrations.llama_step import fused_refusal, fused_step  # noqa: E402
@@ -218,6 +219,24 @@ def test_row_concat_shares_the_layers_weights():
     layers[2].scales = layers[2].scales.clone()
     layers[2].qweight = layers[2].qweight.clone()
     assert not joined.current()
+
+
+def test_row_concat_joins_bfloat16_panels_as_views():
+    """Packed layers with bfloat16 panels join theirs too: many rows give
+    the layers' own outputs, each layer's panels a view of the joined ones;
+    layers with and without panels do not join."""
+    if (why := kernel_or_why() or bf16_or_why()) is not None:
+        pytest.skip(why)
+    torch.manual_seed(2)
+    packed = [quantize_int4(torch.randn(n, 64)) for n in (64, 32, 96)]
+    layers = [PackedLinear(p, None, bf16_panels(p)) for p in packed]
+    x = torch.randn(7, 64)
+    alone = torch.cat([m(x) for m in layers], dim=1)
+    joined = RowConcat(layers)
+    assert torch.equal(joined(x), alone)
+    assert layers[2].panels.data_ptr() == joined.module.panels[3:].data_ptr()
+    assert torch.equal(layers[2].panels, bf16_panels(packed[2]))
+    assert "different formats or arithmetic" in concat_refusal([layers[0], PackedLinear(packed[1])])
 
 
 def test_layer_ops_silu_mul_matches_torch_over_the_float_range():

@@ -16,9 +16,9 @@ from mstar.engine import Engine, SamplingParams, cpp_build
 from mstar.engine.quant import QuantChoice, quantize_model, resolve_quantization
 from mstar.engine.quant.at_load import quantize_int4, quantize_int8
 from mstar.engine.quant.gguf import BLOCK_BYTES, decode_blocks
-from mstar.engine.quant.kernels import SOURCE, build_under, kernel_or_why
-from mstar.engine.quant.linear import PackedLinear
-from mstar.engine.quant.packed import Packed, pack_int4
+from mstar.engine.quant.kernels import SOURCE, bf16_or_why, build_under, kernel_or_why
+from mstar.engine.quant.linear import BF16_ROWS, PackedLinear
+from mstar.engine.quant.packed import Packed, bf16_panels, pack_int4
 
 gguf = pytest.importorskip("gguf")
 
@@ -248,7 +248,7 @@ def test_int4_refuses_a_width_not_divisible_by_32():
         ("q4", {}, "got 'q4'"),
         (None, {}, "got None"),
         ("gguf", {"gguf": False}, "needs a GGUF file"),
-        ("int4", {"dtype": torch.bfloat16}, "float32 activations, not bfloat16"),
+        ("int4", {"dtype": torch.float16}, "float32 activations, not float16"),
         ("int8", {"tensor_parallel_size": 2}, "tensor parallelism"),
         ("gguf", {"device": "cuda"}, "not cuda"),
     ],
@@ -258,11 +258,21 @@ def test_bad_or_inapplicable_quantization_is_refused(value, kwargs, match):
         resolve_quantization(value, **{"gguf": True, **kwargs})
 
 
-def test_auto_is_the_files_own_format_where_the_kernels_serve_it():
-    assert resolve_quantization("auto", gguf=True).mode == "gguf"
+def test_auto_is_the_files_own_format_where_the_kernels_serve_it(monkeypatch):
+    import mstar.engine.quant as quant
+
+    assert resolve_quantization("auto", gguf=True) == QuantChoice(
+        "gguf", "auto: the file's own format", "float32"
+    )
     assert resolve_quantization("auto", gguf=False).mode == "none"
-    assert resolve_quantization("auto", gguf=True, dtype=torch.bfloat16).mode == "none"
     assert resolve_quantization("auto", gguf=True, tensor_parallel_size=2).mode == "none"
+    monkeypatch.setattr(quant, "bf16_or_why", lambda: None)
+    choice = resolve_quantization("auto", gguf=True, dtype=torch.bfloat16)
+    assert (choice.mode, choice.arithmetic) == ("gguf", "bfloat16")
+    monkeypatch.setattr(quant, "bf16_or_why", lambda: "the CPU lacks AVX512-BF16")
+    assert resolve_quantization("auto", gguf=True, dtype=torch.bfloat16).mode == "none"
+    with pytest.raises(ValueError, match="float32 activations here: the CPU lacks AVX512-BF16"):
+        resolve_quantization("int4", gguf=True, dtype=torch.bfloat16)
 
 
 def test_engine_refuses_a_bad_quantization_before_loading():
@@ -284,3 +294,97 @@ def test_engine_on_smollm2s_own_weights_answers_as_float32(smollm2, kernels):
         assert isinstance(engine.model.model.layers[0].mlp.down_proj, PackedLinear)
         got = [c.outputs[0].token_ids for c in engine.chat(chats, params)]
     assert got == expected
+
+
+def test_bf16_panels_hold_each_weight_rounded_at_its_place():
+    packed = random_packed("int4", 64, 96, seed=5)
+    panels = bf16_panels(packed)
+    weight = packed.dequantize()
+    assert panels.shape == (2, 48, 32, 2) and panels.dtype == torch.bfloat16
+    for p, j, r, i in [(0, 0, 0, 0), (0, 0, 0, 1), (1, 47, 31, 1), (1, 3, 5, 0), (0, 20, 17, 1)]:
+        assert panels[p, j, r, i] == weight[32 * p + r, 2 * j + i].bfloat16()
+    assert torch.equal(panels.permute(0, 2, 1, 3).reshape(64, 96), weight.bfloat16())
+    with pytest.raises(ValueError, match="rows divisible by 32 for bfloat16 panels, got 36"):
+        bf16_panels(random_packed("int4", 36, 96))
+
+
+@pytest.fixture(scope="module")
+def bf16(kernels):
+    if (why := bf16_or_why()) is not None:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("shape", [(32, 96), (64, 576), (96, 1536), (1024, 576)])
+def test_bf16_linear_matches_f_linear_on_bfloat16_rounded_inputs(bf16, kind, shape):
+    """Every row count (6-row micro-kernels and the rest), activations
+    non-contiguous, enough weights (1024 x 576) to share among threads: the
+    products of the bfloat16-rounded activations and weights, summed in float32."""
+    packed = random_packed(kind, *shape, seed=shape[0])
+    panels = bf16_panels(packed)
+    weight = packed.dequantize().bfloat16().double()
+    g = torch.Generator().manual_seed(4)
+    for batch in BATCHES:
+        x = torch.randn(batch, 2 * shape[1], generator=g)[:, ::2]
+        y = torch.ops.mstar_quant.bf16_linear(x, panels)
+        expected = F.linear(x.bfloat16().double(), weight)
+        assert y.shape == (batch, shape[0]) and y.dtype == torch.float32
+        torch.testing.assert_close(
+            y.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())
+        )
+
+
+def test_bf16_linear_refuses_what_is_not_its_panels(bf16):
+    panels = bf16_panels(random_packed("int4", 32, 96))
+    with pytest.raises(RuntimeError, match="activations of width 96, got 64"):
+        torch.ops.mstar_quant.bf16_linear(torch.randn(2, 64), panels)
+    with pytest.raises(RuntimeError, match="expected float32 activations"):
+        torch.ops.mstar_quant.bf16_linear(torch.randn(2, 96).double(), panels)
+    with pytest.raises(RuntimeError, match="contiguous bfloat16 panels"):
+        torch.ops.mstar_quant.bf16_linear(torch.randn(2, 96), panels.float())
+
+
+def test_packed_linear_multiplies_in_bfloat16_from_bf16_rows(bf16):
+    """Fewer rows than ``BF16_ROWS`` stream the packed weights (float32
+    arithmetic, as without panels); more take the panels; the bias is added
+    either way and leading dims are kept."""
+    packed = random_packed("int4", 64, 576, seed=6)
+    bias = torch.randn(64)
+    plain, panelled = PackedLinear(packed, bias), PackedLinear(packed, bias, bf16_panels(packed))
+    assert (plain.arithmetic, panelled.arithmetic) == ("float32", "bfloat16")
+    g = torch.Generator().manual_seed(7)
+    for rows in range(1, BF16_ROWS + 3):
+        x = torch.randn(1, rows, 576, generator=g)
+        y = panelled(x)
+        assert y.shape == (1, rows, 64)
+        if rows < BF16_ROWS:
+            assert torch.equal(y, plain(x))
+        else:
+            expected = F.linear(x.bfloat16().double(), packed.dequantize().bfloat16().double())
+            torch.testing.assert_close(y.double(), expected + bias.double(), rtol=1e-5, atol=1e-4)
+            assert not torch.equal(y, plain(x))
+
+
+def test_tiny_model_in_bfloat16_arithmetic_stays_near_its_dequantized_twin(bf16):
+    model = tiny()
+    description = quantize_model(model, QuantChoice("int4", "as asked", "bfloat16"))
+    assert description.endswith("15 layers int4; 5+ rows multiply in bfloat16"), description
+    assert all(m.arithmetic == "bfloat16" for m in model.modules() if isinstance(m, PackedLinear))
+    twin = tiny()
+    for name, mod in model.named_modules():
+        if isinstance(mod, PackedLinear):
+            twin.get_submodule(name).weight = torch.nn.Parameter(mod.packed().dequantize())
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
+    ours, theirs = logits(model, ids), logits(twin, ids)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0.05)
+    assert not torch.allclose(ours, theirs, atol=1e-6)  # bfloat16, not float32
+
+
+def test_compiled_forward_traces_through_the_bf16_kernel(bf16):
+    model = tiny()
+    quantize_model(model, QuantChoice("int4", "as asked", "bfloat16"))
+    ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(3))
+    eager = logits(model, ids)
+    compiled = torch.compile(model.forward, dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids).logits, eager, rtol=1e-5, atol=1e-5)

@@ -152,6 +152,25 @@ def test_a_packed_mode_is_checked_exactly_against_its_dequantized_weights(
     assert check.worst < 1e-3 and check.flips == 0, check
 
 
+def test_bfloat16_arithmetic_on_packed_weights_is_checked_at_the_half_precision_bound(
+    paged, packed_kernels
+):
+    from mstar.engine.build import float32_arithmetic, weights_mode
+    from mstar.engine.quant import QuantChoice, quantize_model
+    from mstar.engine.quant.kernels import bf16_or_why
+
+    if (why := bf16_or_why()) is not None:
+        pytest.skip(why)
+    model = copy.deepcopy(paged)
+    quantize_model(model, QuantChoice("int4", "as asked", "bfloat16"))
+    assert not float32_arithmetic(model)
+    assert weights_mode(model) == "packed int4 (bfloat16 arithmetic)"
+    engine = Engine(model, **OPTIONS)
+    check = engine.mode_check
+    assert check is not None and check.ok, check
+    assert 1e-6 < check.worst < Tolerance.of(exact=False).logprob_abs, check
+
+
 def test_a_packed_kernel_that_disagrees_is_refused(paged, packed_kernels, monkeypatch):
     from mstar.engine.quant import QuantChoice, quantize_model
     from mstar.engine.quant.linear import PackedLinear

@@ -224,9 +224,15 @@ def weights_mode(model: Any) -> str | None:
         )
         return f"quantized ({method or 'unknown'})"
     dtypes = {p.dtype for p in model.parameters()} - {torch.float32}
-    kinds = {f"packed {getattr(m, 'kind', '')}".strip() for m in model.modules() if is_packed(m)}
+    kinds = {_packed_kind(m) for m in model.modules() if is_packed(m)}
     names = sorted(str(d).removeprefix("torch.") for d in dtypes) + sorted(kinds)
     return ", ".join(names) or None
+
+
+def _packed_kind(module: Any) -> str:
+    arithmetic = getattr(module, "arithmetic", "float32")
+    kind = f"packed {getattr(module, 'kind', '')}".strip()
+    return kind if arithmetic == "float32" else f"{kind} ({arithmetic} arithmetic)"
 
 
 def float32_arithmetic(model: Any) -> bool:
@@ -234,4 +240,11 @@ def float32_arithmetic(model: Any) -> bool:
     packed ones on float32 activations, whose reference is their own
     dequantized weights): held to the exact tolerance, as a reordered sum."""
     quantized = getattr(model.config, "quantization_config", None) is not None
-    return not quantized and all(p.dtype == torch.float32 for p in model.parameters())
+    packed_float32 = all(
+        getattr(m, "arithmetic", "float32") == "float32" for m in model.modules() if is_packed(m)
+    )
+    return (
+        not quantized
+        and packed_float32
+        and all(p.dtype == torch.float32 for p in model.parameters())
+    )

@@ -13,7 +13,7 @@ import hashlib
 
 import torch
 
-__all__ = ["AVX512_FLAGS", "FLAGS", "build", "build_or_why", "flags"]
+__all__ = ["AVX512_FLAGS", "BF16_FLAGS", "FLAGS", "build", "build_or_why", "flags"]
 
 # -fopenmp: without it ATen's headers compile ``at::parallel_for`` serial
 # (``INTRA_OP_PARALLEL`` is defined only under ``_OPENMP``); the symbols
@@ -21,12 +21,17 @@ __all__ = ["AVX512_FLAGS", "FLAGS", "build", "build_or_why", "flags"]
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-fopenmp")
 # the subset torch's "AVX512" capability requires; sources test __AVX512F__
 AVX512_FLAGS = (*FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+# and bfloat16 dot products (vdpbf16ps); sources test __AVX512BF16__
+BF16_FLAGS = (*AVX512_FLAGS, "-mavx512bf16")
 
 
 def flags() -> tuple[str, ...]:
     """The build flags for this CPU: ``AVX512_FLAGS`` where torch runs its
-    AVX-512 kernels, else ``FLAGS``."""
-    return AVX512_FLAGS if torch.backends.cpu.get_cpu_capability() == "AVX512" else FLAGS
+    AVX-512 kernels (``BF16_FLAGS`` where the CPU has AVX512-BF16 too),
+    else ``FLAGS``."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return FLAGS
+    return BF16_FLAGS if torch.cpu._is_avx512_bf16_supported() else AVX512_FLAGS
 
 
 def build(stem: str, source: str, folder: str, cflags: tuple[str, ...] | None = None) -> str:

@@ -68,7 +68,9 @@ def load(
     choice = resolve_quantization(quantization, gguf=gguf, device=device, dtype=dtype)
     path = model_folder(name)
     tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    # packed layers take float32 activations (bfloat16: their arithmetic, see quant)
+    loaded = torch.float32 if choice.mode != "none" else dtype
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=loaded).eval()
     quantize_model(model, choice, source if gguf else None, path if gguf else None)
     return model, tokenizer
 

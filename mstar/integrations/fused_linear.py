@@ -11,7 +11,8 @@ storage, and the concatenation must then be rebuilt).
 Plain ``nn.Linear`` layers concatenate their ``weight`` (and ``bias``);
 packed ones (``PackedLinear``, int4 or int8 GGUF blocks) their ``qweight``,
 ``scales`` and ``mins`` rows, which is exact: each packed row is its own
-weights and scales.
+weights and scales (and their bfloat16 panels, 32 rows each, when they
+have them).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from mstar.engine.quant.linear import PackedLinear
-from mstar.engine.quant.packed import Packed
+from mstar.engine.quant.packed import PANEL, Packed
 
 __all__ = ["RowConcat", "concat_refusal", "linear"]
 
-_PACKED_TENSORS = ("qweight", "scales", "mins")
+_PACKED_TENSORS = ("qweight", "scales", "mins", "panels")
 
 
 def concat_refusal(layers: Sequence[torch.nn.Module]) -> str | None:
@@ -46,8 +47,8 @@ def concat_refusal(layers: Sequence[torch.nn.Module]) -> str | None:
     if any(t.dtype != tensors[0].dtype or t.device != tensors[0].device for t in _main(layers)):
         return "has linear layers of different dtypes or devices"
     packed = isinstance(layers[0], PackedLinear)
-    if packed and len({(m.kind, m.scales.shape[1]) for m in layers}) != 1:
-        return "has packed layers of different formats"
+    if packed and len({(m.kind, m.scales.shape[1], m.arithmetic) for m in layers}) != 1:
+        return "has packed layers of different formats or arithmetic"
     return None
 
 
@@ -83,7 +84,8 @@ class RowConcat:
                 joined = getattr(self.module, name)
                 if joined is None:
                     continue
-                view = joined[start : start + width]
+                per = PANEL if name == "panels" else 1  # rows per entry of dim 0
+                view = joined[start // per : (start + width) // per]
                 if isinstance(getattr(layer, name), torch.nn.Parameter):
                     setattr(layer, name, torch.nn.Parameter(view, requires_grad=False))
                 else:
@@ -116,7 +118,7 @@ def _joined(layers: Sequence[torch.nn.Module]) -> torch.nn.Module:
     if isinstance(layers[0], PackedLinear):
         parts = [None if getattr(layers[0], n) is None else torch.cat([getattr(m, n) for m in layers])
                  for n in _PACKED_TENSORS]  # fmt: skip
-        return PackedLinear(Packed(layers[0].kind, *parts), bias)
+        return PackedLinear(Packed(layers[0].kind, *parts[:3]), bias, parts[3])
     weight = torch.cat([m.weight for m in layers])
     joined = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     joined.weight = torch.nn.Parameter(weight, requires_grad=False)

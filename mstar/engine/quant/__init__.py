@@ -15,6 +15,14 @@ becomes a ``PackedLinear``: float32 activations through the AVX2 kernels of
 ``kernels.cpp``. Where they cannot run (no AVX2, no compiler), the layers
 stay ``nn.Linear`` holding the dequantized weights: the same values, not
 smaller, and the description says why.
+
+Arithmetic: ``dtype`` float32 (the model's activations, exact against the
+dequantized weights), or bfloat16 where the CPU has AVX512-BF16: the model
+stays float32 and each packed layer also holds its weights as bfloat16
+panels, which inputs of ``linear.BF16_ROWS`` rows or more (prefill, batched
+decode) multiply in bfloat16, ~2.5x faster at 32 rows; fewer rows (decode
+of a few requests) still stream the packed weights. The panels cost two
+bytes a weight beside the packed ones.
 """
 
 from __future__ import annotations
@@ -27,9 +35,9 @@ import torch
 
 from mstar.engine.quant.at_load import quantize_int4, quantize_int8
 from mstar.engine.quant.gguf import cached_packed_weights
-from mstar.engine.quant.kernels import kernel_or_why
-from mstar.engine.quant.linear import PackedLinear
-from mstar.engine.quant.packed import GROUP, Packed
+from mstar.engine.quant.kernels import bf16_or_why, kernel_or_why
+from mstar.engine.quant.linear import BF16_ROWS, PackedLinear
+from mstar.engine.quant.packed import GROUP, PANEL, Packed, bf16_panels
 
 __all__ = ["QUANTIZATIONS", "QuantChoice", "quantize_model", "resolve_quantization"]
 
@@ -38,10 +46,12 @@ QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
 
 @dataclass(frozen=True)
 class QuantChoice:
-    """A resolved quantization and why it was chosen."""
+    """A resolved quantization, why it was chosen, and the arithmetic of
+    its many-row products (``float32``, or ``bfloat16`` on bfloat16 panels)."""
 
     mode: str
     reason: str
+    arithmetic: str = "float32"
 
 
 def resolve_quantization(
@@ -60,17 +70,18 @@ def resolve_quantization(
     if value == "none":
         return QuantChoice("none", "as asked")
     blocker = _blocker(torch.device(device), dtype, tensor_parallel_size)
+    arithmetic = str(dtype).removeprefix("torch.")
     if value == "auto":
         if not gguf:
             return QuantChoice("none", "auto: not a GGUF file")
         if blocker:
             return QuantChoice("none", f"auto: {blocker}")
-        return QuantChoice("gguf", "auto: the file's own format")
+        return QuantChoice("gguf", "auto: the file's own format", arithmetic)
     if blocker:
         raise ValueError(f"quantization={value!r} cannot apply: {blocker}")
     if value == "gguf" and not gguf:
         raise ValueError("quantization='gguf' needs a GGUF file, got a model folder")
-    return QuantChoice(value, "as asked")
+    return QuantChoice(value, "as asked", arithmetic)
 
 
 def _blocker(device: torch.device, dtype: torch.dtype, tensor_parallel_size: int) -> str | None:
@@ -78,7 +89,9 @@ def _blocker(device: torch.device, dtype: torch.dtype, tensor_parallel_size: int
         return f"the quantized kernels run on the CPU, not {device.type}"
     if tensor_parallel_size != 1:
         return "tensor parallelism shards float weights"
-    if dtype != torch.float32:
+    if dtype == torch.bfloat16 and (why := bf16_or_why()) is not None:
+        return f"the quantized kernels take float32 activations here: {why}"
+    if dtype not in (torch.float32, torch.bfloat16):
         return f"the quantized kernels take float32 activations, not {str(dtype).removeprefix('torch.')}"
     return None
 
@@ -105,11 +118,14 @@ def quantize_model(
         packed = {name: (quantize(mod.weight), "float") for name, mod in layers.items()}
         unpacked = {}
     why = kernel_or_why()
+    bf16 = why is None and choice.arithmetic == "bfloat16"
     for name, (weights, _) in packed.items():
-        _swap(model, name, weights, use_kernel=why is None)
+        _swap(model, name, weights, use_kernel=why is None, bf16=bf16)
     summary = _summary(choice, packed, unpacked)
     if why is not None:
         summary += f"; run as float32 (dequantized): {why}"
+    elif bf16:
+        summary += f"; {_bf16_summary(packed)}"
     model.mstar_quantization = summary
     return summary
 
@@ -151,14 +167,21 @@ def _gguf_layers(
     return packed, unpacked
 
 
-def _swap(model: Any, name: str, weights: Packed, use_kernel: bool) -> None:
+def _swap(model: Any, name: str, weights: Packed, use_kernel: bool, bf16: bool) -> None:
     parent, _, attr = name.rpartition(".")
     owner = model.get_submodule(parent) if parent else model
     old = getattr(owner, attr)
     if use_kernel:
-        setattr(owner, attr, PackedLinear(weights, old.bias))
+        panels = bf16_panels(weights) if bf16 and weights.shape[0] % PANEL == 0 else None
+        setattr(owner, attr, PackedLinear(weights, old.bias, panels))
     else:  # a parameter of its own: a tied embedding keeps its weights
         old.weight = torch.nn.Parameter(weights.dequantize(), requires_grad=False)
+
+
+def _bf16_summary(packed: dict[str, tuple[Packed, str]]) -> str:
+    odd = [name for name, (weights, _) in packed.items() if weights.shape[0] % PANEL]
+    kept = f" (float32 for {', '.join(odd)}: rows not a multiple of {PANEL})" if odd else ""
+    return f"{BF16_ROWS}+ rows multiply in bfloat16{kept}"
 
 
 def _summary(

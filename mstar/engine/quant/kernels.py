@@ -2,7 +2,8 @@
 system's C++ compiler at first use (about a minute), cached under the cache
 folder (``cache_root() / "kernels"``, by a hash of the source: see
 ``mstar.engine.cpp_build``), and registered as the torch ops
-``torch.ops.mstar_quant.int4_linear`` / ``int8_linear`` with fake
+``torch.ops.mstar_quant.int4_linear`` / ``int8_linear`` (and
+``bf16_linear``, on bfloat16 panels: ``bf16_or_why()``) with fake
 implementations, so ``torch.compile`` traces through them.
 
 ``kernel_or_why()`` says whether they run here: they need a CPU with AVX2
@@ -17,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from mstar.engine.cpp_build import build, build_or_why
+from mstar.engine.cpp_build import BF16_FLAGS, build, build_or_why, flags
 
-__all__ = ["build_under", "kernel_or_why"]
+__all__ = ["bf16_or_why", "build_under", "kernel_or_why"]
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 
@@ -31,6 +32,14 @@ def kernel_or_why() -> str | None:
     if why is None:
         _register_fakes()
     return why
+
+
+def bf16_or_why() -> str | None:
+    """None when this CPU's build of the kernels has ``bf16_linear`` (it
+    has AVX512-BF16's dot products), else why not; builds nothing."""
+    if flags() != BF16_FLAGS:
+        return "the CPU lacks AVX512-BF16 (bfloat16 dot products)"
+    return None
 
 
 def build_under(namespace: str, source: str, cflags: tuple[str, ...] | None = None) -> object:
@@ -50,3 +59,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("mstar_quant::int8_linear")
     def _(x, qweight, scales):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+    @torch.library.register_fake("mstar_quant::bf16_linear")
+    def _(x, panels):
+        return x.new_empty((*x.shape[:-1], panels.shape[0] * panels.shape[2]))

@@ -1,5 +1,7 @@
 """``PackedLinear``: a linear layer on packed weights (``packed.Packed``),
-float32 activations in and out, through the kernels of ``kernels.cpp``."""
+float32 activations in and out, through the kernels of ``kernels.cpp``;
+with bfloat16 panels of the same weights (``packed.bf16_panels``), inputs
+of ``BF16_ROWS`` rows or more multiply in bfloat16 instead."""
 
 from __future__ import annotations
 
@@ -7,22 +9,36 @@ import torch
 
 from mstar.engine.quant.packed import Packed
 
+BF16_ROWS = 5  # fewest input rows for the bfloat16 panels (fewer stream the packed weights)
+
 
 class PackedLinear(torch.nn.Module):
     """``y = x @ W.T (+ bias)`` with ``W`` held packed; the same result as
-    ``F.linear`` on ``packed.dequantize()`` up to the order of the sums."""
+    ``F.linear`` on ``packed.dequantize()`` up to the order of the sums,
+    or, with ``panels`` (``bf16_panels(packed)``) at ``BF16_ROWS`` rows or
+    more, as on ``x`` and ``W`` rounded to bfloat16 (sums in float32)."""
 
-    def __init__(self, packed: Packed, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, packed: Packed, bias: torch.Tensor | None = None, panels: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.kind = packed.kind
         self.out_features, self.in_features = packed.shape
         self.register_buffer("qweight", packed.qweight)
         self.register_buffer("scales", packed.scales)
         self.register_buffer("mins", packed.mins)
+        self.register_buffer("panels", panels)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
+    @property
+    def arithmetic(self) -> str:
+        """``bfloat16`` where many rows multiply in bfloat16, else ``float32``."""
+        return "float32" if self.panels is None else "bfloat16"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "int4":
+        if self.panels is not None and x.numel() >= BF16_ROWS * self.in_features:
+            y = torch.ops.mstar_quant.bf16_linear(x, self.panels)
+        elif self.kind == "int4":
             y = torch.ops.mstar_quant.int4_linear(x, self.qweight, self.scales, self.mins)
         else:
             y = torch.ops.mstar_quant.int8_linear(x, self.qweight, self.scales)
@@ -42,4 +58,4 @@ class PackedLinear(torch.nn.Module):
         return linear
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, {self.kind}"
+        return f"{self.in_features}, {self.out_features}, {self.kind}, {self.arithmetic}"

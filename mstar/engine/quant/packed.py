@@ -6,6 +6,9 @@ weight ``j + 16`` in its high one), ``scales`` and ``mins`` float16
 ``[N, K/32]``: ``w = q * scale + min``.
 ``int8``: ``qweight`` int8 ``[N, K]``, ``scales`` float16 ``[N, K/G]``:
 ``w = q * scale`` (``G = 32`` for GGUF's Q8_0, ``K`` per channel).
+bfloat16 panels (``bf16_panels``): the dequantized weights rounded to
+bfloat16, ``[N/32, K/2, 32, 2]``: 32 rows a panel, each a run of k pairs,
+each pair's 32 rows side by side (``panels[p, j, r, i] = w[32p + r, 2j + i]``).
 """
 
 from __future__ import annotations
@@ -64,3 +67,17 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Pack
     return Packed(
         "int4", qweight.contiguous(), scales.half().contiguous(), mins.half().contiguous()
     )
+
+
+PANEL = 32  # weight rows per bfloat16 panel
+
+
+def bf16_panels(packed: Packed) -> torch.Tensor:
+    """``packed``'s weights dequantized, rounded to bfloat16 (to nearest,
+    ties to even) and laid out as panels (see the module); ``ValueError``
+    unless its rows are a multiple of ``PANEL``."""
+    rows, width = packed.shape
+    if rows % PANEL:
+        raise ValueError(f"expected rows divisible by {PANEL} for bfloat16 panels, got {rows}")
+    weights = packed.dequantize().bfloat16().view(rows // PANEL, PANEL, width // 2, 2)
+    return weights.permute(0, 2, 1, 3).contiguous()
