@@ -75,7 +75,11 @@ def mode_line(choice: Any, engine: Any, forward: str | None = None) -> str:
         "eager, fused layers (faster than compiled)" if engine.fused else "eager (--enforce-eager)"
     )
     forward = forward or engine.compiled or eager
-    parts = [f"{choice.describe()} weights", f"forward {forward}"]
+    weights = f"{choice.describe()} weights"
+    if engine.dtype != choice.dtype:  # packed weights: the dtype is their arithmetic
+        activations = str(engine.dtype).removeprefix("torch.")
+        weights = f"{activations} activations, {choice.describe()} arithmetic on packed weights"
+    parts = [weights, f"forward {forward}"]
     if engine.mode_check is not None:
         parts.append(f"checked: {engine.mode_check.describe()}")
     if engine.spec is not None:

@@ -41,15 +41,17 @@ def test_auto_takes_bfloat16_where_the_cpu_multiplies_it_natively(monkeypatch):
     assert DTYPE_CHOICES == ("auto", "float32", "bfloat16", "float16")
 
 
-def test_auto_takes_float32_for_packed_weights(monkeypatch):
-    """A GGUF in its own weights, int8/int4 at load: float32 even where the CPU multiplies bfloat16 natively: the packed kernels take
-    float32 activations; without the kernels the native-bfloat16 rule holds."""
+def test_auto_for_packed_weights_takes_the_packed_kernels_arithmetic(monkeypatch):
+    """A GGUF in its own weights, int8/int4 at load: bfloat16 where the
+    packed kernels multiply in it (AVX512-BF16), else float32 even where the
+    CPU multiplies bfloat16 natively (AMX: the packed kernels take float32
+    activations); without the kernels the native-bfloat16 rule holds."""
     from mstar.engine import dtypes
     from mstar.options import resolved_dtype
 
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.setattr(dtypes, "_packed_kernels_run", lambda: True)
+    monkeypatch.setattr(dtypes, "_bf16_packed_runs", lambda: False)
     choice = resolved_dtype("auto", "cpu", model="smollm2", quantization="auto")
     assert choice.dtype == torch.float32 and "packed weights" in choice.describe()
     for model, quantization in [("m.gguf", "gguf"), ("folder", "int8"), ("folder", "int4")]:
@@ -63,6 +65,10 @@ def test_auto_takes_float32_for_packed_weights(monkeypatch):
     assert resolved_dtype("bfloat16", "cpu", model="smollm2", quantization="auto").dtype == (
         torch.bfloat16
     )
+    monkeypatch.setattr(dtypes, "_bf16_packed_runs", lambda: True)
+    choice = resolved_dtype("auto", "cpu", model="smollm2", quantization="auto")
+    assert choice.dtype == torch.bfloat16 and "AVX512-BF16" in choice.describe()
+    assert resolved_dtype("auto", "cpu", exact=True, model="smollm2").dtype == torch.float32
     monkeypatch.setattr(dtypes, "_packed_kernels_run", lambda: False)
     assert resolve_dtype("auto", "cpu", packed=True).dtype == torch.bfloat16
 

@@ -56,3 +56,16 @@ def test_linear_modules_take_any_linear_layer_and_its_own_bytes():
     assert linear_alone_s(model, rows=3, repeats=1) >= 0
     rates = {"read_bytes_s": 1e9, "gemm_flop_s_float32": 1e12}
     assert floor_s(rates, 56, torch.float32, 1, weight_bytes=100) == 100 / 1e9
+
+
+def test_linear_bytes_of_packed_layers_are_what_their_rows_read():
+    from mstar.engine.quant.at_load import quantize_int4
+    from mstar.engine.quant.linear import BF16_ROWS, PackedLinear
+    from mstar.engine.quant.packed import bf16_panels
+
+    packed = quantize_int4(torch.randn(64, 96))
+    stored = 64 * 48 + 2 * (64 * 3 * 2)  # nibbles, float16 scales and mins
+    model = torch.nn.Sequential(PackedLinear(packed, None, bf16_panels(packed)))
+    assert linear_bytes(model, rows=BF16_ROWS - 1) == stored
+    assert linear_bytes(model, rows=BF16_ROWS) == 64 * 96 * 2  # the bfloat16 panels
+    assert linear_bytes(torch.nn.Sequential(PackedLinear(packed)), rows=32) == stored

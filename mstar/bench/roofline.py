@@ -44,7 +44,6 @@ class _Config:
     quantization: str  # the mode the load resolved to: none, gguf, int8, int4
     compiled: bool
     engine: Engine
-    weight_bytes: int
     forward_s: list[float] = field(default_factory=list)
     linear_s: list[float] = field(default_factory=list)
 
@@ -110,13 +109,19 @@ def linear_parameters(model: Any) -> int:
     return sum(m.in_features * m.out_features for m in linear_modules(model))
 
 
-def linear_bytes(model: Any) -> int:
-    """Bytes a decode step reads of the linear layers' weights (their
-    parameters and buffers, each tensor once): what a quantized layer stores."""
+def linear_bytes(model: Any, rows: int = 1) -> int:
+    """Bytes a decode step of ``rows`` rows reads of the linear layers'
+    weights, each tensor once: their parameters and buffers (what a
+    quantized layer stores), or what a layer says it reads at ``rows``
+    (``read_tensors``: packed weights or, at many rows, bfloat16 panels)."""
     seen: set[int] = set()
     total = 0
     for module in linear_modules(model):
-        for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+        reads = getattr(module, "read_tensors", None)
+        tensors = reads(rows) if reads is not None else (
+            *module.parameters(recurse=False), *module.buffers(recurse=False)
+        )  # fmt: skip
+        for t in tensors:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
@@ -197,7 +202,7 @@ def run_roofline(
                 engine = Engine(
                     model, tokenizer, num_pages=pages, prefix_cache=False, compile=compiled
                 )
-                configs.append(_Config(dtype, mode, compiled, engine, linear_bytes(model)))
+                configs.append(_Config(dtype, mode, compiled, engine))
                 _time_forward(configs[-1])
     stage("measuring the machine's read bandwidth and peak GEMM again")
     # the better of two measurements: a busy moment of a shared machine lowers one
@@ -223,7 +228,7 @@ def run_roofline(
             step = statistics.median(times[c.name])
             forward = statistics.median(c.forward_s)
             linear = statistics.median(c.linear_s)
-            own_floor = floor_s(rates, params, c.dtype, batch, c.weight_bytes)
+            own_floor = floor_s(rates, params, c.dtype, batch, linear_bytes(c.engine.model, batch))
             rows.append(
                 {
                     "batch": batch,

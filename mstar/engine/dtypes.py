@@ -4,10 +4,12 @@
 CPUs with AVX512-BF16 or AMX, where a bfloat16 matmul runs ~4x a float32
 one and a decode step streams half the bytes), float32 elsewhere (a CPU
 without them emulates bfloat16 and runs slower than float32). Packed
-weights (a GGUF file's own, or int8/int4 at load) on the CPU take float32
-whatever the CPU: their kernels take float32 activations (on Zen 5 with
-AVX512-BF16 SmolLM2's own Q4_1 step ran 3x bfloat16's at batch 1 and faster
-at 32, docs/performance.md).
+weights (a GGUF file's own, or int8/int4 at load) on the CPU keep the model
+in float32 (their kernels take float32 activations) and ``auto`` names their
+arithmetic: bfloat16 where the CPU has AVX512-BF16 (their many-row products,
+prefill and batched decode, multiply in it: ``mstar.engine.quant``), float32
+elsewhere (on Zen 5 SmolLM2's own Q4_1 step ran 3x a bfloat16 model's at
+batch 1, docs/performance.md).
 
 Float32 is the dtype the engine is exact in: token for token against the
 model's own Hugging Face ``generate`` in float32. In bfloat16 the engine runs
@@ -49,8 +51,8 @@ def resolve_dtype(
 ) -> DtypeChoice:
     """``value`` (one of ``DTYPE_CHOICES`` or a floating ``torch.dtype``) as
     the dtype to load weights in on ``device``; ``ValueError`` naming it
-    otherwise. ``packed``: packed weights are asked for (``loader.asks_packed``),
-    which take float32 activations."""
+    otherwise. ``packed``: packed weights are asked for (``loader.asks_packed``):
+    ``auto`` is their arithmetic (see the module)."""
     if isinstance(value, torch.dtype):
         if not value.is_floating_point:
             raise ValueError(f"expected dtype a floating torch.dtype, got {value!r}")
@@ -65,6 +67,11 @@ def resolve_dtype(
     if torch.device(device).type == "cuda":
         return DtypeChoice(torch.bfloat16, "auto: CUDA")
     if packed and _packed_kernels_run():
+        if _bf16_packed_runs():
+            return DtypeChoice(
+                torch.bfloat16,
+                "auto: the CPU has AVX512-BF16: packed weights multiply many rows in it",
+            )
         return DtypeChoice(torch.float32, "auto: packed weights take float32 activations")
     native = native_cpu_bf16()
     if native:
@@ -76,6 +83,12 @@ def _packed_kernels_run() -> bool:
     from mstar.engine.quant.kernels import kernel_or_why
 
     return kernel_or_why() is None
+
+
+def _bf16_packed_runs() -> bool:
+    from mstar.engine.quant.kernels import bf16_or_why
+
+    return bf16_or_why() is None
 
 
 def native_cpu_bf16() -> str | None:

@@ -21,6 +21,8 @@
 // dequantized into a float32 panel, transposed ([K, 16], in L2), and every activation
 // row is multiplied against it by a register-blocked kernel (6 rows x 16 outputs in 12
 // accumulators, 6 x 32 with AVX-512; the activations broadcast, no horizontal sums).
+// With AVX512-BF16 a layer may also hold its weights as bfloat16 panels (`bf16_linear`,
+// below): its many-row products multiply in bfloat16, sums in float32.
 // The work is handed out in pieces to the kernels' own threads (`Team`: as many as
 // torch's, kept awake through a step), each taking the next piece as it finishes
 // (`share`), so a core busy with something else does less of it.

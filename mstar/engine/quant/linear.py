@@ -44,6 +44,15 @@ class PackedLinear(torch.nn.Module):
             y = torch.ops.mstar_quant.int8_linear(x, self.qweight, self.scales)
         return y if self.bias is None else y + self.bias
 
+    def read_tensors(self, rows: int) -> list[torch.Tensor]:
+        """The tensors a call on ``rows`` input rows reads (the panels, or
+        the packed weights; the bias)."""
+        if self.panels is not None and rows >= BF16_ROWS:
+            tensors = [self.panels]
+        else:
+            tensors = [t for t in (self.qweight, self.scales, self.mins) if t is not None]
+        return tensors + ([] if self.bias is None else [self.bias])
+
     def packed(self) -> Packed:
         return Packed(self.kind, self.qweight, self.scales, self.mins)
 
