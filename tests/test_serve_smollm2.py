@@ -144,6 +144,10 @@ def test_bench_load_generator_measures_every_request(server, tmp_path):
     result = {"requests": 4, "max_tokens": 3, "threads": 2, "rows": rows, "peak_rss_bytes": {}}
     table = format_serve(result)
     assert "ours" in table and "burst" in table and "20.0" in table
+    named = {**result, "cpu": "AMD EPYC (AVX2; ...)", "modes": {"ours": "mstar-kv: float32 ..."}}
+    lines = format_serve(named).splitlines()
+    assert lines[1] == "CPU: AMD EPYC (AVX2; ...)" and lines[3].startswith("---")
+    assert "ours: mstar-kv: float32 ..." in lines
     if importlib.util.find_spec("matplotlib"):
         from mstar.bench.serve import plot_serve
 

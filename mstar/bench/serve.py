@@ -21,6 +21,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -169,7 +170,9 @@ def summarize(target: str, rate: float, samples: list[Sample], seconds: float) -
 
 
 class OwnServer:
-    """``mstar-kv serve --model smollm2 [ARGS]`` as a child process on a free port."""
+    """``mstar-kv serve --model smollm2 [ARGS]`` as a child process on a free
+    port; its output (stdout and stderr) read as it comes (``lines``), so a
+    chatty server never blocks on a full pipe."""
 
     def __init__(self, args: Sequence[str] = ()) -> None:
         from mstar.serve import free_port
@@ -178,7 +181,21 @@ class OwnServer:
         self.url = f"http://127.0.0.1:{self.port}/v1"
         cmd = [sys.executable, "-m", "mstar.cli", "serve", "--model", "smollm2",
                "--port", str(self.port), *args]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def mode(self) -> str | None:
+        """The server's start-up line (its dtype, forward and quantization)."""
+        return next((x for x in self.lines if x.startswith("mstar-kv serve: ")), None)
 
     def __enter__(self) -> OwnServer:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -189,9 +206,8 @@ class OwnServer:
             except httpx.TransportError:
                 time.sleep(0.5)
         self.__exit__()
-        raise RuntimeError(
-            f"mstar-kv serve did not start: {self.proc.stderr.read().decode()[-2000:]}"
-        )
+        self._reader.join(timeout=5)
+        raise RuntimeError(f"mstar-kv serve did not start: {chr(10).join(self.lines)[-2000:]}")
 
     def peak_rss_bytes(self) -> int:
         """The process's peak resident memory (VmHWM)."""
@@ -248,8 +264,10 @@ def run_serve_bench(
     """Every target at every rate; the rows and each target's peak memory."""
     from rich.progress import Progress
 
+    from mstar.engine.cpu import cpu_info
+
     targets = (["mstar-kv serve"] if self_server else []) + list(urls)
-    rows, memory = [], {}
+    rows, memory, modes = [], {}, {}
     with Progress(transient=True) as progress:
         for target in targets:
             own = OwnServer(server_args) if target == "mstar-kv serve" else None
@@ -274,12 +292,15 @@ def run_serve_bench(
                     rows.append(summarize(row, rates[0], samples, seconds))
                 if own:
                     memory[target] = own.peak_rss_bytes()
+                    modes[target] = own.mode
     return {
         "requests": requests,
         "max_tokens": max_tokens,
         "threads": os.cpu_count(),
+        "cpu": cpu_info().describe(),
         "rows": rows,
         "peak_rss_bytes": memory,
+        "modes": modes,
     }
 
 
@@ -312,8 +333,11 @@ def format_serve(result: dict) -> str:
              "-" if not (t and t_base) else f"{t / t_base:.2f}x"]
         )  # fmt: skip
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
-    lines = [head] + ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in table]
-    lines.insert(2, "  ".join("-" * w for w in widths))
+    cpu = [f"CPU: {result['cpu']}"] if result.get("cpu") else []
+    lines = [head, *cpu] + ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in table]
+    lines.insert(len(cpu) + 2, "  ".join("-" * w for w in widths))
+    for target, mode in result.get("modes", {}).items():
+        lines.append(f"{target}: {mode or 'no start-up line'}")
     for target, rss in result["peak_rss_bytes"].items():
         lines.append(f"{target}: peak resident memory {rss / 2**30:.2f} GiB")
     for r in rows:
