@@ -21,3 +21,48 @@ def test_counts_go_to_the_stats_the_engine_holds_now():
     assert [len(c.outputs[0].token_ids) for c in done] == [10] * 3
     assert eng.stats.preemptions > 0 and eng.stats.refused > 0 and eng.stats.plan_s > 0
     assert (first.preemptions, first.refused, first.plan_s) == (0, 0, 0.0)
+
+
+def _prefill(prompts, prefix_cache, logprobs=None, engine=None):
+    """The completions' tokens and the prefill tokens computed for
+    ``prompts`` all submitted at once (on ``engine``, else a new one)."""
+    if engine is None:
+        _, twin = build_model(seed=0)
+        engine = Engine(twin, num_pages=64, page_size=8, token_budget=256, prefix_cache=prefix_cache)
+    before = engine.stats.prefill_tokens
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, prompt_logprobs=logprobs)
+    done = engine.generate(prompts, params)
+    return [c.outputs[0].token_ids for c in done], engine.stats.prefill_tokens - before, engine
+
+
+SHARED = [(7 * i) % 250 + 1 for i in range(20)]  # a system prompt: 2.5 pages of 8
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once():
+    """Five prompts at once, one prefix of 20 tokens (two full pages of 8)
+    and one a duplicate: the first computes its 25; the others wait a step
+    for its pages and compute only what follows them (9 tokens; the duplicate
+    its last token alone, a one-token row). Same tokens as without the cache."""
+    prompts = [SHARED + [200 + i] * 5 for i in range(4)] + [SHARED + [200] * 5]
+    want, computed, _ = _prefill(prompts, prefix_cache=False)
+    assert computed == 5 * 25
+    got, computed, _ = _prefill(prompts, prefix_cache=True)
+    assert got == want
+    assert computed == 25 + 3 * 9
+
+
+def test_a_stream_holding_a_matched_prefix_waits_for_the_next_shared_page():
+    """The first page is cached from before; two prompts arriving together
+    share the next one too: the second takes the first page, waits for the
+    first prompt's second page and takes it as well."""
+    first, _, engine = _prefill([SHARED[:8] + [3] * 9], prefix_cache=True)
+    prompts = [SHARED + [200 + i] * 5 for i in range(2)]
+    got, computed, _ = _prefill(prompts, prefix_cache=True, engine=engine)
+    assert computed == (25 - 8) + 9
+    assert got == _prefill(prompts, prefix_cache=False)[0]
+
+
+def test_prompt_logprobs_are_computed_whole_not_waited_for():
+    prompts = [SHARED + [200 + i] * 5 for i in range(3)]
+    _, computed, _ = _prefill(prompts, prefix_cache=True, logprobs=1)
+    assert computed == 3 * 25

@@ -1,7 +1,11 @@
 """Admission and preemption: which of the engine's running requests hold KV pages.
 
 Each step schedules the running requests under the token budget and admits
-the step into the KV manager. When the pool refuses it, the requests before
+the step into the KV manager. With the prefix cache, a stream that has
+computed nothing yet and whose next full page another stream computes in
+the same step (the same tokens from the start: requests arriving together
+with one system prompt) waits a step and takes that page from the cache
+when it commits, instead of computing it too. When the pool refuses it, the requests before
 the one refused are admitted; when none of it fits, the youngest request
 holding KV is preempted (it keeps its generated tokens and recomputes prompt
 + generated later) and the step is scheduled again. Streams that ended give
@@ -28,7 +32,9 @@ class Admitter:
     the requests that finish or are dropped) and the pool of ``mgr``. A step
     feeds at most ``budget`` tokens, at most ``max_chunk`` to one stream
     (None: the budget's); with ``prefix_cache`` a stream about to start first
-    takes its longest cached prefix, and with ``tiers`` (a ``KVTiers``, set by
+    takes its longest cached prefix (and a stream whose next page another
+    computes in the same step waits for it: ``_waits_for_shared``), and with
+    ``tiers`` (a ``KVTiers``, set by
     ``kv.tiers.attach``) the pages below the pool that continue it: a request
     whose pages are being fetched is not scheduled until they are in the
     pool. Counts go to the ``EngineStats`` each call is given."""
@@ -45,6 +51,8 @@ class Admitter:
         self.budget, self.max_chunk, self.prefix_cache = budget, max_chunk, prefix_cache
         self.tiers = None
         self._loading: set[str] = set()  # requests whose pages the tiers are fetching
+        # streams holding a matched prefix and nothing computed: they may match more
+        self._unstarted: set[tuple[str, str]] = set()
 
     def next_step(self, stats: EngineStats) -> KVStep | None:
         """The step to run, admitted: everything scheduled, or the requests
@@ -59,9 +67,13 @@ class Admitter:
         preempted: set[str] = set()
         try:
             while self.running:
-                step = schedule(self._schedulable(), self.budget, self.max_chunk)
-                while self._reuse_prefixes(step.segments, preempted):  # less to compute:
-                    step = schedule(self._schedulable(), self.budget, self.max_chunk)
+                waiting: set[str] = set()  # for a page another stream computes this step
+                tried: set[tuple[str, str]] = set()  # streams matched in this call
+                step = schedule(self._schedulable(waiting), self.budget, self.max_chunk)
+                while self._reuse_prefixes(
+                    step.segments, preempted, tried
+                ) or self._waits_for_shared(step, waiting):  # less to compute:
+                    step = schedule(self._schedulable(waiting), self.budget, self.max_chunk)
                 if not step.segments and self._loading:  # all wait for the tiers
                     self.tiers.wait(0.05)
                     continue
@@ -72,6 +84,9 @@ class Admitter:
                 except RequestTooLarge as err:
                     raise StepFailed((owner.id,)) from err
                 if step is not None:
+                    self._unstarted.difference_update(
+                        (s.request_id, s.label) for s in step.segments
+                    )
                     return step
                 preempted.add(victim.id)
             return None
@@ -154,35 +169,83 @@ class Admitter:
             )
         return None, self._preempt(holding[-1], stats)
 
-    def _reuse_prefixes(self, segments: tuple[Segment, ...], skip: set[str]) -> bool:
-        """Streams about to start (scheduled, nothing in the KV cache yet)
-        take their longest cached prefix, the requests in ``skip`` excepted;
-        True when one did. Matched only when scheduled: pages are registered
-        as steps commit, so a stream matched early would miss them."""
+    def _reuse_prefixes(
+        self, segments: tuple[Segment, ...], skip: set[str], tried: set[tuple[str, str]]
+    ) -> bool:
+        """Streams about to start (scheduled, nothing computed yet) take their
+        longest cached prefix, the requests in ``skip`` and the streams in
+        ``tried`` (added to) excepted; True when one took more than it held.
+        Matched only when scheduled: pages are registered as steps commit, so
+        a stream matched early would miss them; one that waited a step
+        (``_waits_for_shared``) matches anew."""
         if not self.prefix_cache:
             return False
         matched = False
         for rid, label, _, _ in segments:
             req = self.running[rid]
-            if req.fed[label] or rid in skip or req.prompt_logprobs is not None:
+            fed = req.fed[label]
+            if (
+                (fed and (rid, label) not in self._unstarted)
+                or rid in skip
+                or (rid, label) in tried
+            ):
+                continue
+            tried.add((rid, label))
+            if req.prompt_logprobs is not None:
                 continue  # (prompt logprobs need every prompt position computed)
-            if label in self.mgr.labels(rid):  # matched nothing before: match anew
+            if label in self.mgr.labels(rid):  # matched before: match anew
                 self.mgr.release(rid, label)
-            if self.tiers is not None and not self.tiers.load((rid, label), req.streams[label]):
+            tiers = self.tiers if fed == 0 else None  # (asked once a stream starts)
+            if tiers is not None and not tiers.load((rid, label), req.streams[label]):
                 self._loading.add(rid)  # its pages are on their way: schedule the others
                 matched = True
                 continue
             req.fed[label] = self.mgr.match_prefix(rid, label, req.streams[label])
-            matched = matched or req.fed[label] > 0
+            self._unstarted.add((rid, label))
+            matched = matched or req.fed[label] > fed
         return matched
 
-    def _schedulable(self) -> Iterable[Request]:
-        """The running requests, less those waiting for pages from the tiers."""
+    def _waits_for_shared(self, step: KVStep, waiting: set[str]) -> bool:
+        """Requests with a stream about to start whose next full page (its
+        tokens from position 0) a stream of another request scheduled before
+        it computes whole in ``step``: added to ``waiting``, to match that
+        page once it commits; True when one was. (Nothing to do in a decode
+        step: one token a row.)"""
+        if not self.prefix_cache or len(step.tokens) == len(step.segments):
+            return False
+        size, added = self.mgr.page_size, False
+        computing: list[tuple[list[int], int, int, str]] = []  # tokens, from, to, request
+        for rid, label, span, _ in step.segments:
+            req = self.running[rid]
+            tokens, start = req.streams[label], req.fed[label]
+            end = start + size
+            if (
+                req.prompt_logprobs is None
+                and (start == 0 or (rid, label) in self._unstarted)
+                and end < len(tokens)
+                and any(
+                    other != rid and lo <= start and end <= hi and seen[:end] == tokens[:end]
+                    for seen, lo, hi, other in computing
+                )
+            ):
+                waiting.add(rid)
+                added = True
+            elif span >= size:
+                computing.append((tokens, start, start + span, rid))
+        return added
+
+    def _schedulable(self, waiting: set[str]) -> Iterable[Request]:
+        """The running requests, less those waiting for pages from the tiers
+        or for a page another computes (``waiting``)."""
         if self._loading:
             self._loading = {r for r in self._loading if self.tiers.busy(r)}
-        if not self._loading:
+        if self._unstarted:
+            self._unstarted = {k for k in self._unstarted if k[0] in self.running}
+        if not self._loading and not waiting:
             return self.running.values()
-        return [r for r in self.running.values() if r.id not in self._loading]
+        return [
+            r for r in self.running.values() if r.id not in self._loading and r.id not in waiting
+        ]
 
     def _preempt(self, req: Request, stats: EngineStats) -> Request:
         """Free ``req``'s KV; it is recomputed later."""
