@@ -55,7 +55,7 @@ def test_a_stream_holding_a_matched_prefix_waits_for_the_next_shared_page():
     """The first page is cached from before; two prompts arriving together
     share the next one too: the second takes the first page, waits for the
     first prompt's second page and takes it as well."""
-    first, _, engine = _prefill([SHARED[:8] + [3] * 9], prefix_cache=True)
+    _, _, engine = _prefill([SHARED[:8] + [3] * 9], prefix_cache=True)
     prompts = [SHARED + [200 + i] * 5 for i in range(2)]
     got, computed, _ = _prefill(prompts, prefix_cache=True, engine=engine)
     assert computed == (25 - 8) + 9
