@@ -28,7 +28,9 @@ def _prefill(prompts, prefix_cache, logprobs=None, engine=None):
     ``prompts`` all submitted at once (on ``engine``, else a new one)."""
     if engine is None:
         _, twin = build_model(seed=0)
-        engine = Engine(twin, num_pages=64, page_size=8, token_budget=256, prefix_cache=prefix_cache)
+        engine = Engine(
+            twin, num_pages=64, page_size=8, token_budget=256, prefix_cache=prefix_cache
+        )
     before = engine.stats.prefill_tokens
     params = SamplingParams(max_new_tokens=4, ignore_eos=True, prompt_logprobs=logprobs)
     done = engine.generate(prompts, params)
