@@ -84,9 +84,10 @@ class Admitter:
                 except RequestTooLarge as err:
                     raise StepFailed((owner.id,)) from err
                 if step is not None:
-                    self._unstarted.difference_update(
-                        (s.request_id, s.label) for s in step.segments
-                    )
+                    if self._unstarted:  # the streams in the step start now
+                        self._unstarted.difference_update(
+                            (s.request_id, s.label) for s in step.segments
+                        )
                     return step
                 preempted.add(victim.id)
             return None
