@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar.engine.cpu import cpu_info
-from mstar.engine.quant.kernels import SOURCE, build_under, kernel_or_why
+from mstar.engine.quant.kernels import PARTS, SOURCE, build_under, kernel_or_why
 
 SHAPES = {
     "q": (576, 576),
@@ -43,19 +43,22 @@ BYTES_PER_WEIGHT = {"int4": 0.625, "int8": 1.0625, "f32": 4.0}
 
 
 def baseline_ops(ref: str) -> object | None:
-    """``kernels.cpp`` at git ref ``ref``, built under the namespace
+    """``kernels.cpp`` and the headers it includes at git ref ``ref`` (none
+    before they were split out), built under the namespace
     ``mstar_quant_base``: its ops (``torch.ops.mstar_quant_base``)."""
     if ref == "none":
         return None
-    relative = SOURCE.relative_to(Path(__file__).resolve().parents[1])
-    source = subprocess.run(
-        ["git", "show", f"{ref}:{relative}"],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=SOURCE.parent,
-    ).stdout
-    return build_under("mstar_quant_base", source)
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", *args], capture_output=True, text=True, check=True, cwd=root)
+        return run.stdout
+
+    relative = SOURCE.relative_to(root)
+    folder = PARTS.relative_to(root)
+    listed = git("ls-tree", "--name-only", ref, f"{folder}/").split()  # nothing before the split
+    parts = {Path(n).name: git("show", f"{ref}:{n}") for n in listed if n.endswith(".h")}
+    return build_under("mstar_quant_base", git("show", f"{ref}:{relative}"), parts=parts)
 
 
 def best_us(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, tuple[float, float]]:

@@ -10,6 +10,7 @@ when it does not build."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 
 import torch
 
@@ -34,23 +35,34 @@ def flags() -> tuple[str, ...]:
     return BF16_FLAGS if torch.cpu._is_avx512_bf16_supported() else AVX512_FLAGS
 
 
-def build(stem: str, source: str, folder: str, cflags: tuple[str, ...] | None = None) -> str:
-    """Build (or find built) the C++ ``source`` text and load it into this
-    process with ``cflags`` (``flags()`` unless given); returns the build's
-    name (``stem`` and a hash of the source and flags). Raises what the
-    build raises."""
+def build(
+    stem: str,
+    source: str,
+    folder: str,
+    cflags: tuple[str, ...] | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> str:
+    """Build (or find built) the C++ ``source`` text, which may include the
+    ``headers`` (``{file name: text}``, written beside it), and load it into
+    this process with ``cflags`` (``flags()`` unless given); returns the
+    build's name (``stem`` and a hash of the source, headers and flags).
+    Raises what the build raises."""
     from torch.utils import cpp_extension
 
     from mstar.engine.cachedir import cache_root
 
     cflags = flags() if cflags is None else cflags
-    digest = hashlib.sha256("\n".join([source, *cflags]).encode()).hexdigest()[:12]
+    files = {f"{stem}.cpp": source, **(headers or {})}
+    texts = [f"{n}\n{t}" for n, t in sorted(files.items())]
+    digest = hashlib.sha256("\n".join([*texts, *cflags]).encode()).hexdigest()[:12]
     name = f"{stem}_{digest}"
     where = cache_root() / folder / name
     where.mkdir(parents=True, exist_ok=True)
+    for file, text in files.items():
+        path = where / file
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
     path = where / f"{stem}.cpp"
-    if not path.exists() or path.read_text() != source:
-        path.write_text(source)
     cpp_extension.load(
         name=name,
         sources=[str(path)],
@@ -61,7 +73,9 @@ def build(stem: str, source: str, folder: str, cflags: tuple[str, ...] | None = 
     return name
 
 
-def build_or_why(stem: str, source: str, folder: str, what: str) -> str | None:
+def build_or_why(
+    stem: str, source: str, folder: str, what: str, headers: Mapping[str, str] | None = None
+) -> str | None:
     """``build`` with this CPU's flags: None when the ops are loaded, else
     why not (a CPU without AVX2, no compiler, a failed build: "``what`` did
     not build ...")."""
@@ -69,7 +83,7 @@ def build_or_why(stem: str, source: str, folder: str, what: str) -> str | None:
     if capability not in ("AVX2", "AVX512"):
         return f"the CPU lacks AVX2 (torch sees {capability})"
     try:
-        build(stem, source, folder)
+        build(stem, source, folder, headers=headers)
     except Exception as err:  # no compiler, no ninja, a failed build: fall back, say why
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
         return f"{what} did not build ({type(err).__name__}: {first})"

@@ -23,12 +23,20 @@ from mstar.engine.cpp_build import BF16_FLAGS, build, build_or_why, flags
 __all__ = ["bf16_or_why", "build_under", "kernel_or_why"]
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
+PARTS = Path(__file__).with_name("cpp")  # the headers kernels.cpp includes
+
+
+def headers() -> dict[str, str]:
+    """The headers ``kernels.cpp`` includes: ``{file name: text}``."""
+    return {path.name: path.read_text() for path in sorted(PARTS.glob("*.h"))}
 
 
 @functools.cache
 def kernel_or_why() -> str | None:
     """None when the kernels are loaded (built first if need be), else why not."""
-    why = build_or_why("mstar_quant_kernels", SOURCE.read_text(), "kernels", "the kernels")
+    why = build_or_why(
+        "mstar_quant_kernels", SOURCE.read_text(), "kernels", "the kernels", headers()
+    )
     if why is None:
         _register_fakes()
     return why
@@ -42,12 +50,19 @@ def bf16_or_why() -> str | None:
     return None
 
 
-def build_under(namespace: str, source: str, cflags: tuple[str, ...] | None = None) -> object:
-    """A kernels ``source`` text (this one's, or another version's) built with
-    ``cflags`` (this CPU's unless given) and its ops registered under
-    ``namespace`` instead of ``mstar_quant``, beside this build in one process:
-    ``torch.ops.<namespace>``."""
-    build(namespace, source.replace("mstar_quant,", f"{namespace},"), "kernels", cflags)
+def build_under(
+    namespace: str,
+    source: str,
+    cflags: tuple[str, ...] | None = None,
+    parts: dict[str, str] | None = None,
+) -> object:
+    """A kernels ``source`` text and the headers it includes (``parts``:
+    this tree's unless given; another version's, or ``{}`` for one without
+    them) built with ``cflags`` (this CPU's unless given) and its ops
+    registered under ``namespace`` instead of ``mstar_quant``, beside this
+    build in one process: ``torch.ops.<namespace>``."""
+    source = source.replace("mstar_quant,", f"{namespace},")
+    build(namespace, source, "kernels", cflags, headers() if parts is None else parts)
     return getattr(torch.ops, namespace)
 
 

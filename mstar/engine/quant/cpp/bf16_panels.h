@@ -1,0 +1,89 @@
+// 5+ activation rows in bfloat16 (`bf16_linear`, AVX512-BF16 builds).
+#pragma once
+
+#include "panels.h"
+#include "team.h"
+
+namespace {
+
+// bfloat16 panels (builds with AVX512-BF16): the weights [N, K] rounded to bfloat16, 32
+// rows a panel, each panel [K/2, 32, 2] (k pair, output, k within the pair): a 64-byte
+// line holds 16 outputs' pairs, as vdpbf16ps takes them. The activations are rounded to
+// bfloat16 once a call; each pair of them, broadcast, is multiplied against two lines
+// (32 outputs) and summed in float32: two weights a multiply-add, where float32 panels
+// take one, and nothing to dequantize.
+#if defined(__AVX512BF16__)
+constexpr int64_t BF16_NB = 32;  // weight rows per bfloat16 panel
+
+// y[m, 0..32) = x[m, :] . panel for m < ROWS (x bfloat16, rows of stride K).
+template <int ROWS>
+void micro_bf16(const uint16_t* x, const uint16_t* panel, int64_t K, float* y, int64_t ldy) {
+  __m512 lo[ROWS], hi[ROWS];
+  for (int m = 0; m < ROWS; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  do {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + k * BF16_NB);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + k * BF16_NB + 32);
+#pragma GCC unroll 6
+    for (int m = 0; m < ROWS; ++m) {
+      const __m512bh xv =
+          (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + m * K + k));
+      lo[m] = _mm512_dpbf16_ps(lo[m], xv, w0);
+      hi[m] = _mm512_dpbf16_ps(hi[m], xv, w1);
+    }
+  } while ((k += 2) < K);
+  for (int m = 0; m < ROWS; ++m) {
+    _mm512_storeu_ps(y + m * ldy, lo[m]);
+    _mm512_storeu_ps(y + m * ldy + 16, hi[m]);
+  }
+}
+
+void micro_bf16_rows(int64_t rows, const uint16_t* x, const uint16_t* panel, int64_t K, float* y,
+                     int64_t ldy) {
+  switch (rows) {
+    case 1: return micro_bf16<1>(x, panel, K, y, ldy);
+    case 2: return micro_bf16<2>(x, panel, K, y, ldy);
+    case 3: return micro_bf16<3>(x, panel, K, y, ldy);
+    case 4: return micro_bf16<4>(x, panel, K, y, ldy);
+    case 5: return micro_bf16<5>(x, panel, K, y, ldy);
+    default: return micro_bf16<6>(x, panel, K, y, ldy);
+  }
+}
+
+// y = x @ W.T for float32 x [..., K] and bfloat16 panels [N/32, K/2, 32, 2].
+at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& panels) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "expected float32 activations, got ",
+              x_in.scalar_type());
+  TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() && panels.dim() == 4 &&
+                  panels.size(2) == BF16_NB && panels.size(3) == 2,
+              "expected contiguous bfloat16 panels [N/32, K/2, 32, 2], got ", panels.sizes());
+  const int64_t K = panels.size(1) * 2, N = panels.size(0) * BF16_NB;
+  TORCH_CHECK(x_in.size(-1) == K, "expected activations of width ", K, ", got ", x_in.size(-1));
+  TORCH_CHECK(K % 32 == 0, "expected K % 32 == 0, got ", K);
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  std::vector<uint16_t> xb(M * K);  // whole 16-lane vectors: whole pairs of 16-lane vectors
+  const float* xf = x.data_ptr<float>();
+  for (int64_t i = 0; i < M * K; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb.data() + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xf + i)));
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(panels.data_ptr());
+  float* out = y.data_ptr<float>();
+  share(panels.size(0), 1, N * K * M >= PARALLEL_MIN, [&](int64_t p0, int64_t p1, int) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t m = 0; m < M; m += ROWS_MAX)
+        micro_bf16_rows(std::min<int64_t>(ROWS_MAX, M - m), xb.data() + m * K, w + p * K * BF16_NB,
+                        K, out + m * N + p * BF16_NB, N);
+  });
+  auto sizes = x_in.sizes().vec();
+  sizes.back() = N;
+  return y.view(sizes);
+}
+#else
+at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&) {
+  TORCH_CHECK(false, "the kernels were built without AVX512-BF16 (this CPU's flags lack it)");
+}
+#endif
+
+}  // namespace

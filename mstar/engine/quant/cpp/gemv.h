@@ -1,0 +1,177 @@
+// 1-4 activation rows: the weights streamed once (`streamed`), AVX2 or AVX-512.
+#pragma once
+
+#include "formats.h"
+#include "team.h"
+
+namespace {
+
+// One activation row, each weight row streamed once in its own order, scale and min
+// taken out of each group: out[n] = sum_j scale_j (x . q_j) + sum_j min_j xsum[j].
+template <typename W>
+void gemv1(const W& w, const float* x, const float* xsum, int64_t K, int64_t n0, int64_t n1,
+           float* out) {
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < K / 32; ++j) {
+      __m256 v[4];
+      w.load(n, j, v);
+      const float* xc = x + j * 32;
+      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(xc), v[0]);
+      __m256 b = _mm256_mul_ps(_mm256_loadu_ps(xc + 8), v[1]);
+      a = _mm256_fmadd_ps(_mm256_loadu_ps(xc + 16), v[2], a);
+      b = _mm256_fmadd_ps(_mm256_loadu_ps(xc + 24), v[3], b);
+      acc = _mm256_fmadd_ps(_mm256_add_ps(a, b), _mm256_set1_ps(w.scale(n, j)), acc);
+    }
+    out[n] = hsum(acc) + w.min_dot(n, xsum);
+  }
+}
+
+// y[:, n0:n1] for ROWS <= GEMV_ROWS activation rows.
+template <int ROWS>
+void gemv(const Int8& w, const float* x, const float*, const float*, int64_t n0, int64_t n1,
+          float* y, int64_t N) {
+  if constexpr (ROWS == 1) gemv1(w, x, nullptr, w.K, n0, n1, y);
+  else w.gemv<ROWS>(x, n0, n1, y, N);
+}
+
+template <int ROWS>
+void gemv(const Int4& w, const float* x, const float* xp, const float* xsum, int64_t n0, int64_t n1,
+          float* y, int64_t N) {
+  if constexpr (ROWS == 1) gemv1(w, x, xsum, w.K, n0, n1, y);
+  else w.gemv<ROWS>(xp, n0, n1, y, N);
+}
+
+// Sums of one row of x over each group of 32 columns: [padded(K / 32)], zeros after K / 32.
+std::vector<float> group_sums(const float* x, int64_t K) {
+  std::vector<float> sums(padded(K / 32), 0.0f);
+  for (int64_t j = 0; j < K / 32; ++j) {
+    float s = 0;
+    for (int k = 0; k < 32; ++k) s += x[j * 32 + k];
+    sums[j] = s;
+  }
+  return sums;
+}
+
+#if defined(__AVX512F__)
+// AVX-512 (built so where torch sees it, `cpp_build.flags`): 1-4 activation rows in
+// their own order, each group of 32 weights dequantized into two 16-lane vectors
+// exactly as `dequantize` does, and multiplied in place.
+
+constexpr int64_t AHEAD_BYTES = 1024;  // how far ahead a row's stream of weights is asked for (measured)
+
+// int4: the group's 16 bytes widened to 32-bit lanes hold weights 0-15 (low nibbles)
+// and 16-31 (high nibbles) in order; each is looked up in the group's table
+// fma(0..15, scale, min) (vpermps reads an index's low 4 bits only).
+struct Int4Wide {
+  const Int4& w;
+  std::vector<float> s, mn;
+  explicit Int4Wide(const Int4& w) : w(w), s(padded(w.G)), mn(padded(w.G)) {}
+  void row(int64_t n) {
+    to_float(w.scales + n * w.G, w.G, s.data());
+    to_float(w.mins + n * w.G, w.G, mn.data());
+  }
+  void ahead(int64_t n, int64_t j) const {
+    _mm_prefetch(reinterpret_cast<const char*>(w.q + (n * w.G + j) * 16 + AHEAD_BYTES), _MM_HINT_T0);
+  }
+  void group(int64_t n, int64_t j, __m512 v[2]) const {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i b = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q + (n * w.G + j) * 16)));
+    const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(s[j]), _mm512_set1_ps(mn[j]));
+    v[0] = _mm512_permutexvar_ps(b, table);
+    v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+  }
+};
+
+// int8: two 16-byte halves widened, as float32, times the group's scale.
+struct Int8Wide {
+  const Int8& w;
+  std::vector<float> s;
+  explicit Int8Wide(const Int8& w) : w(w), s(padded(w.K / 32)) {}
+  void row(int64_t n) { w.row_scales(n, s.data()); }
+  void ahead(int64_t n, int64_t j) const {
+    _mm_prefetch(reinterpret_cast<const char*>(w.q + n * w.K + j * 32 + AHEAD_BYTES), _MM_HINT_T0);
+  }
+  void group(int64_t n, int64_t j, __m512 v[2]) const {
+    const int8_t* p = w.q + n * w.K + j * 32;
+    const __m512 sc = _mm512_set1_ps(s[j]);
+    for (int h = 0; h < 2; ++h)
+      v[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)))),
+                           sc);
+  }
+};
+
+// y[:, n0:n1] for ROWS activation rows [ROWS, K], two groups a step (four accumulators
+// a row, so the additions of one row do not wait on each other).
+template <int ROWS, typename Wide>
+void gemv_wide(Wide& wide, const float* x, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N) {
+  const int64_t G = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    wide.row(n);
+    __m512 acc[ROWS][4];
+    for (int m = 0; m < ROWS; ++m)
+      for (int i = 0; i < 4; ++i) acc[m][i] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 2 <= G; j += 2) {
+      __m512 v[4];
+      wide.ahead(n, j);
+      wide.group(n, j, v);
+      wide.group(n, j + 1, v + 2);
+#pragma GCC unroll 4
+      for (int m = 0; m < ROWS; ++m)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i)
+          acc[m][i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + j * 32 + 16 * i), v[i], acc[m][i]);
+    }
+    if (j < G) {  // an odd last group
+      __m512 v[2];
+      wide.group(n, j, v);
+      for (int m = 0; m < ROWS; ++m)
+        for (int i = 0; i < 2; ++i)
+          acc[m][i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + j * 32 + 16 * i), v[i], acc[m][i]);
+    }
+    for (int m = 0; m < ROWS; ++m)
+      y[m * N + n] = _mm512_reduce_add_ps(
+          _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
+  }
+}
+#endif
+
+#if defined(__AVX512F__)
+template <typename W>
+void streamed(const W& w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
+  using Wide = std::conditional_t<std::is_same_v<W, Int4>, Int4Wide, Int8Wide>;
+  const int64_t piece = std::max<int64_t>(4, (N / team_threads() + 3) / 4 * 4);
+  share(N, piece, N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1, int) {
+    Wide wide(w);
+    switch (M) {
+      case 1: return gemv_wide<1>(wide, x, K, n0, n1, y, N);
+      case 2: return gemv_wide<2>(wide, x, K, n0, n1, y, N);
+      case 3: return gemv_wide<3>(wide, x, K, n0, n1, y, N);
+      default: return gemv_wide<4>(wide, x, K, n0, n1, y, N);
+    }
+  });
+}
+#else
+template <typename W>
+void streamed(const W& w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
+  std::vector<float> xp, xsum;
+  if constexpr (std::is_same_v<W, Int4>) {
+    if (M == 1) xsum = group_sums(x, K);
+    else xp = permute_int4(x, M, K);
+  }
+  const int64_t piece = std::max<int64_t>(4, PIECE / K / 4 * 4);
+  share(N, piece, N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1, int) {
+    switch (M) {
+      case 1: return gemv<1>(w, x, xp.data(), xsum.data(), n0, n1, y, N);
+      case 2: return gemv<2>(w, x, xp.data(), xsum.data(), n0, n1, y, N);
+      case 3: return gemv<3>(w, x, xp.data(), xsum.data(), n0, n1, y, N);
+      default: return gemv<4>(w, x, xp.data(), xsum.data(), n0, n1, y, N);
+    }
+  });
+}
+#endif
+
+}  // namespace
