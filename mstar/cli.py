@@ -249,7 +249,7 @@ def run_generate(args: argparse.Namespace) -> int:
     choice = resolved_dtype(
         args.dtype, args.device, model=args.model, quantization=args.quantization
     )
-    engine, choice = float32_unless_checked(build, choice, args.quantization)
+    engine, choice = float32_unless_checked(build, choice, args.quantization, args.model)
     chat = not args.raw and engine.tokenizer.chat_template is not None
     if (args.chat or args.system) and not chat:
         raise UsageError(f"--model {args.model} has no chat template: use --raw")

@@ -231,25 +231,30 @@ def build_engine(
             **speculative_options(args),
         )  # fmt: skip
 
-    engine, choice = float32_unless_checked(build, choice, args.quantization)
+    engine, choice = float32_unless_checked(build, choice, args.quantization, args.model)
     later = compiling_later and not engine.fused
     return engine, mode_line(
         choice, engine, "eager, compiling in the background" if later else None
     )
 
 
-def float32_unless_checked(build: Any, choice: Any, quantization: str) -> tuple[Any, Any]:
+def float32_unless_checked(
+    build: Any, choice: Any, quantization: str, model: str = ""
+) -> tuple[Any, Any]:
     """``(build(choice.dtype, quantization), choice)``, or, when that mode
-    disagrees with eager float32 (``ModeMismatch``), ``build(torch.float32,
-    "none")`` and a choice whose reason says why."""
+    disagrees with eager float32 (``ModeMismatch``), float32 as
+    ``mstar.engine.build.float32_unless_checked`` picks it and a choice whose
+    reason says why (``model``: its name, to tell packed weights)."""
     import torch
 
+    from mstar.engine import build as engine_build
     from mstar.engine.dtypes import DtypeChoice
-    from mstar.engine.verify import ModeMismatch
+    from mstar.engine.loader import asks_packed
 
-    try:
-        return build(choice.dtype, quantization), choice
-    except ModeMismatch as err:
-        say(f"{err}: serving float32 instead")
-        refused = DtypeChoice(torch.float32, f"{choice.name} refused: {err}")
-        return build(torch.float32, "none"), refused
+    packed = asks_packed(model, quantization)
+    engine, refused = engine_build.float32_unless_checked(build, choice.dtype, quantization, packed)
+    if refused is None:
+        return engine, choice
+    err, instead = refused
+    say(f"{err}: serving {instead} instead")
+    return engine, DtypeChoice(torch.float32, f"{choice.name} refused: {err}")

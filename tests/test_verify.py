@@ -182,3 +182,41 @@ def test_a_packed_kernel_that_disagrees_is_refused(paged, packed_kernels, monkey
     monkeypatch.setattr(PackedLinear, "forward", lambda self, x: real(self, x) + 1e-2)
     with pytest.raises(ModeMismatch, match="packed int8 disagrees with eager float32"):
         Engine(model, **OPTIONS)
+
+
+def test_a_refused_mode_falls_back_to_float32_arithmetic_on_packed_weights_first():
+    """bfloat16 arithmetic on packed weights that disagrees: the same packed
+    weights in float32 arithmetic; if those disagree too, or the weights are
+    not packed, float32 float weights."""
+    from mstar.engine.build import float32_unless_checked
+
+    calls = []
+
+    def load(refuse):
+        def run(dtype, quantization):
+            calls.append((dtype, quantization))
+            if refuse(dtype, quantization):
+                raise ModeMismatch(f"{dtype} {quantization} made up")
+            return (dtype, quantization)
+
+        return run
+
+    half = load(lambda d, q: d != torch.float32)
+    built, (err, instead) = float32_unless_checked(half, torch.bfloat16, "gguf", packed=True)
+    assert (
+        built == (torch.float32, "gguf") and instead == "float32 arithmetic on the packed weights"
+    )
+    assert str(err) == "torch.bfloat16 gguf made up"
+    calls.clear()
+    built, (_, instead) = float32_unless_checked(half, torch.bfloat16, "none", packed=False)
+    assert calls == [(torch.bfloat16, "none"), (torch.float32, "none")]
+    assert instead == "float32 weights"
+    calls.clear()
+    packed_too = load(lambda d, q: q != "none")
+    built, (_, instead) = float32_unless_checked(packed_too, torch.bfloat16, "int4", packed=True)
+    assert calls == [(torch.bfloat16, "int4"), (torch.float32, "int4"), (torch.float32, "none")]
+    assert built == (torch.float32, "none") and instead == "float32 weights"
+    assert float32_unless_checked(half, torch.float32, "int4", packed=True) == (
+        (torch.float32, "int4"),
+        None,
+    )

@@ -91,17 +91,45 @@ def from_pretrained(
     ``tensor_parallel_size > 1``; FlashInfer attached on CUDA unless
     ``kwargs`` say). Workers started for it stop when ``make`` raises. A
     half-precision or quantized mode that disagrees with eager float32
-    (``ModeMismatch``) is served in float32, unquantized, instead, with a
-    warning saying why."""
+    (``ModeMismatch``) is served in float32 instead (``float32_unless_checked``),
+    with a warning saying why."""
     if not isinstance(name, str | os.PathLike):
         raise TypeError(f"expected name a str or a path, got {name!r}")
     device = checked_device(device)
-    dtype = resolve_dtype(dtype, device, asks_packed(os.fspath(name), quantization)).dtype
+    packed = asks_packed(os.fspath(name), quantization)
+    dtype = resolve_dtype(dtype, device, packed).dtype
+    built, refused = float32_unless_checked(
+        lambda d, q: _loaded(make, os.fspath(name), device, d, dict(kwargs), q),
+        dtype, quantization, packed,
+    )  # fmt: skip
+    if refused is not None:
+        warnings.warn(f"{refused[0]}; serving {refused[1]} instead", stacklevel=3)
+    return built
+
+
+T = TypeVar("T")
+
+
+def float32_unless_checked(
+    load: Callable[[torch.dtype, str], T], dtype: torch.dtype, quantization: str, packed: bool
+) -> tuple[T, tuple[ModeMismatch, str] | None]:
+    """``(load(dtype, quantization), None)``, or, when that mode disagrees
+    with eager float32 (``ModeMismatch``), float32 instead and ``(the
+    mismatch, what is served)``: the same packed weights in float32
+    arithmetic where a half-precision dtype multiplied them (``packed``;
+    checked at the exact bound), else float32 float weights."""
     try:
-        return _loaded(make, os.fspath(name), device, dtype, dict(kwargs), quantization)
+        return load(dtype, quantization), None
     except ModeMismatch as err:
-        warnings.warn(f"{err}; serving float32 weights instead", stacklevel=3)
-        return _loaded(make, os.fspath(name), device, torch.float32, kwargs, "none")
+        if packed and dtype != torch.float32:
+            try:
+                return load(torch.float32, quantization), (
+                    err,
+                    "float32 arithmetic on the packed weights",
+                )
+            except ModeMismatch:
+                pass
+        return load(torch.float32, "none"), (err, "float32 weights")
 
 
 def _loaded(
