@@ -40,14 +40,7 @@ void micro_bf16(const uint16_t* x, const uint16_t* panel, int64_t K, float* y, i
 
 void micro_bf16_rows(int64_t rows, const uint16_t* x, const uint16_t* panel, int64_t K, float* y,
                      int64_t ldy) {
-  switch (rows) {
-    case 1: return micro_bf16<1>(x, panel, K, y, ldy);
-    case 2: return micro_bf16<2>(x, panel, K, y, ldy);
-    case 3: return micro_bf16<3>(x, panel, K, y, ldy);
-    case 4: return micro_bf16<4>(x, panel, K, y, ldy);
-    case 5: return micro_bf16<5>(x, panel, K, y, ldy);
-    default: return micro_bf16<6>(x, panel, K, y, ldy);
-  }
+  with_rows<ROWS_MAX>(rows, [&](auto r) { micro_bf16<decltype(r)::value>(x, panel, K, y, ldy); });
 }
 
 // y = x @ W.T for float32 x [..., K] and bfloat16 panels [N/32, K/2, 32, 2].

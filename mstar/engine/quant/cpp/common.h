@@ -49,4 +49,14 @@ inline void to_float(const at::Half* h, int64_t n, float* out) {
   for (; j < padded(n); ++j) out[j] = 0.0f;
 }
 
+// fn(std::integral_constant<int, R>{}) for R = min(rows, MAX) (rows >= 1): a run-time row
+// count as a compile-time one, for kernels unrolled over their rows.
+template <int MAX, typename F>
+void with_rows(int64_t rows, const F& fn) {
+  if constexpr (MAX > 1) {
+    if (rows < MAX) return with_rows<MAX - 1>(rows, fn);
+  }
+  fn(std::integral_constant<int, MAX>{});
+}
+
 }  // namespace

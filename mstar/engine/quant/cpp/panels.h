@@ -120,14 +120,7 @@ void micro(const float* x, const float* panel, int64_t K, float* y, int64_t ldy)
 }
 
 void micro_rows(int64_t rows, const float* x, const float* panel, int64_t K, float* y, int64_t ldy) {
-  switch (rows) {
-    case 1: return micro<1>(x, panel, K, y, ldy);
-    case 2: return micro<2>(x, panel, K, y, ldy);
-    case 3: return micro<3>(x, panel, K, y, ldy);
-    case 4: return micro<4>(x, panel, K, y, ldy);
-    case 5: return micro<5>(x, panel, K, y, ldy);
-    default: return micro<6>(x, panel, K, y, ldy);
-  }
+  with_rows<ROWS_MAX>(rows, [&](auto r) { micro<decltype(r)::value>(x, panel, K, y, ldy); });
 }
 
 // More rows: NB weight rows at a time dequantized to float32 and transposed into a
