@@ -191,7 +191,6 @@ class Admitter:
                 or (rid, label) in tried
             ):
                 continue
-            tried.add((rid, label))
             if req.prompt_logprobs is not None:
                 continue  # (prompt logprobs need every prompt position computed)
             if label in self.mgr.labels(rid):  # matched before: match anew
@@ -199,8 +198,9 @@ class Admitter:
             tiers = self.tiers if fed == 0 else None  # (asked once a stream starts)
             if tiers is not None and not tiers.load((rid, label), req.streams[label]):
                 self._loading.add(rid)  # its pages are on their way: schedule the others
-                matched = True
+                matched = True  # (asked again once they are: they install then)
                 continue
+            tried.add((rid, label))
             req.fed[label] = self.mgr.match_prefix(rid, label, req.streams[label])
             self._unstarted.add((rid, label))
             matched = matched or req.fed[label] > fed
