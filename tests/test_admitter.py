@@ -68,3 +68,34 @@ def test_prompt_logprobs_are_computed_whole_not_waited_for():
     prompts = [SHARED + [200 + i] * 5 for i in range(3)]
     _, computed, _ = _prefill(prompts, prefix_cache=True, logprobs=1)
     assert computed == 3 * 25
+
+
+class _FetchOnce:
+    """KV tiers whose first ``load`` starts a fetch that is done at once."""
+
+    def __init__(self) -> None:
+        self.loads: list[tuple[str, str]] = []
+
+    def load(self, stream, tokens) -> bool:
+        self.loads.append(stream)
+        return len(self.loads) > 1  # False: in flight (installed on the next call)
+
+    def busy(self, request_id: str) -> bool:
+        return False
+
+    def wait(self, seconds: float) -> None:
+        pass
+
+    def cancel(self, request_id: str) -> None:
+        pass
+
+
+def test_a_stream_whose_fetch_is_done_is_asked_again_in_the_same_step():
+    """The tiers install fetched pages on the next ``load``: a stream whose
+    fetch ended before the step was built asks again before it is matched."""
+    _, twin = build_model(seed=0)
+    engine = Engine(twin, num_pages=64, page_size=8, token_budget=256, prefix_cache=True)
+    engine.admitter.tiers = tiers = _FetchOnce()
+    done = engine.generate([SHARED + [200] * 5], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert len(done[0].outputs[0].token_ids) == 2
+    assert len(tiers.loads) == 2 and engine.stats.steps == 2
