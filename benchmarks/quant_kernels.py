@@ -12,9 +12,11 @@ is printed: microseconds per call (wall, and the process's CPU time of all
 its threads: on a shared machine the wall time mostly measures the others)
 and GB/s (wall) of the weight bytes it reads
 (int4: 0.625 bytes a weight with its scale and min; int8 in groups of 32:
-1.0625; float32: 4). Random weights, SmolLM2-135M's shapes (``head``: the
-tied vocabulary head, which the engine runs as int8). Prints the CPU and the
-load before and after.
+1.0625; bfloat16 panels: 2; float32: 4). Where the CPU has AVX512-BF16,
+this tree's bfloat16 panels of the int4 weights (``bf16 panels``, what 5+
+rows multiply in ``--dtype bfloat16``/auto) run beside them. Random weights,
+SmolLM2-135M's shapes (``head``: the tied vocabulary head, which the engine
+runs as int8). Prints the CPU and the load before and after.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from mstar.engine.cpu import cpu_info
-from mstar.engine.quant.kernels import PARTS, SOURCE, build_under, kernel_or_why
+from mstar.engine.quant.kernels import PARTS, SOURCE, bf16_or_why, build_under, kernel_or_why
+from mstar.engine.quant.packed import PANEL, Packed, bf16_panels
 
 SHAPES = {
     "q": (576, 576),
@@ -39,7 +42,7 @@ SHAPES = {
     "down": (576, 1536),
     "head": (49152, 576),
 }
-BYTES_PER_WEIGHT = {"int4": 0.625, "int8": 1.0625, "f32": 4.0}
+BYTES_PER_WEIGHT = {"int4": 0.625, "int8": 1.0625, "bf16": 2.0, "f32": 4.0}
 
 
 def baseline_ops(ref: str) -> object | None:
@@ -94,6 +97,9 @@ def variants(ops: dict[str, object], n: int, k: int, rows: int) -> dict[str, Cal
     for label, op in ops.items():
         calls[f"int4 {label}"] = lambda op=op: op.int4_linear(x, q4, scales, mins)
         calls[f"int8 {label}"] = lambda op=op: op.int8_linear(x, q8, scales)
+    if bf16_or_why() is None and n % PANEL == 0:  # this tree's bfloat16 panels
+        panels = bf16_panels(Packed("int4", q4, scales, mins))
+        calls["bf16 panels"] = lambda: torch.ops.mstar_quant.bf16_linear(x, panels)
     calls["f32 F.linear"] = lambda: F.linear(x, w)
     return calls
 

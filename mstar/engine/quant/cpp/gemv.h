@@ -146,7 +146,12 @@ void streamed(const W& w, const float* x, int64_t M, int64_t N, int64_t K, float
   const int64_t piece = std::max<int64_t>(4, (N / team_threads() + 3) / 4 * 4);
   share(N, piece, N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1, int) {
     Wide wide(w);
-    with_rows<GEMV_ROWS>(M, [&](auto r) { gemv_wide<decltype(r)::value>(wide, x, K, n0, n1, y, N); });
+    switch (M) {
+      case 1: return gemv_wide<1>(wide, x, K, n0, n1, y, N);
+      case 2: return gemv_wide<2>(wide, x, K, n0, n1, y, N);
+      case 3: return gemv_wide<3>(wide, x, K, n0, n1, y, N);
+      default: return gemv_wide<4>(wide, x, K, n0, n1, y, N);
+    }
   });
 }
 #else
@@ -159,9 +164,12 @@ void streamed(const W& w, const float* x, int64_t M, int64_t N, int64_t K, float
   }
   const int64_t piece = std::max<int64_t>(4, PIECE / K / 4 * 4);
   share(N, piece, N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1, int) {
-    with_rows<GEMV_ROWS>(M, [&](auto r) {
-      gemv<decltype(r)::value>(w, x, xp.data(), xsum.data(), n0, n1, y, N);
-    });
+    switch (M) {
+      case 1: return gemv<1>(w, x, xp.data(), xsum.data(), n0, n1, y, N);
+      case 2: return gemv<2>(w, x, xp.data(), xsum.data(), n0, n1, y, N);
+      case 3: return gemv<3>(w, x, xp.data(), xsum.data(), n0, n1, y, N);
+      default: return gemv<4>(w, x, xp.data(), xsum.data(), n0, n1, y, N);
+    }
   });
 }
 #endif
