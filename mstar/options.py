@@ -239,7 +239,7 @@ def build_engine(
 
 
 def float32_unless_checked(
-    build: Any, choice: Any, quantization: str, model: str = ""
+    build: Any, choice: Any, quantization: str, model: str
 ) -> tuple[Any, Any]:
     """``(build(choice.dtype, quantization), choice)``, or, when that mode
     disagrees with eager float32 (``ModeMismatch``), float32 as

@@ -388,3 +388,19 @@ def test_compiled_forward_traces_through_the_bf16_kernel(bf16):
     compiled = torch.compile(model.forward, dynamic=True, fullgraph=True)
     with torch.no_grad():
         torch.testing.assert_close(compiled(ids).logits, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_layers_of_rows_not_a_multiple_of_32_keep_float32_arithmetic_and_are_named(bf16):
+    model = build_model(0, num_key_value_heads=1)[1].eval()  # k/v: 16 rows
+    description = quantize_model(model, QuantChoice("int4", "as asked", "bfloat16"))
+    odd = [
+        n for n, m in model.named_modules() if isinstance(m, PackedLinear) and m.out_features % 32
+    ]
+    assert odd and all(n.endswith(("k_proj", "v_proj")) for n in odd)
+    assert all(model.get_submodule(n).arithmetic == "float32" for n in odd)
+    assert description.endswith(
+        f"5+ rows multiply in bfloat16 (float32 for {', '.join(odd)}: rows not a multiple of 32)"
+    )
+    x = torch.randn(8, 64)
+    layer = model.get_submodule(odd[0])
+    assert torch.equal(layer(x), torch.ops.mstar_quant.int4_linear(x, *layer.read_tensors(8)))

@@ -207,7 +207,8 @@ class OwnServer:
                 time.sleep(0.5)
         self.__exit__()
         self._reader.join(timeout=5)
-        raise RuntimeError(f"mstar-kv serve did not start: {chr(10).join(self.lines)[-2000:]}")
+        output = "\n".join(self.lines)[-2000:]
+        raise RuntimeError(f"mstar-kv serve did not start: {output}")
 
     def peak_rss_bytes(self) -> int:
         """The process's peak resident memory (VmHWM)."""

@@ -125,7 +125,7 @@ def quantize_model(
     if why is not None:
         summary += f"; run as float32 (dequantized): {why}"
     elif bf16:
-        summary += f"; {_bf16_summary(packed)}"
+        summary += f"; {_bf16_summary(model, packed)}"
     model.mstar_quantization = summary
     return summary
 
@@ -178,8 +178,10 @@ def _swap(model: Any, name: str, weights: Packed, use_kernel: bool, bf16: bool) 
         old.weight = torch.nn.Parameter(weights.dequantize(), requires_grad=False)
 
 
-def _bf16_summary(packed: dict[str, tuple[Packed, str]]) -> str:
-    odd = [name for name, (weights, _) in packed.items() if weights.shape[0] % PANEL]
+def _bf16_summary(model: Any, packed: dict[str, tuple[Packed, str]]) -> str:
+    """The summary's clause on bfloat16 arithmetic, naming the layers ``_swap``
+    left without panels."""
+    odd = [name for name in packed if model.get_submodule(name).arithmetic == "float32"]
     kept = f" (float32 for {', '.join(odd)}: rows not a multiple of {PANEL})" if odd else ""
     return f"{BF16_ROWS}+ rows multiply in bfloat16{kept}"
 

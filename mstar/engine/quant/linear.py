@@ -35,8 +35,12 @@ class PackedLinear(torch.nn.Module):
         """``bfloat16`` where many rows multiply in bfloat16, else ``float32``."""
         return "float32" if self.panels is None else "bfloat16"
 
+    def _panelled(self, rows: int) -> bool:
+        """Whether ``rows`` input rows multiply on the bfloat16 panels."""
+        return self.panels is not None and rows >= BF16_ROWS
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None and x.numel() >= BF16_ROWS * self.in_features:
+        if self._panelled(x.numel() // self.in_features):
             y = torch.ops.mstar_quant.bf16_linear(x, self.panels)
         elif self.kind == "int4":
             y = torch.ops.mstar_quant.int4_linear(x, self.qweight, self.scales, self.mins)
@@ -47,7 +51,7 @@ class PackedLinear(torch.nn.Module):
     def read_tensors(self, rows: int) -> list[torch.Tensor]:
         """The tensors a call on ``rows`` input rows reads (the panels, or
         the packed weights; the bias)."""
-        if self.panels is not None and rows >= BF16_ROWS:
+        if self._panelled(rows):
             tensors = [self.panels]
         else:
             tensors = [t for t in (self.qweight, self.scales, self.mins) if t is not None]

@@ -56,7 +56,7 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& panels) {
   const at::Tensor x = x_in.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
-  std::vector<uint16_t> xb(M * K);  // whole 16-lane vectors: whole pairs of 16-lane vectors
+  std::vector<uint16_t> xb(M * K);  // K % 32 == 0: converted in whole 16-lane vectors
   const float* xf = x.data_ptr<float>();
   for (int64_t i = 0; i < M * K; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb.data() + i),
