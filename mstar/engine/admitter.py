@@ -185,11 +185,9 @@ class Admitter:
         for rid, label, _, _ in segments:
             req = self.running[rid]
             fed = req.fed[label]
-            if (
-                (fed and (rid, label) not in self._unstarted)
-                or rid in skip
-                or (rid, label) in tried
-            ):
+            if fed and (not self._unstarted or (rid, label) not in self._unstarted):
+                continue  # started (the common case: a decode row)
+            if rid in skip or (rid, label) in tried:
                 continue
             if req.prompt_logprobs is not None:
                 continue  # (prompt logprobs need every prompt position computed)
