@@ -404,3 +404,12 @@ def test_layers_of_rows_not_a_multiple_of_32_keep_float32_arithmetic_and_are_nam
     x = torch.randn(8, 64)
     layer = model.get_submodule(odd[0])
     assert torch.equal(layer(x), torch.ops.mstar_quant.int4_linear(x, *layer.read_tensors(8)))
+
+
+def test_packed_linear_refuses_panels_of_other_weights():
+    packed = random_packed("int4", 64, 96)
+    with pytest.raises(ValueError, match=r"expected bfloat16 panels of shape \[2, 48, 32, 2\]"):
+        PackedLinear(packed, None, bf16_panels(random_packed("int4", 32, 96)))
+    with pytest.raises(ValueError, match="got float32"):
+        PackedLinear(packed, None, bf16_panels(packed).float())
+    assert PackedLinear(packed, None, bf16_panels(packed)).arithmetic == "bfloat16"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar.engine.quant.packed import Packed
+from mstar.engine.quant.packed import PANEL, Packed
 
 BF16_ROWS = 5  # fewest input rows for the bfloat16 panels (fewer stream the packed weights)
 
@@ -24,6 +24,12 @@ class PackedLinear(torch.nn.Module):
         super().__init__()
         self.kind = packed.kind
         self.out_features, self.in_features = packed.shape
+        want = (self.out_features // PANEL, self.in_features // 2, PANEL, 2)
+        if panels is not None and (panels.dtype != torch.bfloat16 or tuple(panels.shape) != want):
+            raise ValueError(
+                f"expected bfloat16 panels of shape {list(want)} for weights {list(packed.shape)},"
+                f" got {str(panels.dtype).removeprefix('torch.')} {list(panels.shape)}"
+            )
         self.register_buffer("qweight", packed.qweight)
         self.register_buffer("scales", packed.scales)
         self.register_buffer("mins", packed.mins)
