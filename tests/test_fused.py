@@ -254,7 +254,15 @@ def test_layer_ops_silu_mul_matches_torch_over_the_float_range():
     assert torch.ops.mstar_layer.silu_mul(torch.cat([g, u], dim=1))[1, 5].isnan()
 
 
-def test_layer_ops_decode_attention_matches_paged_attention():
+@pytest.mark.parametrize(
+    "lengths, heads, kv_heads, dim",
+    [
+        ((7, 3), 4, 2, 8),
+        # 2^20+ multiply-adds in all: the rows spread over threads (``grain``)
+        ((300, 1, 257, 64, 190, 299, 128, 5), 8, 2, 64),
+    ],
+)
+def test_layer_ops_decode_attention_matches_paged_attention(lengths, heads, kv_heads, dim):
     """The decode kernel, from the q/k/v GEMM's output: rotary applied,
     keys and values written where ``KVCache.write`` puts them, attention
     as ``paged_attention``'s."""
@@ -264,29 +272,36 @@ def test_layer_ops_decode_attention_matches_paged_attention():
     from mstar.integrations.step_attention import StepAttention
 
     torch.manual_seed(2)
-    config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, head_dim=8)
+    config = transformers.LlamaConfig(
+        hidden_size=heads * dim, num_attention_heads=heads, head_dim=dim
+    )
+    rows, width = len(lengths), (heads + 2 * kv_heads) * dim
+    positions = torch.tensor(lengths)
     rotary = StepRotary(
         transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config),
-        torch.tensor([7, 3]),
+        positions,
         torch.float32,
     )
-    streams = Streams(32, 4, seed=5)
-    caches = [KVCache(num_layers=1, num_pages=32, page_size=4, num_kv_heads=2, head_dim=8)
-              for _ in range(2)]  # fmt: skip
-    plan = streams.plan([("a", 7), ("b", 3)])
-    k, v = torch.randn(10, 2, 8), torch.randn(10, 2, 8)
+    pages = sum(-(-(n + 1) // 4) for n in lengths) + 4
+    streams = Streams(pages, 4, seed=5)
+    caches = [KVCache(num_layers=1, num_pages=pages, page_size=4, num_kv_heads=kv_heads,
+                      head_dim=dim) for _ in range(2)]  # fmt: skip
+    names = [f"r{i}" for i in range(rows)]
+    plan = streams.plan(list(zip(names, lengths)))
+    k, v = torch.randn(sum(lengths), kv_heads, dim), torch.randn(sum(lengths), kv_heads, dim)
     for cache in caches:
         cache.write(0, plan, k, v)
-    plan = streams.decode_plan(["a", "b"])
-    qkv = torch.randn(2, (4 + 2 * 2) * 8)
+    plan = streams.decode_plan(names)
+    qkv = torch.randn(rows, width)
     fast = StepAttention(plan, caches[0], 0.3, torch.device("cpu"), kernels=True)
     slow = StepAttention(plan, caches[1], 0.3, torch.device("cpu"), kernels=False)
     assert fast.rows is not None and slow.rows is None
-    got = fast.decode(0, qkv, rotary, heads=4)
-    qk = rotary(qkv[:, :48].view(2, 6, 8))
-    want = slow(0, qk[:, :4], qk[:, 4:], qkv[:, 48:].view(2, 2, 8)).reshape(2, -1)
+    got = fast.decode(0, qkv, rotary, heads=heads)
+    q_and_k = heads + kv_heads
+    qk = rotary(qkv[:, : q_and_k * dim].view(rows, q_and_k, dim))
+    want = slow(0, qk[:, :heads], qk[:, heads:], qkv[:, q_and_k * dim :].view(rows, kv_heads, dim))
     assert torch.allclose(caches[0].layer(0), caches[1].layer(0), atol=1e-6)
-    assert torch.allclose(got, want, atol=1e-6)
+    assert torch.allclose(got, want.reshape(rows, -1), atol=1e-5)
 
 
 def _engine_runs(model: torch.nn.Module, tokenizer, prompts, params, **options):

@@ -12,7 +12,7 @@
 //                KVCache.write_rows gives), then one query per row over that row's
 //                pages, softmax in float32; query heads h read KV head h / (H / H_kv).
 // Rows (tokens, or rows x KV heads for attention) are spread over torch's threads where
-// each thread gets enough work to repay waking it (`grain`); exponentials run eight at a
+// the work repays waking a thread (`grain`); exponentials run eight at a
 // time (`exp8`, within 2 ulp of std::exp).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -62,10 +62,13 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// Rows per thread's share so that each share holds ~2^16 units of work (`per_row` a row):
-// fewer rows than that run on the calling thread alone.
-inline int64_t grain(int64_t per_row) {
-  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(per_row, 1));
+// Rows per thread's share: all of them (the calling thread alone) when the whole holds
+// under ~2^20 units of work (`per_row` a row: waking a sleeping OpenMP thread, as one does
+// under OMP_WAIT_POLICY=PASSIVE, costs ~25 us, about that much work), else ~2^16.
+inline int64_t grain(int64_t rows, int64_t per_row) {
+  per_row = std::max<int64_t>(per_row, 1);
+  if (rows * per_row < (int64_t{1} << 20)) return std::max<int64_t>(rows, 1);
+  return std::max<int64_t>(1, (int64_t{1} << 16) / per_row);
 }
 
 // Keys (and values) ahead of the one being read that are asked of memory now (in its
@@ -111,7 +114,7 @@ at::Tensor rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const 
   const float* wp = weight.data_ptr<float>();
   auto out = at::empty_like(x);
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(rows, n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* row = xp + r * n;
       if (dp != nullptr) {
@@ -142,7 +145,7 @@ void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t
   float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, rows, grain(heads * head_dim), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(rows, heads * head_dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* c = cp + r * head_dim;
       const float* s = sp + r * head_dim;
@@ -165,7 +168,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
   auto out = at::empty({rows, inner}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain(inner), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(rows, inner), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* g = xp + r * 2 * inner;
       const float* u = g + inner;
@@ -265,12 +268,12 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   const int64_t* lens = kv_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  // a task per (row, KV head); threads only where each gets ~64K multiply-adds (a
-  // thread's wake-up costs more than a small row's work)
+  // a task per (row, KV head); threads only where the step's attention repays waking
+  // them (`grain`)
   int64_t keys = 0;
   for (int64_t r = 0; r < rows; ++r) keys += lens[r];
   const int64_t per_task = std::max<int64_t>(1, keys / std::max<int64_t>(rows, 1) * group * dim * 2);
-  at::parallel_for(0, rows * kv_heads, grain(per_task), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows * kv_heads, grain(rows * kv_heads, per_task), [&](int64_t begin, int64_t end) {
     std::vector<float> scores;  // [group, len]
     std::vector<float> acc(group * dim);
     for (int64_t task = begin; task < end; ++task) {
