@@ -91,6 +91,61 @@ inline void axpy(float* y, float a, const float* x, int64_t n) {
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
+// The sums of four vectors' lanes, [sum(a), sum(b), sum(c), sum(d)].
+inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// out[l] = sc * (q . key l) for the keys at key[l] (dim floats each), four keys at a time
+// (one horizontal sum for four); the `ahead` floats at the key AHEAD on asked for too.
+void key_scores(const float* q, const float* const* key, int64_t len, int64_t dim, float sc,
+                int64_t ahead, float* out) {
+  int64_t l = 0;
+  for (; l + 4 <= len; l += 4) {
+    for (int64_t j = l + AHEAD; j < std::min(l + AHEAD + 4, len); ++j) prefetch(key[j], ahead);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[l] + i), a0);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[l + 1] + i), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[l + 2] + i), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[l + 3] + i), a3);
+    }
+    alignas(16) float t[4];
+    _mm_store_ps(t, sum4(a0, a1, a2, a3));
+    for (; i < dim; ++i)
+      for (int j = 0; j < 4; ++j) t[j] += q[i] * key[l + j][i];
+    for (int j = 0; j < 4; ++j) out[l + j] = t[j] * sc;
+  }
+  for (; l < len; ++l) out[l] = dot(q, key[l], dim) * sc;
+}
+
+// o[0..dim) = sum_l p[l] * (value l at value[l] + off), 64 floats at a time in registers;
+// the `ahead` floats at the value AHEAD on asked for too.
+void weighted_values(const float* p, const float* const* value, int64_t off, int64_t len,
+                     int64_t dim, int64_t ahead, float* o) {
+  int64_t i = 0;
+  for (; i + 64 <= dim; i += 64) {
+    __m256 a[8];
+    for (auto& v : a) v = _mm256_setzero_ps();
+    for (int64_t l = 0; l < len; ++l) {
+      if (ahead > 0 && l + AHEAD < len) prefetch(value[l + AHEAD] + off, ahead);
+      const __m256 pl = _mm256_set1_ps(p[l]);
+      const float* v = value[l] + off + i;
+      for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(pl, _mm256_loadu_ps(v + 8 * k), a[k]);
+    }
+    for (int k = 0; k < 8; ++k) _mm256_storeu_ps(o + i + 8 * k, a[k]);
+    ahead = 0;
+  }
+  for (; i < dim; ++i) {
+    float sum = 0.f;
+    for (int64_t l = 0; l < len; ++l) sum += p[l] * value[l][off + i];
+    o[i] = sum;
+  }
+}
+
 void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), name,
               ": expected a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
@@ -268,49 +323,35 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   const int64_t* lens = kv_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  // a task per (row, KV head); threads only where the step's attention repays waking
-  // them (`grain`)
+  // a task per row and run of KV heads (all of them, each slot's keys read as one run,
+  // unless a few rows must share the threads); threads only where the step's attention
+  // repays waking them (`grain`)
   int64_t keys = 0;
   for (int64_t r = 0; r < rows; ++r) keys += lens[r];
-  const int64_t per_task = std::max<int64_t>(1, keys / std::max<int64_t>(rows, 1) * group * dim * 2);
-  at::parallel_for(0, rows * kv_heads, grain(rows * kv_heads, per_task), [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;  // [group, len]
-    std::vector<float> acc(group * dim);
+  const int64_t runs = rows >= 2 * at::get_num_threads() ? 1 : kv_heads, run = kv_heads / runs;
+  const int64_t per_task = std::max<int64_t>(1, keys / std::max<int64_t>(rows, 1) * run * group * dim * 2);
+  at::parallel_for(0, rows * runs, grain(rows * runs, per_task), [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;       // [len]
+    std::vector<const float*> keys;  // [len]: each key's slot at KV head h0
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / kv_heads, kvh = task % kv_heads, len = lens[r];
+      const int64_t r = task / runs, h0 = task % runs * run, len = lens[r];
       if (qi[r] < 0) continue;  // a row without a query has no token in out
-      float* o = op + qi[r] * heads * dim + kvh * group * dim;
+      float* o = op + qi[r] * heads * dim + h0 * group * dim;
       if (len == 0) {  // a query that sees no key gives zeros
-        std::fill(o, o + group * dim, 0.f);
+        std::fill(o, o + run * group * dim, 0.f);
         continue;
       }
-      scores.resize(group * len);
-      const float* qv = qp + qi[r] * qs0 + kvh * group * qs1;  // the group's first head
-      // the row's keys (half 0) or values (half 1) in page p of its pages, at its KV head
-      const auto page_at = [&](int64_t p, int64_t half) {
-        return lp + indices[indptr[r] + p] * page_stride + half * half_page + kvh * dim;
-      };
-      // f(l, slot) for each of the row's keys (half 0) or values (half 1) in order, asking
-      // for the slot AHEAD on in its page, and for the next page's first ones as a page starts
-      const auto walk = [&](int64_t half, const auto& f) {
-        for (int64_t l0 = 0; l0 < len; l0 += page) {
-          const float* base = page_at(l0 / page, half);
-          const int64_t n = std::min(page, len - l0);
-          if (l0 + page < len) {
-            const float* next = page_at(l0 / page + 1, half);
-            for (int64_t j = 0; j < std::min(AHEAD, len - l0 - page); ++j) prefetch(next + j * slot, dim);
-          }
-          for (int64_t j = 0; j < n; ++j) {
-            if (j + AHEAD < n) prefetch(base + (j + AHEAD) * slot, dim);
-            f(l0 + j, base + j * slot);
-          }
-        }
-      };
-      walk(0, [&](int64_t l, const float* k) {  // each key read once for the group's heads
-        for (int64_t g = 0; g < group; ++g) scores[g * len + l] = dot(qv + g * qs1, k, dim) * sc;
-      });
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * len;
+      scores.resize(len);
+      keys.resize(len);
+      for (int64_t kh = 0; kh < run; ++kh) {
+        for (int64_t l = 0; l < len; ++l)
+          keys[l] = lp + indices[indptr[r] + l / page] * page_stride + (l % page) * slot + (h0 + kh) * dim;
+        for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = kh * group + g;
+        const int64_t ahead = h == 0 ? run * dim : 0;  // the first pass asks for the run's slots
+        key_scores(qp + qi[r] * qs0 + (h0 * group + h) * qs1, keys.data(), len, dim, sc, ahead,
+                   scores.data());
+        float* sg = scores.data();
         float peak = -INFINITY;
         for (int64_t l = 0; l < len; ++l) peak = sg[l] > peak ? sg[l] : peak;
         float total = 0.f;
@@ -321,12 +362,9 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
         for (l = 0; l < len; ++l) total += sg[l];
         const float inv = 1.f / total;
         for (int64_t l = 0; l < len; ++l) sg[l] *= inv;
+        weighted_values(sg, keys.data(), half_page, len, dim, ahead, o + h * dim);
+        }
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      walk(1, [&](int64_t l, const float* v) {
-        for (int64_t g = 0; g < group; ++g) axpy(acc.data() + g * dim, scores[g * len + l], v, dim);
-      });
-      std::copy(acc.begin(), acc.end(), o);
     }
   });
   return out;
