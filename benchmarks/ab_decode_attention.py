@@ -1,0 +1,140 @@
+"""The layer ops' ``decode_attention`` of this tree against a git ref's, in one process.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/ab_decode_attention.py REF [--rows 1 32]
+        [--keys 61 401] [--rounds 30] [--engine]
+
+The ref's ``layer_ops.cpp`` is built beside this tree's under another op
+namespace. Per layer call: SmolLM2's attention shape (9 query heads, 3 KV
+heads of 64, pages of 16 slots), 30 layers' caches with each row's pages
+shuffled, the two builds in alternating turns; us a layer (the median) and
+the keys and values read per second. ``--engine``: SmolLM2 Q4_1 decode steps
+at each ``--rows`` (in ``--dtype auto``'s arithmetic for packed weights), the step's
+attention through either build on alternating steps; ms a step (the median
+of 60 each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import time
+
+import numpy as np
+import torch
+
+from mstar.engine.cpp_build import build
+from mstar.integrations.layer_ops import SOURCE, layer_ops_or_why
+
+HEADS, KV_HEADS, DIM, PAGE, LAYERS = 9, 3, 64, 16, 30
+
+
+def build_ref(ref: str) -> object:
+    """``ref``'s layer ops, registered as ``torch.ops.mstar_layer_ref``."""
+    path = SOURCE.relative_to(SOURCE.parents[2])
+    text = subprocess.run(
+        ["git", "show", f"{ref}:{path}"], capture_output=True, text=True, check=True
+    ).stdout
+    for macro in ("TORCH_LIBRARY(", "TORCH_LIBRARY_IMPL("):
+        text = text.replace(f"{macro}mstar_layer,", f"{macro}mstar_layer_ref,")
+    build("mstar_layer_ref", text, "layer_ops")
+    return torch.ops.mstar_layer_ref
+
+
+def op_turns(ops: dict[str, object], rows: int, keys: int, rounds: int) -> dict[str, float]:
+    """Seconds a layer call of each op takes (the median of ``rounds``)."""
+    per_row = -(-keys // PAGE)
+    pages = rows * per_row + 8
+    perm = np.random.default_rng(0).permutation(pages)
+    caches = [torch.randn(pages, 2, PAGE, KV_HEADS, DIM) for _ in range(LAYERS)]
+    indices = torch.from_numpy(perm[: rows * per_row].astype(np.int64))
+    last = indices.view(rows, per_row)[:, (keys - 1) // PAGE] * 2 * PAGE + (keys - 1) % PAGE
+    args = (
+        torch.randn(rows, (HEADS + 2 * KV_HEADS) * DIM),  # qkv
+        torch.randn(rows, DIM),  # cos
+        torch.randn(rows, DIM),  # sin
+    )
+    rest = (
+        last, last + PAGE,  # k_rows, v_rows
+        torch.arange(rows, dtype=torch.int64),  # q_index
+        torch.arange(0, rows * per_row + 1, per_row, dtype=torch.int64),  # kv_indptr
+        indices,
+        torch.full((rows,), keys, dtype=torch.int64),  # kv_lens
+        HEADS, DIM**-0.5,
+    )  # fmt: skip
+    outs = [op.decode_attention(*args, caches[0], *rest) for op in ops.values()]
+    assert all(torch.allclose(outs[0], o, atol=1e-5) for o in outs[1:]), "the builds disagree"
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for turn in range(rounds):
+        for name in list(ops)[:: 1 if turn % 2 else -1]:
+            start = time.perf_counter()
+            for cache in caches:
+                ops[name].decode_attention(*args, cache, *rest)
+            times[name].append((time.perf_counter() - start) / LAYERS)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def engine_turns(ref_ops: object, rows: int) -> dict[str, float]:
+    """Seconds an engine decode step takes at ``rows`` rows, the step's
+    attention through this tree's build and the ref's on alternating steps."""
+    from mstar.bench.roofline import _start
+    from mstar.engine import Engine
+    from mstar.engine.dtypes import resolve_dtype
+    from mstar.engine.loader import load
+    from mstar.integrations import step_attention
+
+    dtype = resolve_dtype("auto", packed=True).dtype  # the default serving mode here
+    model, tokenizer = load("smollm2", dtype=dtype, quantization="gguf")
+    engine = Engine(model, tokenizer, num_pages=rows * 24 + 64, prefix_cache=False)
+    _start(engine, rows, 200)
+    use_ref = [False]
+    decode = step_attention.StepAttention.decode
+
+    def either(self, *args, **kwargs):
+        if use_ref[0]:
+            self._decode = ref_ops.decode_attention.default
+        return decode(self, *args, **kwargs)
+
+    step_attention.StepAttention.decode = either
+    times: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        for turn in range(120):
+            use_ref[0] = turn % 2 == 1
+            start = time.perf_counter()
+            engine.step()
+            times[use_ref[0]].append(time.perf_counter() - start)
+    finally:
+        step_attention.StepAttention.decode = decode
+    return {"this tree": statistics.median(times[False]), "ref": statistics.median(times[True])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("ref", help="git ref")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--keys", type=int, nargs="+", default=[61, 401])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--engine", action="store_true")
+    args = parser.parse_args()
+    if (why := layer_ops_or_why()) is not None:
+        raise SystemExit(f"layer ops: {why}")
+    ref_ops = build_ref(args.ref)
+    ops = {"this tree": torch.ops.mstar_layer, args.ref: ref_ops}
+    print(f"{'rows':>5} {'keys':>5}  " + "  ".join(f"{n:>22}" for n in ops) + "   ratio")
+    for rows in args.rows:
+        for keys in args.keys:
+            t = op_turns(ops, rows, keys, args.rounds)
+            gbs = rows * keys * KV_HEADS * DIM * 4 * 2 / 1e9
+            cells = "  ".join(f"{s * 1e6:9.1f} us {gbs / s:5.1f} GB/s" for s in t.values())
+            print(f"{rows:>5} {keys:>5}  {cells}   {t[args.ref] / t['this tree']:.2f}x")
+    if args.engine:
+        for rows in args.rows:
+            t = engine_turns(ref_ops, rows)
+            print(
+                f"engine step, {rows} rows: this tree {t['this tree'] * 1e3:.2f} ms,"
+                f" {args.ref} {t['ref'] * 1e3:.2f} ms ({t['ref'] / t['this tree']:.2f}x)"
+            )
+
+
+if __name__ == "__main__":
+    main()
