@@ -261,6 +261,7 @@ def test_layer_ops_silu_mul_matches_torch_over_the_float_range():
         ((5, 9, 2), 2, 1, 12),  # a head width of no whole 8 floats
         # 2^20+ multiply-adds in all: the rows spread over threads (``grain``)
         ((300, 1, 257, 64, 190, 299, 128, 5), 8, 2, 64),
+        ((1500, 1201), 8, 2, 64),  # and, fewer rows than threads, their KV heads apart
     ],
 )
 def test_layer_ops_decode_attention_matches_paged_attention(lengths, heads, kv_heads, dim):

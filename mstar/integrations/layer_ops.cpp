@@ -71,9 +71,9 @@ inline int64_t grain(int64_t rows, int64_t per_row) {
   return std::max<int64_t>(1, (int64_t{1} << 16) / per_row);
 }
 
-// Keys (and values) ahead of the one being read that are asked of memory now (in its
-// page, and the next page's first ones as a page starts): a row's keys lie a slot apart
-// in pages anywhere in the cache, read from DRAM once the caches outgrow L3.
+// Keys (and values) ahead of the one being read that are asked of memory now: a row's
+// keys lie a slot apart in pages anywhere in the cache, read from DRAM once the caches
+// outgrow L3 (further ahead measured no faster).
 constexpr int64_t AHEAD = 4;
 
 // The cache lines of n floats at p, asked for (a hint: p may lie past a page's end).
@@ -324,11 +324,13 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   // a task per row and run of KV heads (all of them, each slot's keys read as one run,
-  // unless a few rows must share the threads); threads only where the step's attention
-  // repays waking them (`grain`)
+  // unless a few rows share the threads); threads only where the step's attention repays
+  // waking them (`grain`)
   int64_t keys = 0;
   for (int64_t r = 0; r < rows; ++r) keys += lens[r];
-  const int64_t runs = rows >= 2 * at::get_num_threads() ? 1 : kv_heads, run = kv_heads / runs;
+  const bool threaded = grain(rows, keys / std::max<int64_t>(rows, 1) * heads * dim * 2) < rows;
+  const int64_t runs = threaded && rows < 2 * at::get_num_threads() ? kv_heads : 1;
+  const int64_t run = kv_heads / runs;
   const int64_t per_task = std::max<int64_t>(1, keys / std::max<int64_t>(rows, 1) * run * group * dim * 2);
   at::parallel_for(0, rows * runs, grain(rows * runs, per_task), [&](int64_t begin, int64_t end) {
     std::vector<float> scores;       // [len]
