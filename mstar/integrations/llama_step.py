@@ -118,9 +118,17 @@ class FusedLlama:
             pending = None
             for layer in self.layers:
                 pending = layer(h, pending, rotary, attention)
-            if pending is not None:
-                h.add_(pending)
             if keep is not None:
-                h = h[keep.to(h.device)]
-            h = torch.rms_norm(h, (h.shape[1],), self.norm.weight, self.norm.variance_epsilon)
-            return linear(self.head, h)
+                rows = keep.to(h.device)
+                h, pending = h[rows], None if pending is None else pending[rows]
+            return linear(self.head, self._final_norm(h, pending))
+
+    def _final_norm(self, h: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
+        """The model's last norm of ``h`` plus ``pending`` (one layer op where
+        they are built: aten's took ~60 us a decode step on 2 threads)."""
+        if self.kernels:
+            ops = torch.ops.mstar_layer
+            return ops.rms_norm.default(h, pending, self.norm.weight, self.norm.variance_epsilon)
+        if pending is not None:
+            h = h + pending
+        return torch.rms_norm(h, (h.shape[1],), self.norm.weight, self.norm.variance_epsilon)
