@@ -4,12 +4,13 @@
         [--keys 61 401] [--rounds 30] [--engine]
 
 The ref's ``layer_ops.cpp`` is built beside this tree's under another op
-namespace. Per layer call: SmolLM2's attention shape (9 query heads, 3 KV
-heads of 64, pages of 16 slots), 30 layers' caches with each row's pages
+namespace (a ref whose ops share the kernels' threads gets a team of its
+own). Per layer call: SmolLM2's attention shape (9 query heads, 3 KV heads
+of 64, pages of 16 slots), 30 layers' caches with each row's pages
 shuffled, the two builds in alternating turns; us a layer (the median) and
 the keys and values read per second. ``--engine``: SmolLM2 Q4_1 decode steps
-at each ``--rows`` (in ``--dtype auto``'s arithmetic for packed weights), the step's
-attention through either build on alternating steps; ms a step (the median
+at each ``--rows`` (in ``--dtype auto``'s arithmetic for packed weights),
+the step's attention through either build on alternating steps; ms a step (the median
 of 60 each).
 """
 
@@ -24,20 +25,27 @@ import numpy as np
 import torch
 
 from mstar.engine.cpp_build import build
-from mstar.integrations.layer_ops import SOURCE, layer_ops_or_why
+from mstar.engine.layer_ops import layer_ops_or_why
+from mstar.engine.quant.kernels import headers
 
 HEADS, KV_HEADS, DIM, PAGE, LAYERS = 9, 3, 64, 16, 30
 
 
 def build_ref(ref: str) -> object:
-    """``ref``'s layer ops, registered as ``torch.ops.mstar_layer_ref``."""
-    path = SOURCE.relative_to(SOURCE.parents[2])
-    text = subprocess.run(
-        ["git", "show", f"{ref}:{path}"], capture_output=True, text=True, check=True
-    ).stdout
+    """``ref``'s layer ops (where that version kept them), registered as
+    ``torch.ops.mstar_layer_ref``, with this tree's kernel headers beside
+    them (a version that shares the kernels' threads gets a team of its
+    own: the two teams' waiting threads then share the cores)."""
+    for path in ("mstar/engine/layer_ops.cpp", "mstar/integrations/layer_ops.cpp"):
+        shown = subprocess.run(["git", "show", f"{ref}:{path}"], capture_output=True, text=True)
+        if shown.returncode == 0:
+            break
+    else:
+        raise SystemExit(f"no layer_ops.cpp at {ref}")
+    text = shown.stdout
     for macro in ("TORCH_LIBRARY(", "TORCH_LIBRARY_IMPL("):
         text = text.replace(f"{macro}mstar_layer,", f"{macro}mstar_layer_ref,")
-    build("mstar_layer_ref", text, "layer_ops")
+    build("mstar_layer_ref", text, "layer_ops", headers=headers())
     return torch.ops.mstar_layer_ref
 
 

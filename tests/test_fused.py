@@ -13,6 +13,7 @@ from oracles import Streams
 
 transformers = pytest.importorskip("transformers")
 
+from mstar.engine.layer_ops import layer_ops_or_why  # noqa: E402
 from mstar.engine.quant.at_load import quantize_int4, quantize_int8  # noqa: E402
 from mstar.engine.quant.kernels import bf16_or_why, kernel_or_why  # noqa: E402
 from mstar.engine.quant.linear import PackedLinear  # noqa: E402
@@ -21,7 +22,6 @@ from mstar.engine.resources.kv.cache import KVCache  # noqa: E402
 from mstar.integrations import hf, llama_step  # noqa: E402
 from mstar.integrations.fused_linear import RowConcat, concat_refusal  # noqa: E402
 from mstar.integrations.hf import forward_step, register  # noqa: E402
-from mstar.integrations.layer_ops import layer_ops_or_why  # noqa: E402
 from mstar.integrations.llama_step import fused_refusal, fused_step  # noqa: E402
 
 SIZES = {

@@ -21,10 +21,10 @@ import torch
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaModel, LlamaRMSNorm
 
+from mstar.engine.layer_ops import layer_ops_or_why
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.plan import KVPlanOutput
 from mstar.integrations.fused_linear import concat_refusal, linear
-from mstar.integrations.layer_ops import layer_ops_or_why
 from mstar.integrations.llama_layer import FusedLlamaLayer, layer_refusal
 from mstar.integrations.rotary import StepRotary
 from mstar.integrations.step_attention import StepAttention

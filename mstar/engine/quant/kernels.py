@@ -1,10 +1,14 @@
-"""The packed-weight linear kernels (``kernels.cpp``): built with the
-system's C++ compiler at first use (about a minute), cached under the cache
-folder (``cache_root() / "kernels"``, by a hash of the source: see
+"""The packed-weight linear kernels (``kernels.cpp``), built with the
+system's C++ compiler at first use (about a minute) together with the fused
+layer's small ops (``mstar/engine/layer_ops.cpp``) as one extension, so that
+both share one team of threads (``cpp/team.h``: kept awake through a step,
+where torch's OpenMP threads may sleep after every call); cached under the
+cache folder (``cache_root() / "kernels"``, by a hash of the sources: see
 ``mstar.engine.cpp_build``), and registered as the torch ops
 ``torch.ops.mstar_quant.int4_linear`` / ``int8_linear`` (and
 ``bf16_linear``, on bfloat16 panels: ``bf16_or_why()``) with fake
-implementations, so ``torch.compile`` traces through them.
+implementations, so ``torch.compile`` traces through them, and
+``torch.ops.mstar_layer.*`` (``mstar.engine.layer_ops``).
 
 ``kernel_or_why()`` says whether they run here: they need a CPU with AVX2
 (with FMA and F16C) and a compiler; otherwise the quantized layers fall back
@@ -24,6 +28,9 @@ __all__ = ["bf16_or_why", "build_under", "kernel_or_why"]
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 PARTS = Path(__file__).with_name("cpp")  # the headers kernels.cpp includes
+LAYER_OPS = Path(__file__).parents[1] / "layer_ops.cpp"
+# the one extension's source: both files in one unit, so one Team (team.h) for both
+BOTH = '#include "kernels.cpp"\n#include "layer_ops.cpp"\n'
 
 
 def headers() -> dict[str, str]:
@@ -34,9 +41,8 @@ def headers() -> dict[str, str]:
 @functools.cache
 def kernel_or_why() -> str | None:
     """None when the kernels are loaded (built first if need be), else why not."""
-    why = build_or_why(
-        "mstar_quant_kernels", SOURCE.read_text(), "kernels", "the kernels", headers()
-    )
+    files = {**headers(), SOURCE.name: SOURCE.read_text(), LAYER_OPS.name: LAYER_OPS.read_text()}
+    why = build_or_why("mstar_cpu_ops", BOTH, "kernels", "the C++ ops", files)
     if why is None:
         _register_fakes()
     return why

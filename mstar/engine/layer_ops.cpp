@@ -1,4 +1,4 @@
-// The small ops of a fused decoder layer (mstar/integrations/layer_ops.py), float32, CPU.
+// The small ops of a fused decoder layer (mstar/engine/layer_ops.py), float32, CPU.
 //
 // rms_norm:      y = x * (1 / sqrt(mean(x^2) + eps)) * w, per row; with `delta`, first
 //                x += delta in place (the residual add before the norm).
@@ -11,13 +11,16 @@
 //                v_rows of the layer seen as [P * 2 * S, H_kv * D], what
 //                KVCache.write_rows gives), then one query per row over that row's
 //                pages, softmax in float32; query heads h read KV head h / (H / H_kv).
-// Rows (tokens, or rows x KV heads for attention) are spread over torch's threads where
-// the work repays waking a thread (`grain`); exponentials run eight at a
-// time (`exp8`, within 2 ulp of std::exp).
+// Rows (tokens, or rows x KV heads for attention) are spread over the packed-weight
+// kernels' threads (`Team`, quant/cpp/team.h: built into one extension with them, awake
+// through a step) where the work repays handing it out (`grain`); exponentials run eight
+// at a time (`exp8`, within 2 ulp of std::exp).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
+
+#include "team.h"
 
 #include <algorithm>
 #include <cmath>
@@ -62,13 +65,23 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// Rows per thread's share: all of them (the calling thread alone) when the whole holds
-// under ~2^20 units of work (`per_row` a row: waking a sleeping OpenMP thread, as one does
-// under OMP_WAIT_POLICY=PASSIVE, costs ~25 us, about that much work), else ~2^16.
+// Whether `work` units (multiply-adds, or elements) repay handing pieces to the kernels'
+// threads (a few microseconds).
+inline bool threaded(int64_t work) { return work >= (int64_t{1} << 17); }
+
+// Rows a piece of work: all of them (the calling thread alone) unless the whole is
+// `threaded` (`per_row` units a row), else ~2^14 units a piece (the threads take pieces
+// as they finish).
 inline int64_t grain(int64_t rows, int64_t per_row) {
   per_row = std::max<int64_t>(per_row, 1);
-  if (rows * per_row < (int64_t{1} << 20)) return std::max<int64_t>(rows, 1);
-  return std::max<int64_t>(1, (int64_t{1} << 16) / per_row);
+  if (!threaded(rows * per_row)) return std::max<int64_t>(rows, 1);
+  return std::max<int64_t>(1, (int64_t{1} << 14) / per_row);
+}
+
+// fn(begin, end) over [0, n) in pieces of `piece` (`grain`), on the kernels' threads.
+template <typename F>
+void spread(int64_t n, int64_t piece, const F& fn) {
+  share(n, piece, n > piece, [&](int64_t begin, int64_t end, int) { fn(begin, end); });
 }
 
 // Keys (and values) ahead of the one being read that are asked of memory now: a row's
@@ -169,7 +182,7 @@ at::Tensor rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const 
   const float* wp = weight.data_ptr<float>();
   auto out = at::empty_like(x);
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain(rows, n), [&](int64_t begin, int64_t end) {
+  spread(rows, grain(rows, n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* row = xp + r * n;
       if (dp != nullptr) {
@@ -200,7 +213,7 @@ void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t
   float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, rows, grain(rows, heads * head_dim), [&](int64_t begin, int64_t end) {
+  spread(rows, grain(rows, heads * head_dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* c = cp + r * head_dim;
       const float* s = sp + r * head_dim;
@@ -223,7 +236,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
   auto out = at::empty({rows, inner}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain(rows, inner), [&](int64_t begin, int64_t end) {
+  spread(rows, grain(rows, inner), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* g = xp + r * 2 * inner;
       const float* u = g + inner;
@@ -328,11 +341,11 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   // waking them (`grain`)
   int64_t keys = 0;
   for (int64_t r = 0; r < rows; ++r) keys += lens[r];
-  const bool threaded = grain(rows, keys / std::max<int64_t>(rows, 1) * heads * dim * 2) < rows;
-  const int64_t runs = threaded && rows < 2 * at::get_num_threads() ? kv_heads : 1;
+  const bool split = threaded(keys * heads * dim * 2) && rows < 2 * at::get_num_threads();
+  const int64_t runs = split ? kv_heads : 1;
   const int64_t run = kv_heads / runs;
   const int64_t per_task = std::max<int64_t>(1, keys / std::max<int64_t>(rows, 1) * run * group * dim * 2);
-  at::parallel_for(0, rows * runs, grain(rows * runs, per_task), [&](int64_t begin, int64_t end) {
+  spread(rows * runs, grain(rows * runs, per_task), [&](int64_t begin, int64_t end) {
     std::vector<float> scores;       // [len]
     std::vector<const float*> keys;  // [len]: each key's slot at KV head h0
     for (int64_t task = begin; task < end; ++task) {
