@@ -94,16 +94,6 @@ inline void prefetch(const float* p, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
 }
 
-// y += a * x over n floats
-inline void axpy(float* y, float a, const float* x, int64_t n) {
-  const __m256 va = _mm256_set1_ps(a);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  }
-  for (; i < n; ++i) y[i] += a * x[i];
-}
-
 // The sums of four vectors' lanes, [sum(a), sum(b), sum(c), sum(d)].
 inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
@@ -157,6 +147,20 @@ void weighted_values(const float* p, const float* const* value, int64_t off, int
     for (int64_t l = 0; l < len; ++l) sum += p[l] * value[l][off + i];
     o[i] = sum;
   }
+}
+
+// s[0..len) = softmax(s), in float32.
+void softmax_(float* s, int64_t len) {
+  float peak = -INFINITY;
+  for (int64_t l = 0; l < len; ++l) peak = s[l] > peak ? s[l] : peak;
+  int64_t l = 0;
+  for (; l + 8 <= len; l += 8)
+    _mm256_storeu_ps(s + l, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), _mm256_set1_ps(peak))));
+  for (; l < len; ++l) s[l] = std::exp(s[l] - peak);
+  float total = 0.f;
+  for (l = 0; l < len; ++l) total += s[l];
+  const float inv = 1.f / total;
+  for (l = 0; l < len; ++l) s[l] *= inv;
 }
 
 void check_f32(const at::Tensor& t, const char* name) {
@@ -346,8 +350,8 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   const int64_t run = kv_heads / runs;
   const int64_t per_task = std::max<int64_t>(1, keys / std::max<int64_t>(rows, 1) * run * group * dim * 2);
   spread(rows * runs, grain(rows * runs, per_task), [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;       // [len]
-    std::vector<const float*> keys;  // [len]: each key's slot at KV head h0
+    std::vector<float> scores;        // [len]
+    std::vector<const float*> slots;  // [len]: each key's slot at one KV head
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / runs, h0 = task % runs * run, len = lens[r];
       if (qi[r] < 0) continue;  // a row without a query has no token in out
@@ -357,27 +361,16 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
         continue;
       }
       scores.resize(len);
-      keys.resize(len);
+      slots.resize(len);
       for (int64_t kh = 0; kh < run; ++kh) {
         for (int64_t l = 0; l < len; ++l)
-          keys[l] = lp + indices[indptr[r] + l / page] * page_stride + (l % page) * slot + (h0 + kh) * dim;
-        for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = kh * group + g;
-        const int64_t ahead = h == 0 ? run * dim : 0;  // the first pass asks for the run's slots
-        key_scores(qp + qi[r] * qs0 + (h0 * group + h) * qs1, keys.data(), len, dim, sc, ahead,
-                   scores.data());
-        float* sg = scores.data();
-        float peak = -INFINITY;
-        for (int64_t l = 0; l < len; ++l) peak = sg[l] > peak ? sg[l] : peak;
-        float total = 0.f;
-        int64_t l = 0;
-        for (; l + 8 <= len; l += 8)
-          _mm256_storeu_ps(sg + l, exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + l), _mm256_set1_ps(peak))));
-        for (; l < len; ++l) sg[l] = std::exp(sg[l] - peak);
-        for (l = 0; l < len; ++l) total += sg[l];
-        const float inv = 1.f / total;
-        for (int64_t l = 0; l < len; ++l) sg[l] *= inv;
-        weighted_values(sg, keys.data(), half_page, len, dim, ahead, o + h * dim);
+          slots[l] = lp + indices[indptr[r] + l / page] * page_stride + (l % page) * slot + (h0 + kh) * dim;
+        for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
+          const int64_t ahead = h == 0 ? run * dim : 0;  // the first pass asks for the run's slots
+          key_scores(qp + qi[r] * qs0 + (h0 * group + h) * qs1, slots.data(), len, dim, sc, ahead,
+                     scores.data());
+          softmax_(scores.data(), len);
+          weighted_values(scores.data(), slots.data(), half_page, len, dim, ahead, o + h * dim);
         }
       }
     }
