@@ -28,7 +28,7 @@ from mstar.integrations.fused_linear import RowConcat, concat_refusal, linear
 from mstar.integrations.rotary import StepRotary
 from mstar.integrations.step_attention import StepAttention
 
-__all__ = ["FusedLlamaLayer", "layer_refusal"]
+__all__ = ["FusedLlamaLayer", "added_norm", "layer_refusal"]
 
 _TYPES = {
     "": LlamaDecoderLayer,
@@ -58,6 +58,18 @@ def layer_refusal(layer: torch.nn.Module) -> str | None:
         if reason is not None:
             return reason
     return None
+
+
+def added_norm(
+    h: torch.Tensor, delta: torch.Tensor | None, norm: torch.nn.Module, kernels: bool
+) -> torch.Tensor:
+    """``norm`` (an RMSNorm) of ``h`` after ``h += delta`` in place (``delta``
+    None: nothing added): one layer op with ``kernels``, else aten's."""
+    if kernels:
+        return torch.ops.mstar_layer.rms_norm.default(h, delta, norm.weight, norm.variance_epsilon)
+    if delta is not None:
+        h.add_(delta)
+    return torch.rms_norm(h, (h.shape[1],), norm.weight, norm.variance_epsilon)
 
 
 class FusedLlamaLayer:
@@ -94,17 +106,14 @@ class FusedLlamaLayer:
         for the next layer (or the caller) to add."""
         if self.kernels:
             return self._with_kernels(h, pending, rotary, attention)
-        if pending is not None:
-            h.add_(pending)
-        tokens, width = h.shape
-        x = torch.rms_norm(h, (width,), self.norm1.weight, self.norm1.variance_epsilon)
+        tokens = h.shape[0]
+        x = added_norm(h, pending, self.norm1, kernels=False)
         qkv = self.qkv(x)
         split = (self.heads + self.kv_heads) * self.head_dim
         qk = rotary(qkv[:, :split].view(tokens, -1, self.head_dim))
         v = qkv[:, split:].view(tokens, self.kv_heads, self.head_dim)
         out = attention(self.index, qk[:, : self.heads], qk[:, self.heads :], v)
-        h.add_(linear(self.o_proj, out.reshape(tokens, -1)))
-        x = torch.rms_norm(h, (width,), self.norm2.weight, self.norm2.variance_epsilon)
+        x = added_norm(h, linear(self.o_proj, out.reshape(tokens, -1)), self.norm2, kernels=False)
         return self._mlp(x)
 
     def _with_kernels(
@@ -118,7 +127,7 @@ class FusedLlamaLayer:
         residual add before it; a decode step's rotary, KV write and
         attention one call; ``silu(gate) * up`` one call."""
         ops = torch.ops.mstar_layer
-        x = ops.rms_norm.default(h, pending, self.norm1.weight, self.norm1.variance_epsilon)
+        x = added_norm(h, pending, self.norm1, kernels=True)
         qkv = self.qkv(x)
         if attention.rows is not None:
             out = attention.decode(self.index, qkv, rotary, self.heads)
@@ -130,8 +139,7 @@ class FusedLlamaLayer:
             k = qkv[:, q_end:k_end].view(tokens, self.kv_heads, dim)
             v = qkv[:, k_end:].view(tokens, self.kv_heads, dim)
             out = attention(self.index, q, k, v).reshape(tokens, -1)
-        o = linear(self.o_proj, out)
-        x = ops.rms_norm.default(h, o, self.norm2.weight, self.norm2.variance_epsilon)
+        x = added_norm(h, linear(self.o_proj, out), self.norm2, kernels=True)
         if self.silu:
             return linear(self.down, ops.silu_mul.default(self.gate_up(x)))
         return self._mlp(x)

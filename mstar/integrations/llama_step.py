@@ -25,7 +25,7 @@ from mstar.engine.layer_ops import layer_ops_or_why
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.plan import KVPlanOutput
 from mstar.integrations.fused_linear import concat_refusal, linear
-from mstar.integrations.llama_layer import FusedLlamaLayer, layer_refusal
+from mstar.integrations.llama_layer import FusedLlamaLayer, added_norm, layer_refusal
 from mstar.integrations.rotary import StepRotary
 from mstar.integrations.step_attention import StepAttention
 
@@ -121,14 +121,4 @@ class FusedLlama:
             if keep is not None:
                 rows = keep.to(h.device)
                 h, pending = h[rows], None if pending is None else pending[rows]
-            return linear(self.head, self._final_norm(h, pending))
-
-    def _final_norm(self, h: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
-        """The model's last norm of ``h`` plus ``pending`` (one layer op where
-        they are built: aten's took ~60 us a decode step on 2 threads)."""
-        if self.kernels:
-            ops = torch.ops.mstar_layer
-            return ops.rms_norm.default(h, pending, self.norm.weight, self.norm.variance_epsilon)
-        if pending is not None:
-            h = h + pending
-        return torch.rms_norm(h, (h.shape[1],), self.norm.weight, self.norm.variance_epsilon)
+            return linear(self.head, added_norm(h, pending, self.norm, self.kernels))
