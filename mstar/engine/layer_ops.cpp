@@ -345,11 +345,10 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   // waking them (`grain`)
   int64_t keys = 0;
   for (int64_t r = 0; r < rows; ++r) keys += lens[r];
-  const bool split = threaded(keys * heads * dim * 2) && rows < 2 * at::get_num_threads();
-  const int64_t runs = split ? kv_heads : 1;
-  const int64_t run = kv_heads / runs;
-  const int64_t per_task = std::max<int64_t>(1, keys / std::max<int64_t>(rows, 1) * run * group * dim * 2);
-  spread(rows * runs, grain(rows * runs, per_task), [&](int64_t begin, int64_t end) {
+  const int64_t work = keys * heads * dim * 2;  // multiply-adds: scores and values
+  const int64_t runs = threaded(work) && rows < 2 * at::get_num_threads() ? kv_heads : 1;
+  const int64_t run = kv_heads / runs, tasks = rows * runs;
+  spread(tasks, grain(tasks, work / std::max<int64_t>(tasks, 1)), [&](int64_t begin, int64_t end) {
     std::vector<float> scores;        // [len]
     std::vector<const float*> slots;  // [len]: each key's slot at one KV head
     for (int64_t task = begin; task < end; ++task) {

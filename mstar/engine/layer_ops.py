@@ -13,13 +13,9 @@ layer computes the same with aten ops.
 
 from __future__ import annotations
 
-from pathlib import Path
+from mstar.engine.quant.kernels import kernel_or_why
 
-from mstar.engine.quant.kernels import LAYER_OPS, kernel_or_why
-
-__all__ = ["SOURCE", "layer_ops_or_why"]
-
-SOURCE: Path = LAYER_OPS
+__all__ = ["layer_ops_or_why"]
 
 
 def layer_ops_or_why() -> str | None:
