@@ -125,3 +125,29 @@ def test_tier_stores_and_evictions_publish_with_their_medium(published, tmp_path
     gone = [h for e in events if isinstance(e, BlockRemoved) and e.medium == "DISK"
             for h in e.block_hashes]  # fmt: skip
     assert gone and set(gone) <= {e.block_hashes[0] for e in on_disk}
+
+
+def test_a_replica_binds_its_port_once_the_one_it_replaces_lets_go(monkeypatch):
+    """A port still held (the replica it replaces not yet closed) is waited
+    for, then bound; one held past ``BIND_WAIT_S`` raises the bind error."""
+    import socket
+    import threading
+
+    import zmq
+
+    from mstar.serve import kv_events
+
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    ctx = zmq.Context()
+    try:
+        old, new, third = (ctx.socket(zmq.PUB) for _ in range(3))
+        old.bind(address)
+        threading.Timer(0.3, old.close).start()
+        kv_events._bind(new, address)  # raised EADDRINUSE at once before
+        monkeypatch.setattr(kv_events, "BIND_WAIT_S", 0.2)
+        with pytest.raises(zmq.ZMQError):
+            kv_events._bind(third, address)
+    finally:
+        ctx.destroy(linger=0)

@@ -78,6 +78,27 @@ def block_stored(
     ]
 
 
+BIND_WAIT_S = 10.0  # how long a replica waits for its rank's ports to be let go
+
+
+def _bind(socket: Any, address: str) -> None:
+    """``socket.bind(address)``, waiting up to ``BIND_WAIT_S`` while the
+    address is in use: a replica replacing one of the same rank (a redeploy,
+    a restart after a crash) may start before the old one's sockets close."""
+    import errno
+
+    import zmq
+
+    deadline = time.monotonic() + BIND_WAIT_S
+    while True:
+        try:
+            return socket.bind(address)
+        except zmq.ZMQError as err:
+            if err.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 class KVEventPublisher:
     """The registry listener and the ZMQ sockets of one replica."""
 
@@ -90,11 +111,11 @@ class KVEventPublisher:
         self._ctx = zmq.Context()
         pub_at, replay_at = config.for_rank(rank)
         self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.bind(pub_at)
+        _bind(self._pub, pub_at)
         self._replay = None
         if replay_at is not None:
             self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.bind(replay_at)
+            _bind(self._replay, replay_at)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer)
         self._seq = 0
         self._pending: list[tuple[str, tuple, str]] = [("cleared", (), medium)]
