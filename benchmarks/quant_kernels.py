@@ -2,6 +2,7 @@
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/quant_kernels.py [--baseline main]
         [--rows 1 4 32 256] [--shapes q k gate down head] [--rounds 5] [--threads N]
+        [--stream]
 
 The baseline is ``kernels.cpp`` as git ref ``--baseline`` has it (``none``:
 no baseline), built in this process under its own op namespace
@@ -16,12 +17,16 @@ and GB/s (wall) of the weight bytes it reads
 this tree's bfloat16 panels of the int4 weights (``bf16 panels``, what 5+
 rows multiply in ``--dtype bfloat16``/auto) run beside them. Random weights,
 SmolLM2-135M's shapes (``head``: the tied vocabulary head, which the engine
-runs as int8). Prints the CPU and the load before and after.
+runs as int8). ``--stream``: each variant cycles through distinct copies of
+its weights, ``STREAM_BYTES`` of them in all (more than the L3 cache holds), so
+every call reads its weights from memory, as a model's step does; without it
+they stay in cache. Prints the CPU and the load before and after.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import subprocess
 import time
@@ -43,6 +48,7 @@ SHAPES = {
     "head": (49152, 576),
 }
 BYTES_PER_WEIGHT = {"int4": 0.625, "int8": 1.0625, "bf16": 2.0, "f32": 4.0}
+STREAM_BYTES = 128 << 20  # the weights a --stream variant cycles through
 
 
 def baseline_ops(ref: str) -> object | None:
@@ -85,22 +91,40 @@ def best_us(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, tu
     return {name: (wall[name], cpu[name]) for name in calls}
 
 
-def variants(ops: dict[str, object], n: int, k: int, rows: int) -> dict[str, Callable[[], object]]:
+def variants(
+    ops: dict[str, object], n: int, k: int, rows: int, stream: bool
+) -> dict[str, Callable[[], object]]:
     g = torch.Generator().manual_seed(0)
-    q4 = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
-    scales = (torch.rand(n, k // 32, generator=g) / 10).half()
-    mins = (-torch.rand(n, k // 32, generator=g) / 2).half()
-    q8 = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-    w = torch.randn(n, k, generator=g)
+
+    def copies(fmt: str) -> int:
+        return -(-STREAM_BYTES // int(n * k * BYTES_PER_WEIGHT[fmt])) if stream else 1
+
+    def cycled(args: list[tuple], call: Callable[..., object]) -> Callable[[], object]:
+        turns = itertools.cycle(args)
+        return lambda: call(*next(turns))
+
+    int4 = [
+        (
+            torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8),
+            (torch.rand(n, k // 32, generator=g) / 10).half(),
+            (-torch.rand(n, k // 32, generator=g) / 2).half(),
+        )
+        for _ in range(copies("int4"))
+    ]
+    int8 = [
+        (torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8), scales)
+        for _, scales, _ in itertools.islice(itertools.cycle(int4), copies("int8"))
+    ]
     x = torch.randn(rows, k, generator=g)
     calls: dict[str, Callable[[], object]] = {}
     for label, op in ops.items():
-        calls[f"int4 {label}"] = lambda op=op: op.int4_linear(x, q4, scales, mins)
-        calls[f"int8 {label}"] = lambda op=op: op.int8_linear(x, q8, scales)
+        calls[f"int4 {label}"] = cycled(int4, lambda *w, op=op: op.int4_linear(x, *w))
+        calls[f"int8 {label}"] = cycled(int8, lambda *w, op=op: op.int8_linear(x, *w))
     if bf16_or_why() is None and n % PANEL == 0:  # this tree's bfloat16 panels
-        panels = bf16_panels(Packed("int4", q4, scales, mins))
-        calls["bf16 panels"] = lambda: torch.ops.mstar_quant.bf16_linear(x, panels)
-    calls["f32 F.linear"] = lambda: F.linear(x, w)
+        panels = [(bf16_panels(Packed("int4", *w)),) for w in int4[: copies("bf16")]]
+        calls["bf16 panels"] = cycled(panels, lambda p: torch.ops.mstar_quant.bf16_linear(x, p))
+    weights = [(torch.randn(n, k, generator=g),) for _ in range(copies("f32"))]
+    calls["f32 F.linear"] = cycled(weights, lambda w: F.linear(x, w))
     return calls
 
 
@@ -111,6 +135,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch's threads (0: its own)")
+    parser.add_argument("--stream", action="store_true", help="weights from memory, not cache")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -126,7 +151,7 @@ def main() -> None:
     for shape in args.shapes:
         n, k = SHAPES[shape]
         for rows in args.rows:
-            calls = variants(ops, n, k, rows)
+            calls = variants(ops, n, k, rows, args.stream)
             timings = best_us(calls, args.rounds)
             for name, (us, cpu_us) in timings.items():
                 gbs = n * k * BYTES_PER_WEIGHT[name.split()[0]] / us / 1e3
