@@ -22,6 +22,7 @@ from mstar.engine.resources.kv.cache import KVCache  # noqa: E402
 from mstar.integrations import hf, llama_step  # noqa: E402
 from mstar.integrations.fused_linear import RowConcat, concat_refusal  # noqa: E402
 from mstar.integrations.hf import forward_step, register  # noqa: E402
+from mstar.integrations.layer_stack import LayerStack  # noqa: E402
 from mstar.integrations.llama_step import fused_refusal, fused_step  # noqa: E402
 
 SIZES = {
@@ -200,6 +201,51 @@ def test_weights_changed_after_the_first_step_are_followed():
     assert fused_step(paged) is not first
     run.decode(["a"])  # each step checks the fused logits against HF's forward
     run.decode(["a"])
+
+
+def test_layer_stack_is_the_layers_bit_for_bit():
+    """Decode steps of 1-4 rows on packed layers run as one ``decode_layers``
+    call: the same logits, bit for bit, as layer by layer; a prefill, and 5
+    rows (bfloat16 panels' count), run layer by layer; float32 layers never
+    stack."""
+    if layer_ops_or_why() is not None:
+        pytest.skip(f"layer ops: {layer_ops_or_why()}")
+    assert "not packed" in LayerStack.refusal(fused_step(_llama()[1]).layers)
+    _, paged = _llama(packed=True)
+    with torch.no_grad():  # norms of their own (a fresh model's are all ones)
+        for name, weight in paged.named_parameters():
+            if "norm" in name:
+                weight.uniform_(0.5, 1.5)
+    fused = fused_step(paged)
+    stack, served = fused.stack, []
+    assert stack is not None
+
+    def counted(*args):
+        pending = stack(*args)
+        served.append(pending is not None)
+        return pending
+
+    names = [f"r{i}" for i in range(5)]
+    logits = {}
+    for use in (True, False):
+        fused.stack = stack if use else None
+        if use:
+            fused.stack = counted
+        streams, spec = Streams(64, 4, seed=3), hf.kv_spec(paged).cache_kwargs()
+        cache = KVCache(num_pages=64, page_size=4, **spec)
+        prompts = [_prompt(3 + i, 20 + i) for i in range(5)]
+        plan = streams.plan([(n, len(p)) for n, p in zip(names, prompts)])
+        ids = torch.tensor([t for p in prompts for t in p])
+        out = [forward_step(paged, ids, plan, cache)]
+        for rows in (1, 2, 4, 3, 5, 1):
+            ids = torch.tensor([int(out[-1][-1].argmax()) + i for i in range(rows)])
+            plan = streams.decode_plan(names[:rows])
+            out.append(forward_step(paged, ids, plan, cache))
+        logits[use] = out
+    fused.stack = stack
+    assert served == [False, True, True, True, True, False, True]
+    for a, b in zip(logits[True], logits[False]):
+        assert torch.equal(a, b)
 
 
 def test_row_concat_shares_the_layers_weights():

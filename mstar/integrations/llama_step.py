@@ -25,6 +25,7 @@ from mstar.engine.layer_ops import layer_ops_or_why
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.plan import KVPlanOutput
 from mstar.integrations.fused_linear import concat_refusal, linear
+from mstar.integrations.layer_stack import LayerStack
 from mstar.integrations.llama_layer import FusedLlamaLayer, added_norm, layer_refusal
 from mstar.integrations.rotary import StepRotary
 from mstar.integrations.step_attention import StepAttention
@@ -95,6 +96,7 @@ class FusedLlama:
             FusedLlamaLayer(layer, i, self.kernels) for i, layer in enumerate(inner.layers)
         ]
         self.scaling = inner.layers[0].self_attn.scaling
+        self.stack = LayerStack(self.layers) if LayerStack.refusal(self.layers) is None else None
 
     def current(self) -> bool:
         """Whether every layer still shares the model's weights."""
@@ -115,9 +117,10 @@ class FusedLlama:
             h = torch.nn.functional.embedding(input_ids, self.embed.weight)
             rotary = StepRotary(self.rotary_emb, position_ids.to(h.device), h.dtype)
             attention = StepAttention(plan, cache, self.scaling, h.device, self.kernels)
-            pending = None
-            for layer in self.layers:
-                pending = layer(h, pending, rotary, attention)
+            pending = None if self.stack is None else self.stack(h, rotary, attention)
+            if pending is None:  # not a step the stack serves
+                for layer in self.layers:
+                    pending = layer(h, pending, rotary, attention)
             if keep is not None:
                 rows = keep.to(h.device)
                 h, pending = h[rows], None if pending is None else pending[rows]

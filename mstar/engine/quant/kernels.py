@@ -29,8 +29,9 @@ __all__ = ["bf16_or_why", "build_under", "kernel_or_why"]
 SOURCE = Path(__file__).with_name("kernels.cpp")
 PARTS = Path(__file__).with_name("cpp")  # the headers kernels.cpp includes
 LAYER_OPS = Path(__file__).parents[1] / "layer_ops.cpp"
-# the one extension's source: both files in one unit, so one Team (team.h) for both
-BOTH = '#include "kernels.cpp"\n#include "layer_ops.cpp"\n'
+DECODE_LAYERS = Path(__file__).parents[1] / "decode_layers.cpp"  # calls both of them
+# the one extension's source: all three files in one unit, so one Team (team.h) for all
+BOTH = '#include "kernels.cpp"\n#include "layer_ops.cpp"\n#include "decode_layers.cpp"\n'
 
 
 def headers() -> dict[str, str]:
@@ -41,7 +42,10 @@ def headers() -> dict[str, str]:
 @functools.cache
 def kernel_or_why() -> str | None:
     """None when the kernels are loaded (built first if need be), else why not."""
-    files = {**headers(), SOURCE.name: SOURCE.read_text(), LAYER_OPS.name: LAYER_OPS.read_text()}
+    files = {
+        **headers(),
+        **{path.name: path.read_text() for path in (SOURCE, LAYER_OPS, DECODE_LAYERS)},
+    }
     why = build_or_why("mstar_cpu_ops", BOTH, "kernels", "the C++ ops", files)
     if why is None:
         _register_fakes()

@@ -1,0 +1,92 @@
+"""A decode step's ``FusedLlamaLayer`` stack as one call of the layer ops'
+``decode_layers`` (``mstar/engine/decode_layers.cpp``).
+
+Per layer it calls the same C++ functions in the same order as
+``FusedLlamaLayer`` with the layer ops does (norm, q/k/v, decode attention,
+o, norm, gate/up, SiLU times up, down), so the same results bit for bit,
+without ~8 Python calls into the dispatcher a layer and the Python between
+them. It serves steps whose rows each have one query (``StepAttention.rows``)
+and fewer than ``BF16_ROWS`` tokens (more may multiply on bfloat16 panels),
+on layers whose linear layers are all packed, without bias, with SiLU; any
+other step runs layer by layer. The weights are read from the layers at
+every step, as the layer-by-layer path reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mstar.engine.quant.linear import BF16_ROWS, PackedLinear
+from mstar.integrations.llama_layer import FusedLlamaLayer
+from mstar.integrations.rotary import StepRotary
+from mstar.integrations.step_attention import StepAttention
+
+__all__ = ["LayerStack"]
+
+
+class LayerStack:
+    """``layers`` (fused with the layer ops) as one ``decode_layers`` call."""
+
+    def __init__(self, layers: Sequence[FusedLlamaLayer]) -> None:
+        self.layers = tuple(layers)
+        self.eps = self.layers[0].norm1.variance_epsilon
+        self.heads = self.layers[0].heads
+        self._none = torch.empty(0, dtype=torch.float16)  # an int8 layer's (absent) minimums
+
+    @staticmethod
+    def refusal(layers: Sequence[FusedLlamaLayer]) -> str | None:
+        """Why ``layers`` cannot run as one call (None: they can)."""
+        if not layers or not all(layer.kernels and layer.silu for layer in layers):
+            return "has no layer ops or an activation other than SiLU"
+        first = layers[0]
+        for layer in layers:
+            if not all(isinstance(m, PackedLinear) for m in _linears(layer)):
+                return "has linear layers that are not packed"
+            norms = (layer.norm1.variance_epsilon, layer.norm2.variance_epsilon)
+            if norms != (first.norm1.variance_epsilon,) * 2 or layer.heads != first.heads:
+                return "has layers of different norm epsilons or head counts"
+        return None
+
+    def __call__(
+        self,
+        h: torch.Tensor,
+        rotary: StepRotary,
+        attention: StepAttention,
+    ) -> torch.Tensor | None:
+        """Every layer over ``h`` ``[T, hidden]`` in place, as ``FusedLlamaLayer``
+        calls in turn do (no MLP output pending before the first); returns the
+        last layer's MLP output, or None (nothing done) when the step is not
+        one this call serves."""
+        if attention.rows is None or h.shape[0] >= BF16_ROWS:
+            return None
+        weights = self._weights()
+        if weights is None:
+            return None
+        caches = [attention.cache.layer(layer.index) for layer in self.layers]
+        return torch.ops.mstar_layer.decode_layers.default(
+            h, None, weights, caches, self.eps, rotary.cos_rows, rotary.sin_rows,
+            *attention.rows, self.heads, attention.scaling,
+        )  # fmt: skip
+
+    def _weights(self) -> list[torch.Tensor] | None:
+        """The layers' weights as ``decode_layers`` takes them, as they are now
+        (None: a linear layer got a bias)."""
+        weights = []
+        for layer in self.layers:
+            weights.append(layer.norm1._parameters["weight"])
+            for i, module in enumerate(_linears(layer)):
+                if module.bias is not None:
+                    return None
+                if i == 2:
+                    weights.append(layer.norm2._parameters["weight"])
+                b = module._buffers
+                mins = b["mins"]
+                weights += (b["qweight"], b["scales"], self._none if mins is None else mins)
+        return weights
+
+
+def _linears(layer: FusedLlamaLayer) -> tuple[torch.nn.Module, ...]:
+    """The layer's linear modules in the order it calls them."""
+    return (layer.qkv.module, layer.o_proj, layer.gate_up.module, layer.down)
