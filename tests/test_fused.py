@@ -246,6 +246,9 @@ def test_layer_stack_is_the_layers_bit_for_bit():
     assert served == [False, True, True, True, True, False, True]
     for a, b in zip(logits[True], logits[False]):
         assert torch.equal(a, b)
+    o_proj = paged.model.layers[1].self_attn.o_proj  # a bias given afterwards: layer by layer
+    o_proj.bias = torch.nn.Parameter(torch.zeros(o_proj.out_features), requires_grad=False)
+    assert stack._weights() is None
 
 
 def test_row_concat_shares_the_layers_weights():

@@ -34,6 +34,16 @@ class LayerStack:
         self.eps = self.layers[0].norm1.variance_epsilon
         self.heads = self.layers[0].heads
         self._none = torch.empty(0, dtype=torch.float16)  # an int8 layer's (absent) minimums
+        # where each weight lives (a module's ``_parameters`` or ``_buffers``, and its
+        # name), in ``decode_layers``' order: read every step, as they are then
+        self._slots: list[tuple[dict[str, torch.Tensor | None], str]] = []
+        self._linears = [m for layer in self.layers for m in _linears(layer)]
+        for layer in self.layers:
+            self._slots.append((layer.norm1._parameters, "weight"))
+            for i, module in enumerate(_linears(layer)):
+                if i == 2:
+                    self._slots.append((layer.norm2._parameters, "weight"))
+                self._slots += [(module._buffers, n) for n in ("qweight", "scales", "mins")]
 
     @staticmethod
     def refusal(layers: Sequence[FusedLlamaLayer]) -> str | None:
@@ -73,18 +83,10 @@ class LayerStack:
     def _weights(self) -> list[torch.Tensor] | None:
         """The layers' weights as ``decode_layers`` takes them, as they are now
         (None: a linear layer got a bias)."""
-        weights = []
-        for layer in self.layers:
-            weights.append(layer.norm1._parameters["weight"])
-            for i, module in enumerate(_linears(layer)):
-                if module.bias is not None:
-                    return None
-                if i == 2:
-                    weights.append(layer.norm2._parameters["weight"])
-                b = module._buffers
-                mins = b["mins"]
-                weights += (b["qweight"], b["scales"], self._none if mins is None else mins)
-        return weights
+        if any(module.bias is not None for module in self._linears):
+            return None
+        none = self._none
+        return [none if (t := held[name]) is None else t for held, name in self._slots]
 
 
 def _linears(layer: FusedLlamaLayer) -> tuple[torch.nn.Module, ...]:
