@@ -12,8 +12,7 @@
 // qweight uint8 for int4 (mins its float16 minimums), int8 for int8 (mins empty).
 // caches: per layer its KV tensor [P, 2, S, H_kv, D]; the rest as decode_attention's.
 // h [T, hidden] gets every layer's attention and all but the last layer's MLP output
-// added in place (pending: the MLP output before the first layer, or None); returns the
-// last layer's MLP output, for the caller's final norm to add.
+// added in place; returns the last layer's MLP output, for the caller's final norm to add.
 
 namespace {
 
@@ -24,8 +23,7 @@ at::Tensor packed(const at::Tensor& x, const at::Tensor* w) {
   return int8_linear(x, w[0], w[1]);
 }
 
-at::Tensor decode_layers(at::Tensor h, const std::optional<at::Tensor>& pending,
-                         at::TensorList weights, at::TensorList caches, double eps,
+at::Tensor decode_layers(at::Tensor h, at::TensorList weights, at::TensorList caches, double eps,
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_rows,
                          const at::Tensor& v_rows, const at::Tensor& q_index,
                          const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
@@ -34,7 +32,7 @@ at::Tensor decode_layers(at::Tensor h, const std::optional<at::Tensor>& pending,
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * LAYER_TENSORS, "expected ",
               LAYER_TENSORS, " weight tensors a layer for ", layers, " layers, got ",
               weights.size());
-  std::optional<at::Tensor> mlp = pending;
+  std::optional<at::Tensor> mlp;  // the previous layer's MLP output, none before the first
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* w = weights.data() + i * LAYER_TENSORS;
     const at::Tensor x = rms_norm(h, mlp, w[0], eps);
@@ -51,7 +49,7 @@ at::Tensor decode_layers(at::Tensor h, const std::optional<at::Tensor>& pending,
 
 TORCH_LIBRARY_FRAGMENT(mstar_layer, m) {
   m.def(
-      "decode_layers(Tensor(a!) h, Tensor? pending, Tensor[] weights, Tensor(b!)[] caches,"
+      "decode_layers(Tensor(a!) h, Tensor[] weights, Tensor(b!)[] caches,"
       " float eps, Tensor cos, Tensor sin, Tensor k_rows, Tensor v_rows, Tensor q_index,"
       " Tensor kv_indptr, Tensor kv_indices, Tensor kv_lens, int heads, float scale) -> Tensor");
 }

@@ -71,7 +71,7 @@ class RowConcat:
         # ``_buffers``, and the name): ``current`` runs every step, and reads them
         # there rather than through ``nn.Module.__getattr__`` (~4x the time)
         self._slots = tuple(_main_slot(m) for m in self.layers)
-        self._storage = tuple(t.data_ptr() for t in _main(self.layers))
+        self._storage = tuple(held[name].data_ptr() for held, name in self._slots)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self.module, x)

@@ -76,7 +76,7 @@ class LayerStack:
             return None
         caches = [attention.cache.layer(layer.index) for layer in self.layers]
         return torch.ops.mstar_layer.decode_layers.default(
-            h, None, weights, caches, self.eps, rotary.cos_rows, rotary.sin_rows,
+            h, weights, caches, self.eps, rotary.cos_rows, rotary.sin_rows,
             *attention.rows, self.heads, attention.scaling,
         )  # fmt: skip
 
