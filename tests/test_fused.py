@@ -304,20 +304,24 @@ def test_layer_ops_silu_mul_matches_torch_over_the_float_range():
 
 
 @pytest.mark.parametrize(
-    "lengths, heads, kv_heads, dim, atol",
+    "rows, heads, kv_heads, dim, atol",
     [
-        ((7, 3), 4, 2, 8, 1e-6),
-        ((5, 9, 2), 2, 1, 12, 1e-6),  # a head width of no whole 8 floats
+        (((7, 1), (3, 1)), 4, 2, 8, 1e-6),  # decode: one query a row
+        (((5, 1), (9, 1), (2, 1)), 2, 1, 12, 1e-6),  # a head width of no whole 8 floats
         # 2^17+ multiply-adds in all: the rows spread over threads (``threaded``);
         # hundreds of keys summed in another order
-        ((300, 1, 257, 64, 190, 299, 128, 5), 8, 2, 64, 1e-5),
-        ((1500, 1201), 8, 2, 64, 1e-5),  # and, fewer rows than threads, their KV heads apart
+        ((*((n, 1) for n in (300, 1, 257, 64, 190, 299, 128)), (5, 1)), 8, 2, 64, 1e-5),
+        (((1500, 1), (1201, 1)), 8, 2, 64, 1e-5),  # fewer rows than threads: KV heads apart
+        # prefill: fresh prompts and chunks after a history, each query causal in its row,
+        # beside decode rows; a row of one query among them
+        (((0, 5), (7, 1), (0, 1), (13, 9), (4, 64)), 4, 2, 8, 1e-6),
+        (((0, 37), (40, 21), (300, 3), (0, 64), (2, 1)), 9, 3, 64, 1e-5),
     ],
 )
-def test_layer_ops_decode_attention_matches_paged_attention(lengths, heads, kv_heads, dim, atol):
-    """The decode kernel, from the q/k/v GEMM's output: rotary applied,
-    keys and values written where ``KVCache.write`` puts them, attention
-    as ``paged_attention``'s."""
+def test_layer_ops_attention_matches_paged_attention(rows, heads, kv_heads, dim, atol):
+    """The layer ops' attention, from the q/k/v GEMM's output: rotary
+    applied, keys and values written where ``KVCache.write`` puts them,
+    each row's queries causal over its pages as ``paged_attention``'s."""
     if layer_ops_or_why() is not None:
         pytest.skip(f"layer ops: {layer_ops_or_why()}")
     from mstar.integrations.rotary import StepRotary
@@ -327,33 +331,56 @@ def test_layer_ops_decode_attention_matches_paged_attention(lengths, heads, kv_h
     config = transformers.LlamaConfig(
         hidden_size=heads * dim, num_attention_heads=heads, head_dim=dim
     )
-    rows, width = len(lengths), (heads + 2 * kv_heads) * dim
-    positions = torch.tensor(lengths)
+    width = (heads + 2 * kv_heads) * dim
+    tokens = sum(new for _, new in rows)
+    positions = torch.cat([torch.arange(old, old + new) for old, new in rows])
     rotary = StepRotary(
         transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config),
         positions,
         torch.float32,
     )
-    pages = sum(-(-(n + 1) // 4) for n in lengths) + 4
+    pages = sum(-(-(old + new) // 4) for old, new in rows) + 4
     streams = Streams(pages, 4, seed=5)
     caches = [KVCache(num_layers=1, num_pages=pages, page_size=4, num_kv_heads=kv_heads,
                       head_dim=dim) for _ in range(2)]  # fmt: skip
-    names = [f"r{i}" for i in range(rows)]
-    plan = streams.plan(list(zip(names, lengths)))
-    k, v = torch.randn(sum(lengths), kv_heads, dim), torch.randn(sum(lengths), kv_heads, dim)
+    names = [f"r{i}" for i in range(len(rows))]
+    history = [(name, old) for name, (old, _) in zip(names, rows) if old]
+    plan = streams.plan(history)
+    written = sum(old for _, old in history)
+    k, v = torch.randn(written, kv_heads, dim), torch.randn(written, kv_heads, dim)
     for cache in caches:
         cache.write(0, plan, k, v)
-    plan = streams.decode_plan(names)
-    qkv = torch.randn(rows, width)
+    if all(new == 1 for _, new in rows):
+        plan = streams.decode_plan(names)
+    else:
+        plan = streams.plan([(name, new) for name, (_, new) in zip(names, rows)])
+    qkv = torch.randn(tokens, width)
     fast = StepAttention(plan, caches[0], 0.3, torch.device("cpu"), kernels=True)
     slow = StepAttention(plan, caches[1], 0.3, torch.device("cpu"), kernels=False)
     assert fast.rows is not None and slow.rows is None
-    got = fast.decode(0, qkv, rotary, heads=heads)
+    got = fast.fused(0, qkv, rotary, heads=heads)
     q_and_k = heads + kv_heads
-    qk = rotary(qkv[:, : q_and_k * dim].view(rows, q_and_k, dim))
-    want = slow(0, qk[:, :heads], qk[:, heads:], qkv[:, q_and_k * dim :].view(rows, kv_heads, dim))
+    qk = rotary(qkv[:, : q_and_k * dim].view(tokens, q_and_k, dim))
+    want = slow(
+        0, qk[:, :heads], qk[:, heads:], qkv[:, q_and_k * dim :].view(tokens, kv_heads, dim)
+    )
     assert torch.allclose(caches[0].layer(0), caches[1].layer(0), atol=1e-6)
-    assert torch.allclose(got, want.reshape(rows, -1), atol=atol)
+    assert torch.allclose(got, want.reshape(tokens, -1), atol=atol)
+
+
+def test_long_prefill_rows_attend_through_sdpa():
+    """A row of more than ``KERNEL_PAIRS`` causal (query, key) pairs (a
+    fresh prompt of 512 tokens) sends the step to SDPA over gathered pages,
+    the op's rows unset; 511 tokens, or one query over more keys, do not."""
+    if layer_ops_or_why() is not None:
+        pytest.skip(f"layer ops: {layer_ops_or_why()}")
+    from mstar.integrations.step_attention import StepAttention
+
+    streams = Streams(64 + 2, 16, seed=1)
+    cache = KVCache(num_layers=1, num_pages=66, page_size=16, num_kv_heads=1, head_dim=8)
+    for spans, served in (([("a", 511)], True), ([("b", 512)], False), ([("a", 1)], True)):
+        step = StepAttention(streams.plan(spans), cache, 1.0, torch.device("cpu"), kernels=True)
+        assert (step.rows is not None) == served and (step.schedule is None) == served
 
 
 def _engine_runs(model: torch.nn.Module, tokenizer, prompts, params, **options):

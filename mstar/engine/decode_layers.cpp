@@ -10,7 +10,7 @@
 // weights: per layer, in order, 14 tensors: input norm weight [hidden]; q/k/v, o,
 // post-attention norm weight, gate/up, down, each linear as (qweight, scales, mins):
 // qweight uint8 for int4 (mins its float16 minimums), int8 for int8 (mins empty).
-// caches: per layer its KV tensor [P, 2, S, H_kv, D]; the rest as decode_attention's.
+// caches: per layer its KV tensor [P, 2, S, H_kv, D]; the rest as layer_ops' attention's.
 // h [T, hidden] gets every layer's attention and all but the last layer's MLP output
 // added in place; returns the last layer's MLP output, for the caller's final norm to add.
 
@@ -26,7 +26,7 @@ at::Tensor packed(const at::Tensor& x, const at::Tensor* w) {
 at::Tensor decode_layers(at::Tensor h, at::TensorList weights, at::TensorList caches, double eps,
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_rows,
                          const at::Tensor& v_rows, const at::Tensor& q_index,
-                         const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                         const at::Tensor& q_lens, const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                          const at::Tensor& kv_lens, int64_t heads, double scale) {
   const int64_t layers = static_cast<int64_t>(caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * LAYER_TENSORS, "expected ",
@@ -36,8 +36,8 @@ at::Tensor decode_layers(at::Tensor h, at::TensorList weights, at::TensorList ca
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* w = weights.data() + i * LAYER_TENSORS;
     const at::Tensor x = rms_norm(h, mlp, w[0], eps);
-    const at::Tensor out = decode_attention(packed(x, w + 1), cos, sin, caches[i], k_rows, v_rows,
-                                            q_index, kv_indptr, kv_indices, kv_lens, heads, scale);
+    const at::Tensor out = attention(packed(x, w + 1), cos, sin, caches[i], k_rows, v_rows, q_index,
+                                     q_lens, kv_indptr, kv_indices, kv_lens, heads, scale);
     const at::Tensor y = rms_norm(h, packed(out, w + 4), w[7], eps);
     mlp = packed(silu_mul(packed(y, w + 8)), w + 11);
   }
@@ -51,7 +51,7 @@ TORCH_LIBRARY_FRAGMENT(mstar_layer, m) {
   m.def(
       "decode_layers(Tensor(a!) h, Tensor[] weights, Tensor(b!)[] caches,"
       " float eps, Tensor cos, Tensor sin, Tensor k_rows, Tensor v_rows, Tensor q_index,"
-      " Tensor kv_indptr, Tensor kv_indices, Tensor kv_lens, int heads, float scale) -> Tensor");
+      " Tensor q_lens, Tensor kv_indptr, Tensor kv_indices, Tensor kv_lens, int heads, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mstar_layer, CPU, m) { m.impl("decode_layers", decode_layers); }

@@ -6,11 +6,14 @@
 //                place: x * cos + swap(x) * sin', swap exchanging the two halves of a head,
 //                sin' = sin with its first half negated (see rotary.py).
 // silu_mul:      silu(g) * u for x = [g | u] [T, 2I].
-// decode_attention: from the q/k/v GEMM's output, rotary applied to q and k, the step's
+// attention:    from the q/k/v GEMM's output, rotary applied to q and k, the step's
 //                new keys and values written into the layer's pages (rows k_rows /
 //                v_rows of the layer seen as [P * 2 * S, H_kv * D], what
-//                KVCache.write_rows gives), then one query per row over that row's
-//                pages, softmax in float32; query heads h read KV head h / (H / H_kv).
+//                KVCache.write_rows gives), then each row's queries over that row's
+//                pages, causal (a row's i-th of n queries sees all but its last n - 1 - i
+//                keys), softmax in float32; query heads h read KV head h / (H / H_kv).
+//                A query at a time: what a decode step or a short prefill needs (long
+//                prompts go to SDPA's blocked kernel instead: step_attention.py).
 // Rows (tokens, or rows x KV heads for attention) are spread over the packed-weight
 // kernels' threads (`Team`, quant/cpp/team.h: built into one extension with them, awake
 // through a step) where the work repays handing it out (`grain`); exponentials run eight
@@ -298,67 +301,79 @@ void rotate_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
 }
 
 // qkv [T, (H + 2 H_kv) D] (rotary applied here: cos, sin [T, D] as rotary_'s); layer
-// [P, 2, S, H_kv, D]; per row r: its query token q_index[r] (-1: none), its pages
-// kv_indices[kv_indptr[r]:kv_indptr[r+1]] holding kv_lens[r] keys in order (the step's
-// own written first). Returns [T, H * D].
-at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                            at::Tensor layer, const at::Tensor& k_rows,
-                            const at::Tensor& v_rows, const at::Tensor& q_index,
-                            const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-                            const at::Tensor& kv_lens, int64_t heads, double scale) {
+// [P, 2, S, H_kv, D]; per row r: its q_lens[r] query tokens from q_index[r] on (none: 0,
+// q_index -1), its pages kv_indices[kv_indptr[r]:kv_indptr[r+1]] holding kv_lens[r] keys
+// in order, the step's own (written here) last. Every token is one row's query. Returns
+// [T, H * D].
+at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                     at::Tensor layer, const at::Tensor& k_rows, const at::Tensor& v_rows,
+                     const at::Tensor& q_index, const at::Tensor& q_lens,
+                     const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                     const at::Tensor& kv_lens, int64_t heads, double scale) {
   check_f32(layer, "layer");
   check_f32(qkv, "qkv");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
   TORCH_CHECK(layer.dim() == 5 && layer.size(1) == 2 && layer.size(4) % 2 == 0,
               "expected layer [P, 2, S, H_kv, D], D even");
-  for (const auto* t : {&q_index, &kv_indptr, &kv_indices, &kv_lens}) {
+  for (const auto* t : {&q_index, &q_lens, &kv_indptr, &kv_indices, &kv_lens}) {
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "expected int64 indices");
   }
-  auto q = at::empty({qkv.size(0), heads, layer.size(4)}, qkv.options());
+  const int64_t rows = kv_lens.size(0), tokens = qkv.size(0);
+  TORCH_CHECK(q_index.numel() == rows && q_lens.numel() == rows && kv_indptr.numel() == rows + 1,
+              "expected q_index, q_lens [R], kv_indptr [R + 1] for kv_lens [R]");
+  auto q = at::empty({tokens, heads, layer.size(4)}, qkv.options());
   rotate_write(qkv, cos, sin, layer, k_rows, v_rows, q, heads);
   for (int64_t i = 0; i < kv_indices.numel(); ++i) {
     const int64_t p = kv_indices.data_ptr<int64_t>()[i];
     TORCH_CHECK(p >= 0 && p < layer.size(0), "page id ", p, " out of the layer");
   }
-  for (int64_t r = 0; r < q_index.numel(); ++r) {
-    TORCH_CHECK(q_index.data_ptr<int64_t>()[r] < q.size(0), "query index out of qkv");
+  const int64_t* qi = q_index.data_ptr<int64_t>();
+  const int64_t* ql = q_lens.data_ptr<int64_t>();
+  const int64_t* lens = kv_lens.data_ptr<int64_t>();
+  // each query as (row, its index in the row): the tasks below
+  std::vector<int64_t> q_row, q_at;
+  q_row.reserve(tokens);
+  q_at.reserve(tokens);
+  int64_t keys = 0;  // the (query, key) pairs of the step
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(ql[r] >= 0 && ql[r] <= lens[r] && (ql[r] == 0 || (qi[r] >= 0 && qi[r] + ql[r] <= tokens)),
+                "row ", r, ": expected its queries among qkv's tokens and its keys, got ", ql[r],
+                " from ", qi[r], " over ", lens[r], " keys");
+    for (int64_t i = 0; i < ql[r]; ++i) {
+      q_row.push_back(r);
+      q_at.push_back(i);
+      keys += lens[r] - ql[r] + i + 1;
+    }
   }
+  TORCH_CHECK(static_cast<int64_t>(q_row.size()) == tokens, "expected every token a row's query, got ",
+              q_row.size(), " queries for ", tokens, " tokens");
   const int64_t dim = q.size(2);
-  const int64_t page = layer.size(2), kv_heads = layer.size(3), rows = kv_lens.size(0);
+  const int64_t page = layer.size(2), kv_heads = layer.size(3);
   const int64_t group = heads / kv_heads;
   TORCH_CHECK(heads % kv_heads == 0, "expected H a multiple of H_kv");
-  // every token is a row's query (a decode step): each is written below
-  auto out = at::empty({q.size(0), heads * dim}, q.options());
+  auto out = at::empty({tokens, heads * dim}, q.options());
   const float* qp = q.data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const float* lp = layer.data_ptr<float>();
   const int64_t slot = kv_heads * dim, half_page = page * slot, page_stride = 2 * half_page;
-  const int64_t* qi = q_index.data_ptr<int64_t>();
   const int64_t* indptr = kv_indptr.data_ptr<int64_t>();
   const int64_t* indices = kv_indices.data_ptr<int64_t>();
-  const int64_t* lens = kv_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  // a task per row and run of KV heads (all of them, each slot's keys read as one run,
-  // unless a few rows share the threads); threads only where the step's attention repays
-  // waking them (`grain`)
-  int64_t keys = 0;
-  for (int64_t r = 0; r < rows; ++r) keys += lens[r];
+  // a task per query and run of KV heads (all of them, each slot's keys read as one run,
+  // unless a few queries share the threads); threads only where the step's attention
+  // repays waking them (`grain`)
   const int64_t work = keys * heads * dim * 2;  // multiply-adds: scores and values
-  const int64_t runs = threaded(work) && rows < 2 * at::get_num_threads() ? kv_heads : 1;
-  const int64_t run = kv_heads / runs, tasks = rows * runs;
+  const int64_t runs = threaded(work) && tokens < 2 * at::get_num_threads() ? kv_heads : 1;
+  const int64_t run = kv_heads / runs, tasks = tokens * runs;
   spread(tasks, grain(tasks, work / std::max<int64_t>(tasks, 1)), [&](int64_t begin, int64_t end) {
     std::vector<float> scores;        // [len]
     std::vector<const float*> slots;  // [len]: each key's slot at one KV head
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / runs, h0 = task % runs * run, len = lens[r];
-      if (qi[r] < 0) continue;  // a row without a query has no token in out
-      float* o = op + qi[r] * heads * dim + h0 * group * dim;
-      if (len == 0) {  // a query that sees no key gives zeros
-        std::fill(o, o + run * group * dim, 0.f);
-        continue;
-      }
+      const int64_t k = task / runs, h0 = task % runs * run, r = q_row[k];
+      const int64_t t = qi[r] + q_at[k], len = lens[r] - ql[r] + q_at[k] + 1;
+      float* o = op + t * heads * dim + h0 * group * dim;
       scores.resize(len);
       slots.resize(len);
       for (int64_t kh = 0; kh < run; ++kh) {
@@ -366,7 +381,7 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
           slots[l] = lp + indices[indptr[r] + l / page] * page_stride + (l % page) * slot + (h0 + kh) * dim;
         for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
           const int64_t ahead = h == 0 ? run * dim : 0;  // the first pass asks for the run's slots
-          key_scores(qp + qi[r] * qs0 + (h0 * group + h) * qs1, slots.data(), len, dim, sc, ahead,
+          key_scores(qp + t * qs0 + (h0 * group + h) * qs1, slots.data(), len, dim, sc, ahead,
                      scores.data());
           softmax_(scores.data(), len);
           weighted_values(scores.data(), slots.data(), half_page, len, dim, ahead, o + h * dim);
@@ -383,15 +398,15 @@ TORCH_LIBRARY(mstar_layer, m) {
   m.def("rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
   m.def(
-      "decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) layer, Tensor k_rows,"
-      " Tensor v_rows, Tensor q_index, Tensor kv_indptr, Tensor kv_indices, Tensor kv_lens,"
-      " int heads, float scale) -> Tensor");
+      "attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) layer, Tensor k_rows,"
+      " Tensor v_rows, Tensor q_index, Tensor q_lens, Tensor kv_indptr, Tensor kv_indices,"
+      " Tensor kv_lens, int heads, float scale) -> Tensor");
   m.def("silu_mul(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mstar_layer, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("rotary_", rotary_);
-  m.impl("decode_attention", decode_attention);
+  m.impl("attention", attention);
   m.impl("silu_mul", silu_mul);
 }

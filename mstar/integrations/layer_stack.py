@@ -1,12 +1,12 @@
-"""A decode step's ``FusedLlamaLayer`` stack as one call of the layer ops'
+"""A small step's ``FusedLlamaLayer`` stack as one call of the layer ops'
 ``decode_layers`` (``mstar/engine/decode_layers.cpp``).
 
 Per layer it calls the same C++ functions in the same order as
-``FusedLlamaLayer`` with the layer ops does (norm, q/k/v, decode attention,
+``FusedLlamaLayer`` with the layer ops does (norm, q/k/v, attention,
 o, norm, gate/up, SiLU times up, down), so the same results bit for bit,
 without ~8 Python calls into the dispatcher a layer and the Python between
-them. It serves steps whose rows each have one query (``StepAttention.rows``)
-and fewer than ``BF16_ROWS`` tokens (more may multiply on bfloat16 panels),
+them. It serves steps the layer ops' attention serves (``StepAttention.rows``:
+decode, short prefills) of fewer than ``BF16_ROWS`` tokens (more may multiply on bfloat16 panels),
 on layers whose linear layers are all packed, without bias, with SiLU; any
 other step runs layer by layer. The weights are read from the layers at
 every step, as the layer-by-layer path reads them.

@@ -7,7 +7,7 @@ k together (``StepRotary``); the KV write and paged attention of the step
 (``StepAttention``); o_proj; the residual added in place; RMSNorm; gate and
 up as one GEMM; ``act(gate) * up``; down, added to the residual by the next
 layer. With the layer ops built (``layer_ops``), each norm is one call with
-the residual add before it, a decode step's rotary, KV write and attention
+the residual add before it, a short step's rotary, KV write and attention
 one call, and SiLU times up one call. The sums are HF's own up to float32
 rounding (a GEMM over more rows, a norm's sum in another order, a fused
 multiply-add).
@@ -124,13 +124,13 @@ class FusedLlamaLayer:
         attention: StepAttention,
     ) -> torch.Tensor:
         """``__call__`` through the layer ops: each norm one call with the
-        residual add before it; a decode step's rotary, KV write and
+        residual add before it; a short step's rotary, KV write and
         attention one call; ``silu(gate) * up`` one call."""
         ops = torch.ops.mstar_layer
         x = added_norm(h, pending, self.norm1, kernels=True)
         qkv = self.qkv(x)
         if attention.rows is not None:
-            out = attention.decode(self.index, qkv, rotary, self.heads)
+            out = attention.fused(self.index, qkv, rotary, self.heads)
         else:
             tokens, dim = qkv.shape[0], self.head_dim
             rotary.rotate_(qkv, self.heads + self.kv_heads)

@@ -1,6 +1,6 @@
-"""The layer ops' ``decode_attention`` of this tree against a git ref's, in one process.
+"""The layer ops' attention of this tree against a git ref's, in one process.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/ab_decode_attention.py REF [--rows 1 32]
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/ab_layer_attention.py REF [--rows 1 32]
         [--keys 61 401] [--rounds 30] [--engine]
 
 The ref's ``layer_ops.cpp`` is built beside this tree's under another op
@@ -11,7 +11,8 @@ shuffled, the two builds in alternating turns; us a layer (the median) and
 the keys and values read per second. ``--engine``: SmolLM2 Q4_1 decode steps
 at each ``--rows`` (in ``--dtype auto``'s arithmetic for packed weights),
 the step's attention through either build on alternating steps; ms a step (the median
-of 60 each).
+of 60 each). Decode rows (one query each): a ref from before the op served prefill
+calls it ``decode_attention``, without the rows' query counts.
 """
 
 from __future__ import annotations
@@ -49,6 +50,15 @@ def build_ref(ref: str) -> object:
     return torch.ops.mstar_layer_ref
 
 
+def attend(ops: object, cache: torch.Tensor, args: tuple, rest: tuple) -> torch.Tensor:
+    """One layer's call of ``ops``' attention on decode rows (``rest`` as
+    ``attention`` takes it after the layer; an older tree's
+    ``decode_attention`` without the query counts)."""
+    if hasattr(ops, "attention"):
+        return ops.attention(*args, cache, *rest)
+    return ops.decode_attention(*args, cache, *rest[:3], *rest[4:])
+
+
 def op_turns(ops: dict[str, object], rows: int, keys: int, rounds: int) -> dict[str, float]:
     """Seconds a layer call of each op takes (the median of ``rounds``)."""
     per_row = -(-keys // PAGE)
@@ -65,19 +75,20 @@ def op_turns(ops: dict[str, object], rows: int, keys: int, rounds: int) -> dict[
     rest = (
         last, last + PAGE,  # k_rows, v_rows
         torch.arange(rows, dtype=torch.int64),  # q_index
+        torch.ones(rows, dtype=torch.int64),  # q_lens
         torch.arange(0, rows * per_row + 1, per_row, dtype=torch.int64),  # kv_indptr
         indices,
         torch.full((rows,), keys, dtype=torch.int64),  # kv_lens
         HEADS, DIM**-0.5,
     )  # fmt: skip
-    outs = [op.decode_attention(*args, caches[0], *rest) for op in ops.values()]
+    outs = [attend(op, caches[0], args, rest) for op in ops.values()]
     assert all(torch.allclose(outs[0], o, atol=1e-5) for o in outs[1:]), "the builds disagree"
     times: dict[str, list[float]] = {name: [] for name in ops}
     for turn in range(rounds):
         for name in list(ops)[:: 1 if turn % 2 else -1]:
             start = time.perf_counter()
             for cache in caches:
-                ops[name].decode_attention(*args, cache, *rest)
+                attend(ops[name], cache, args, rest)
             times[name].append((time.perf_counter() - start) / LAYERS)
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -96,14 +107,14 @@ def engine_turns(ref_ops: object, rows: int) -> dict[str, float]:
     engine = Engine(model, tokenizer, num_pages=rows * 24 + 64, prefix_cache=False)
     _start(engine, rows, 200)
     use_ref = [False]
-    decode = step_attention.StepAttention.decode
+    fused = step_attention.StepAttention.fused
 
     def either(self, *args, **kwargs):
         if use_ref[0]:
-            self._decode = ref_ops.decode_attention.default
-        return decode(self, *args, **kwargs)
+            self._fused = lambda *a: attend(ref_ops, a[3], a[:3], a[4:])
+        return fused(self, *args, **kwargs)
 
-    step_attention.StepAttention.decode = either
+    step_attention.StepAttention.fused = either
     times: dict[bool, list[float]] = {False: [], True: []}
     try:
         for turn in range(120):
@@ -112,7 +123,7 @@ def engine_turns(ref_ops: object, rows: int) -> dict[str, float]:
             engine.step()
             times[use_ref[0]].append(time.perf_counter() - start)
     finally:
-        step_attention.StepAttention.decode = decode
+        step_attention.StepAttention.fused = fused
     return {"this tree": statistics.median(times[False]), "ref": statistics.median(times[True])}
 
 
