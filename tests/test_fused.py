@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from mstar.engine.layer_ops import layer_ops_or_why  # noqa: E402
 from mstar.engine.quant.at_load import quantize_int4, quantize_int8  # noqa: E402
 from mstar.engine.quant.kernels import bf16_or_why, kernel_or_why  # noqa: E402
-from mstar.engine.quant.linear import PackedLinear  # noqa: E402
+from mstar.engine.quant.linear import BF16_ROWS, PackedLinear  # noqa: E402
 from mstar.engine.quant.packed import bf16_panels  # noqa: E402
 from mstar.engine.resources.kv.cache import KVCache  # noqa: E402
 from mstar.integrations import hf, llama_step  # noqa: E402
@@ -204,10 +204,11 @@ def test_weights_changed_after_the_first_step_are_followed():
 
 
 def test_layer_stack_is_the_layers_bit_for_bit():
-    """Decode steps of 1-4 rows on packed layers run as one ``decode_layers``
-    call: the same logits, bit for bit, as layer by layer; a prefill, and 5
-    rows (bfloat16 panels' count), run layer by layer; float32 layers never
-    stack."""
+    """Steps of fewer than ``BF16_ROWS`` tokens on packed layers (decode
+    rows, a short prefill chunk beside one) run as one ``decode_layers``
+    call: the same logits, bit for bit, as layer by layer; a long prefill,
+    and ``BF16_ROWS`` rows (the bfloat16 panels' count), run layer by
+    layer; float32 layers never stack."""
     if layer_ops_or_why() is not None:
         pytest.skip(f"layer ops: {layer_ops_or_why()}")
     assert "not packed" in LayerStack.refusal(fused_step(_llama()[1]).layers)
@@ -225,7 +226,7 @@ def test_layer_stack_is_the_layers_bit_for_bit():
         served.append(pending is not None)
         return pending
 
-    names = [f"r{i}" for i in range(5)]
+    names = [f"r{i}" for i in range(BF16_ROWS)]
     logits = {}
     for use in (True, False):
         fused.stack = stack if use else None
@@ -233,17 +234,20 @@ def test_layer_stack_is_the_layers_bit_for_bit():
             fused.stack = counted
         streams, spec = Streams(64, 4, seed=3), hf.kv_spec(paged).cache_kwargs()
         cache = KVCache(num_pages=64, page_size=4, **spec)
-        prompts = [_prompt(3 + i, 20 + i) for i in range(5)]
+        prompts = [_prompt(3 + i, 20 + i) for i in range(len(names))]
         plan = streams.plan([(n, len(p)) for n, p in zip(names, prompts)])
         ids = torch.tensor([t for p in prompts for t in p])
         out = [forward_step(paged, ids, plan, cache)]
-        for rows in (1, 2, 4, 3, 5, 1):
+        for rows in (1, 2, 4, 3, BF16_ROWS - 1, BF16_ROWS, 1):
             ids = torch.tensor([int(out[-1][-1].argmax()) + i for i in range(rows)])
             plan = streams.decode_plan(names[:rows])
             out.append(forward_step(paged, ids, plan, cache))
+        ids = torch.tensor([int(out[-1][-1].argmax()) + i for i in range(4)])
+        plan = streams.plan([(names[0], 3), (names[1], 1)])  # a chunk of 3 queries, causal
+        out.append(forward_step(paged, ids, plan, cache))
         logits[use] = out
     fused.stack = stack
-    assert served == [False, True, True, True, True, False, True]
+    assert served == [False, True, True, True, True, True, False, True, True]
     for a, b in zip(logits[True], logits[False]):
         assert torch.equal(a, b)
     o_proj = paged.model.layers[1].self_attn.o_proj  # a bias given afterwards: layer by layer

@@ -110,7 +110,7 @@ def ops(request, kernels):
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 @pytest.mark.parametrize("shape", [(52, 576), (36, 1536), (4, 32), (20, 96), (460, 576)])
 def test_every_kernel_path_matches_f_linear_on_the_dequantized_weights(ops, kind, shape):
-    """1-4 rows stream the weights, more go through dequantized tiles or 16- or
+    """1-4 rows (1-8 with AVX-512) stream the weights, more go through dequantized tiles or 16- or
     32-row panels (52, 36, 20: a partial last panel; 460 x 576: enough weights to share among threads); the
     activations arrive non-contiguous (every other column)."""
     packed = random_packed(kind, *shape, seed=shape[0])
@@ -368,7 +368,7 @@ def test_packed_linear_multiplies_in_bfloat16_from_bf16_rows(bf16):
 def test_tiny_model_in_bfloat16_arithmetic_stays_near_its_dequantized_twin(bf16):
     model = tiny()
     description = quantize_model(model, QuantChoice("int4", "as asked", "bfloat16"))
-    assert description.endswith("15 layers int4; 5+ rows multiply in bfloat16"), description
+    assert description.endswith(f"15 layers int4; {BF16_ROWS}+ rows multiply in bfloat16")
     assert all(m.arithmetic == "bfloat16" for m in model.modules() if isinstance(m, PackedLinear))
     twin = tiny()
     for name, mod in model.named_modules():
@@ -383,7 +383,7 @@ def test_tiny_model_in_bfloat16_arithmetic_stays_near_its_dequantized_twin(bf16)
 def test_compiled_forward_traces_through_the_bf16_kernel(bf16):
     model = tiny()
     quantize_model(model, QuantChoice("int4", "as asked", "bfloat16"))
-    ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 256, (1, BF16_ROWS + 2), generator=torch.Generator().manual_seed(3))
     eager = logits(model, ids)
     compiled = torch.compile(model.forward, dynamic=True, fullgraph=True)
     with torch.no_grad():
@@ -399,11 +399,14 @@ def test_layers_of_rows_not_a_multiple_of_32_keep_float32_arithmetic_and_are_nam
     assert odd and all(n.endswith(("k_proj", "v_proj")) for n in odd)
     assert all(model.get_submodule(n).arithmetic == "float32" for n in odd)
     assert description.endswith(
-        f"5+ rows multiply in bfloat16 (float32 for {', '.join(odd)}: rows not a multiple of 32)"
+        f"{BF16_ROWS}+ rows multiply in bfloat16 (float32 for {', '.join(odd)}: rows not a multiple"
+        " of 32)"
     )
-    x = torch.randn(8, 64)
+    x = torch.randn(BF16_ROWS, 64)
     layer = model.get_submodule(odd[0])
-    assert torch.equal(layer(x), torch.ops.mstar_quant.int4_linear(x, *layer.read_tensors(8)))
+    assert torch.equal(
+        layer(x), torch.ops.mstar_quant.int4_linear(x, *layer.read_tensors(BF16_ROWS))
+    )
 
 
 def test_packed_linear_refuses_panels_of_other_weights():

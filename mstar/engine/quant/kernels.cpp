@@ -1,5 +1,5 @@
 // Linear layers on packed weights, float32 activations, AVX2 + FMA + F16C (and, for
-// 1-4 rows, AVX-512 where the build has it).
+// 1-8 rows, AVX-512 where the build has it).
 //
 // int4: qweight uint8 [N, K/2], GGUF's Q4 block order: in each group of 32 weights,
 //       byte j holds weight j (low nibble) and weight j + 16 (high nibble);
@@ -12,11 +12,12 @@
 // (and, for int4 at one activation row, in taking scale and min out of each group's
 // sum: sum_g scale_g * (x . q)_g + min_g * (sum of x over g)).
 //
-// Up to GEMV_ROWS activation rows (decode) stream the weights once, converting them
-// to float32 in registers. int4 at 2-4 rows reads 32 bytes (two groups) as eight
-// 32-bit lanes and takes nibble i of every lane at once ((d >> 4i) & 15): no byte
-// shuffles; the activations are permuted once per call to match (`permute_int4`).
-// With AVX-512 they take `gemv_wide` instead: 16 lanes, the weights dequantized exactly.
+// Up to GEMV_ROWS activation rows (4; 8 with AVX-512: decode, short prefills) stream
+// the weights once, converting them to float32 in registers. int4 at 2-4 rows reads 32
+// bytes (two groups) as eight 32-bit lanes and takes nibble i of every lane at once
+// ((d >> 4i) & 15): no byte shuffles; the activations are permuted once per call to
+// match (`permute_int4`). With AVX-512 they take `gemv_wide` instead: 16 lanes, the
+// weights dequantized exactly, once for all the rows.
 // More rows (prefill, batched decode): 16 weight rows at a time (32 with AVX-512) are
 // dequantized into a float32 panel, transposed ([K, 16], in L2), and every activation
 // row is multiplied against it by a register-blocked kernel (6 rows x 16 outputs in 12

@@ -21,10 +21,11 @@
 
 namespace {
 
-constexpr int64_t GEMV_ROWS = 4;         // most activation rows for the streaming path
 #if defined(__AVX512F__)
+constexpr int64_t GEMV_ROWS = 8;         // most activation rows for the streaming path
 constexpr int64_t PANEL_ROWS = 12;       // fewest activation rows for the panel path (measured)
 #else
+constexpr int64_t GEMV_ROWS = 4;
 constexpr int64_t PANEL_ROWS = 48;
 #endif
 constexpr int64_t PIECE = 16384;         // weights per piece of GEMV work

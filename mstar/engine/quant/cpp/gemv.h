@@ -1,4 +1,5 @@
-// 1-4 activation rows: the weights streamed once (`streamed`), AVX2 or AVX-512.
+// Up to GEMV_ROWS activation rows: the weights streamed once (`streamed`), AVX2 (1-4 rows)
+// or AVX-512 (1-8).
 #pragma once
 
 #include "formats.h"
@@ -54,7 +55,7 @@ std::vector<float> group_sums(const float* x, int64_t K) {
 }
 
 #if defined(__AVX512F__)
-// AVX-512 (built so where torch sees it, `cpp_build.flags`): 1-4 activation rows in
+// AVX-512 (built so where torch sees it, `cpp_build.flags`): 1-8 activation rows in
 // their own order, each group of 32 weights dequantized into two 16-lane vectors
 // exactly as `dequantize` does, and multiplied in place.
 
@@ -103,27 +104,30 @@ struct Int8Wide {
   }
 };
 
-// y[:, n0:n1] for ROWS activation rows [ROWS, K], two groups a step (four accumulators
-// a row, so the additions of one row do not wait on each other).
+// y[:, n0:n1] for ROWS activation rows [ROWS, K], two groups a step, each group
+// dequantized once for all the rows: four accumulators a row up to four rows (so the
+// additions of one row do not wait on each other), two beyond (within 32 registers).
 template <int ROWS, typename Wide>
 void gemv_wide(Wide& wide, const float* x, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N) {
+  constexpr int A = ROWS <= 4 ? 4 : 2;
   const int64_t G = K / 32;
   for (int64_t n = n0; n < n1; ++n) {
     wide.row(n);
-    __m512 acc[ROWS][4];
+    __m512 acc[ROWS][A];
     for (int m = 0; m < ROWS; ++m)
-      for (int i = 0; i < 4; ++i) acc[m][i] = _mm512_setzero_ps();
+      for (int i = 0; i < A; ++i) acc[m][i] = _mm512_setzero_ps();
     int64_t j = 0;
     for (; j + 2 <= G; j += 2) {
       __m512 v[4];
       wide.ahead(n, j);
       wide.group(n, j, v);
       wide.group(n, j + 1, v + 2);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int m = 0; m < ROWS; ++m)
 #pragma GCC unroll 4
         for (int i = 0; i < 4; ++i)
-          acc[m][i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + j * 32 + 16 * i), v[i], acc[m][i]);
+          acc[m][i % A] =
+              _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + j * 32 + 16 * i), v[i], acc[m][i % A]);
     }
     if (j < G) {  // an odd last group
       __m512 v[2];
@@ -132,9 +136,11 @@ void gemv_wide(Wide& wide, const float* x, int64_t K, int64_t n0, int64_t n1, fl
         for (int i = 0; i < 2; ++i)
           acc[m][i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + j * 32 + 16 * i), v[i], acc[m][i]);
     }
-    for (int m = 0; m < ROWS; ++m)
-      y[m * N + n] = _mm512_reduce_add_ps(
-          _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
+    for (int m = 0; m < ROWS; ++m) {
+      __m512 sum = _mm512_add_ps(acc[m][0], acc[m][1]);
+      if constexpr (A == 4) sum = _mm512_add_ps(sum, _mm512_add_ps(acc[m][2], acc[m][3]));
+      y[m * N + n] = _mm512_reduce_add_ps(sum);
+    }
   }
 }
 #endif
@@ -146,12 +152,7 @@ void streamed(const W& w, const float* x, int64_t M, int64_t N, int64_t K, float
   const int64_t piece = std::max<int64_t>(4, (N / team_threads() + 3) / 4 * 4);
   share(N, piece, N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1, int) {
     Wide wide(w);
-    switch (M) {
-      case 1: return gemv_wide<1>(wide, x, K, n0, n1, y, N);
-      case 2: return gemv_wide<2>(wide, x, K, n0, n1, y, N);
-      case 3: return gemv_wide<3>(wide, x, K, n0, n1, y, N);
-      default: return gemv_wide<4>(wide, x, K, n0, n1, y, N);
-    }
+    with_rows<GEMV_ROWS>(M, [&](auto rows) { gemv_wide<rows()>(wide, x, K, n0, n1, y, N); });
   });
 }
 #else

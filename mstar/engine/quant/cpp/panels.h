@@ -33,8 +33,8 @@ void dots(const float* x, const float* tile, int64_t K, float* y, int64_t N) {
   }
 }
 
-// 5 to PANEL_ROWS - 1 activation rows: 4 weight rows at a time dequantized into a tile
-// (row-major, no transpose: cheaper per weight than a panel, which more rows repay)
+// GEMV_ROWS + 1 to PANEL_ROWS - 1 activation rows: 4 weight rows at a time dequantized
+// into a tile (row-major, no transpose: cheaper per weight than a panel, which more rows repay)
 // and dotted with every activation row, 3 at a time.
 template <typename W>
 void tiled(const W& w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
