@@ -26,8 +26,9 @@ at::Tensor packed(const at::Tensor& x, const at::Tensor* w) {
 at::Tensor decode_layers(at::Tensor h, at::TensorList weights, at::TensorList caches, double eps,
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_rows,
                          const at::Tensor& v_rows, const at::Tensor& q_index,
-                         const at::Tensor& q_lens, const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-                         const at::Tensor& kv_lens, int64_t heads, double scale) {
+                         const at::Tensor& q_lens, const at::Tensor& kv_indptr,
+                         const at::Tensor& kv_indices, const at::Tensor& kv_lens, int64_t heads,
+                         double scale) {
   const int64_t layers = static_cast<int64_t>(caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * LAYER_TENSORS, "expected ",
               LAYER_TENSORS, " weight tensors a layer for ", layers, " layers, got ",
@@ -51,7 +52,8 @@ TORCH_LIBRARY_FRAGMENT(mstar_layer, m) {
   m.def(
       "decode_layers(Tensor(a!) h, Tensor[] weights, Tensor(b!)[] caches,"
       " float eps, Tensor cos, Tensor sin, Tensor k_rows, Tensor v_rows, Tensor q_index,"
-      " Tensor q_lens, Tensor kv_indptr, Tensor kv_indices, Tensor kv_lens, int heads, float scale) -> Tensor");
+      " Tensor q_lens, Tensor kv_indptr, Tensor kv_indices, Tensor kv_lens, int heads,"
+      " float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mstar_layer, CPU, m) { m.impl("decode_layers", decode_layers); }

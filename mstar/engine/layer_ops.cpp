@@ -337,17 +337,18 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   q_at.reserve(tokens);
   int64_t keys = 0;  // the (query, key) pairs of the step
   for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(ql[r] >= 0 && ql[r] <= lens[r] && (ql[r] == 0 || (qi[r] >= 0 && qi[r] + ql[r] <= tokens)),
-                "row ", r, ": expected its queries among qkv's tokens and its keys, got ", ql[r],
-                " from ", qi[r], " over ", lens[r], " keys");
+    const bool placed = ql[r] == 0 || (qi[r] >= 0 && qi[r] + ql[r] <= tokens);
+    TORCH_CHECK(ql[r] >= 0 && ql[r] <= lens[r] && placed, "row ", r,
+                ": expected its queries among qkv's tokens and its keys, got ", ql[r], " from ",
+                qi[r], " over ", lens[r], " keys");
     for (int64_t i = 0; i < ql[r]; ++i) {
       q_row.push_back(r);
       q_at.push_back(i);
       keys += lens[r] - ql[r] + i + 1;
     }
   }
-  TORCH_CHECK(static_cast<int64_t>(q_row.size()) == tokens, "expected every token a row's query, got ",
-              q_row.size(), " queries for ", tokens, " tokens");
+  TORCH_CHECK(static_cast<int64_t>(q_row.size()) == tokens, "expected every token a row's query,",
+              " got ", q_row.size(), " queries for ", tokens, " tokens");
   const int64_t dim = q.size(2);
   const int64_t page = layer.size(2), kv_heads = layer.size(3);
   const int64_t group = heads / kv_heads;
