@@ -320,6 +320,8 @@ def test_layer_ops_silu_mul_matches_torch_over_the_float_range():
         # beside decode rows; a row of one query among them
         (((0, 5), (7, 1), (0, 1), (13, 9), (4, 64)), 4, 2, 8, 1e-6),
         (((0, 37), (40, 21), (300, 3), (0, 64), (2, 1)), 9, 3, 64, 1e-5),
+        # heads of whole 16 floats past 64 (AVX-512: a 64-float block, then 16 at a time)
+        (((6, 1), (0, 7), (3, 2)), 4, 2, 80, 1e-5),
     ],
 )
 def test_layer_ops_attention_matches_paged_attention(rows, heads, kv_heads, dim, atol):
