@@ -79,3 +79,54 @@ def test_bad_requests_raise_at_add_and_stop_fails_what_is_in_flight(model):
     asyncio.run(main())
     assert not engine.has_unfinished()
     assert engine.mgr.num_free_pages == engine.mgr.num_pages
+
+
+def test_a_prepared_request_is_added_in_the_visit_that_prepares_it(model):
+    """``add_prepared``: the prompt and params are made on the engine thread
+    and the request added before any other step runs (a chat rendered while
+    others decode joins the next step, not the one after); what ``prepare``
+    raises propagates with nothing queued."""
+    engine = Engine(copy.deepcopy(model), **POOL)
+    aengine = AsyncEngine(engine)
+    seen: list[tuple[str, int]] = []
+    step, add = engine.step, engine.add_request
+
+    def counted():
+        seen.append(("step", len(engine._running)))
+        return step()
+
+    def added(*args, **kwargs):
+        seen.append(("add", len(engine._running)))
+        return add(*args, **kwargs)
+
+    engine.step, engine.add_request = counted, added
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+
+    def prepare(e: Engine) -> tuple[list[int], SamplingParams]:
+        assert threading.current_thread() is not threading.main_thread()
+        seen.append(("prepare", len(e._running)))
+        return PROMPTS[1], params
+
+    def bad(e: Engine) -> tuple[list[int], SamplingParams]:
+        raise ValueError("expected a good prompt")
+
+    async def main() -> None:
+        aengine.start()
+        try:
+            first = await aengine.add_request(PROMPTS[0], params, request_id="a")
+            await first.__anext__()  # the engine is stepping "a" now
+            second = await aengine.add_prepared(prepare, request_id="b")
+            with pytest.raises(ValueError, match="good prompt"):
+                await aengine.add_prepared(bad, request_id="c")
+            assert aengine.num_waiting + aengine.num_running == 2
+
+            async def drain(stream):
+                return [c async for c in stream]
+
+            await asyncio.gather(drain(first), drain(second))
+        finally:
+            await aengine.stop()
+
+    asyncio.run(main())
+    at = seen.index(("prepare", 1))
+    assert seen[at + 1] == ("add", 1) and seen[at + 2] == ("step", 2)

@@ -154,6 +154,18 @@ class AsyncEngine:
         """Queue a request; its stream yields its completions. Raises what
         ``Engine.add_request`` raises (nothing is queued then), or
         ``Overloaded`` when ``max_waiting`` requests already wait."""
+        return await self.add_prepared(lambda _: (prompt, params), request_id=request_id)
+
+    async def add_prepared(
+        self,
+        prepare: Callable[[Engine], tuple[Prompt, SamplingParams]],
+        *,
+        request_id: str,
+    ) -> RequestStream:
+        """``add_request`` of the prompt and params ``prepare(engine)`` makes
+        on the engine thread, in the same visit as the add (no step runs
+        between them: a chat template rendered where the tokenizer is used).
+        What ``prepare`` raises propagates; nothing is queued then."""
         if self._draining:
             raise Overloaded("the server is shutting down")
         if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
@@ -162,7 +174,7 @@ class AsyncEngine:
             raise ValueError(f"expected a new request id, got {request_id!r} (running)")
         stream = self._streams[request_id] = RequestStream(request_id)  # before any output
         try:
-            await self.run(lambda e: self._add(e, prompt, params, request_id))
+            await self.run(lambda e: self._add(e, *prepare(e), request_id))
         except BaseException:
             self.abort(request_id)  # cancelled: it may be in the engine already
             raise

@@ -107,7 +107,7 @@ def create_app(
         calls = [replace(call, echo=front.prompt_text(p) if body.echo else None) for p in prompts]
         if len(prompts) == 1:
             return await front.respond(
-                request, calls[0], prompts[0], params, param="prompt", streamed=body.stream
+                request, calls[0], fixed(prompts[0], params), param="prompt", streamed=body.stream
             )
         if body.stream:
             raise APIError(400, "stream with several prompts is not supported", param="stream")
@@ -116,45 +116,58 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         front.check(body)
-        ids, planned = await chat_prompt(aengine, tools, body)
-        max_tokens = next(
-            (m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
-            front.room(len(ids)),
-        )
-        params = tools.params(sampling_params(body, max_tokens), planned)
+        render, planned = chat_render(tools, body)
         call = front.call("chat.completion", "chatcmpl", body)
         call.tools = tools.reader(planned)
-        return await front.respond(
-            request, call, ids, params, param="messages", streamed=body.stream
-        )
+
+        def prepare(e: Engine) -> tuple[list[int], SamplingParams]:
+            ids = render(e)
+            max_tokens = next(
+                (m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
+                front.room(len(ids)),
+            )
+            return ids, tools.params(sampling_params(body, max_tokens), planned)
+
+        return await front.respond(request, call, prepare, param="messages", streamed=body.stream)
 
     return app
 
 
-async def chat_prompt(
-    aengine: AsyncEngine, tools: ChatTools, body: ChatCompletionRequest
-) -> tuple[list[int], ToolPlan | None]:
-    """A chat body's prompt ids and tool plan, its messages and tools
-    checked (and the calls' grammar compiled) before anything is queued;
-    a body without tools or calls renders as before (``Engine.encode_chat``)."""
+def chat_render(
+    tools: ChatTools, body: ChatCompletionRequest
+) -> tuple[Callable[[Engine], list[int]], ToolPlan | None]:
+    """A chat body's prompt, rendered by the returned function on the
+    engine thread (in the same visit as its add: ``AsyncEngine.add_prepared``),
+    and its tool plan; its messages and tools checked (and the calls'
+    grammar compiled) before anything is queued; a body without tools or
+    calls renders as before (``Engine.encode_chat``). A bad message raises
+    an ``APIError`` naming ``messages``."""
     if body.with_tools:
         messages, planned = tools.plan(body)
 
-        def render(e: Engine) -> list[int]:
+        def ids(e: Engine) -> list[int]:
             tools.compile(e, planned)
             return tools.ids(messages, planned)
     else:
         plain, planned = [m.as_dict(i) for i, m in enumerate(body.messages)], None
 
-        def render(e: Engine) -> list[int]:
+        def ids(e: Engine) -> list[int]:
             return e.encode_chat(plain)
 
-    try:
-        return await aengine.run(render), planned
-    except ParamError:
-        raise
-    except (TypeError, ValueError) as err:
-        raise APIError(400, str(err), param="messages") from err
+    def render(e: Engine) -> list[int]:
+        try:
+            return ids(e)
+        except ParamError:
+            raise
+        except (TypeError, ValueError) as err:
+            raise APIError(400, str(err), param="messages") from err
+
+    return render, planned
+
+
+def fixed(prompt: Any, params: SamplingParams) -> Callable[[Engine], tuple[Any, SamplingParams]]:
+    """A request's ``prepare`` (``AsyncEngine.add_prepared``) of a prompt and params at hand."""
+    return lambda _: (prompt, params)
 
 
 class Front:
@@ -218,14 +231,14 @@ class Front:
         self,
         request: Request,
         call: Call,
-        prompt: Any,
-        params: SamplingParams,
+        prepare: Callable[[Engine], tuple[Any, SamplingParams]],
         *,
         param: str,
         streamed: bool,
     ) -> Response:
-        """Serve one call: ``param`` names the prompt's field in errors."""
-        stream = await self.submit(call.id, prompt, params, param)
+        """Serve one call, its prompt and params from ``prepare`` (on the
+        engine thread): ``param`` names the prompt's field in errors."""
+        stream = await self.submit(call.id, prepare, param)
         if streamed:
             return EventStream(self.sse(call, stream), media_type="text/event-stream")
         done = await until_disconnect(request.receive, lambda: self.collect(stream))
@@ -241,7 +254,7 @@ class Front:
         streams: list[RequestStream] = []
         try:
             for i, (call, prompt) in enumerate(zip(calls, prompts)):
-                streams.append(await self.submit(f"{call.id}-{i}", prompt, params, "prompt"))
+                streams.append(await self.submit(f"{call.id}-{i}", fixed(prompt, params), "prompt"))
         except BaseException:
             for stream in streams:
                 self.aengine.abort(stream.request_id)
@@ -261,10 +274,12 @@ class Front:
         return JSONResponse(merged([call.whole(c) for call, c in zip(calls, done)]))
 
     async def submit(
-        self, rid: str, prompt: Any, params: SamplingParams, param: str
+        self, rid: str, prepare: Callable[[Engine], tuple[Any, SamplingParams]], param: str
     ) -> RequestStream:
         try:
-            return await self.aengine.add_request(prompt, params, request_id=rid)
+            return await self.aengine.add_prepared(prepare, request_id=rid)
+        except ParamError:
+            raise  # (a bad field from ``prepare``: it names itself)
         except Overloaded as err:
             raise APIError(
                 503, f"the server is overloaded: {err}; retry later",
