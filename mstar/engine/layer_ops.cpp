@@ -128,21 +128,33 @@ void key_scores(const float* q, const float* const* key, int64_t len, int64_t di
   for (; l < len; ++l) out[l] = dot(q, key[l], dim) * sc;
 }
 
+// The vector ops `weighted_values` uses: eight lanes (AVX2), or sixteen (AVX-512 builds).
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int N = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fma(V a, const float* b, V c) { return _mm256_fmadd_ps(a, _mm256_loadu_ps(b), c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+
 // o[0..dim) = sum_l p[l] * (value l at value[l] + off), 64 floats at a time in registers;
 // the `ahead` floats at the value AHEAD on asked for too.
+template <typename L = Lanes8>
 void weighted_values(const float* p, const float* const* value, int64_t off, int64_t len,
                      int64_t dim, int64_t ahead, float* o) {
+  constexpr int K = 64 / L::N;
   int64_t i = 0;
   for (; i + 64 <= dim; i += 64) {
-    __m256 a[8];
-    for (auto& v : a) v = _mm256_setzero_ps();
+    typename L::V a[K];
+    for (auto& v : a) v = L::zero();
     for (int64_t l = 0; l < len; ++l) {
       if (ahead > 0 && l + AHEAD < len) prefetch(value[l + AHEAD] + off, ahead);
-      const __m256 pl = _mm256_set1_ps(p[l]);
+      const typename L::V pl = L::set1(p[l]);
       const float* v = value[l] + off + i;
-      for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(pl, _mm256_loadu_ps(v + 8 * k), a[k]);
+      for (int k = 0; k < K; ++k) a[k] = L::fma(pl, v + L::N * k, a[k]);
     }
-    for (int k = 0; k < 8; ++k) _mm256_storeu_ps(o + i + 8 * k, a[k]);
+    for (int k = 0; k < K; ++k) L::store(o + i + L::N * k, a[k]);
     ahead = 0;
   }
   for (; i < dim; ++i) {
@@ -155,7 +167,8 @@ void weighted_values(const float* p, const float* const* value, int64_t off, int
 #if defined(__AVX512F__)
 // key_scores and weighted_values in 16-lane vectors (AVX-512 builds), for heads of a whole
 // number of 16 floats: half the instructions a key. `key_scores16` folds each key's sum
-// to 8 lanes, then sums four keys at once as `key_scores` does.
+// to 8 lanes, then sums four keys at once as `key_scores` does; `weighted_values` takes
+// `Lanes16`.
 void key_scores16(const float* q, const float* const* key, int64_t len, int64_t dim, float sc,
                   int64_t ahead, float* out) {
   const auto fold = [](__m512 a) {
@@ -182,28 +195,14 @@ void key_scores16(const float* q, const float* const* key, int64_t len, int64_t 
   }
 }
 
-void weighted_values16(const float* p, const float* const* value, int64_t off, int64_t len,
-                       int64_t dim, int64_t ahead, float* o) {
-  int64_t i = 0;
-  for (; i + 64 <= dim; i += 64) {
-    __m512 a[4];
-    for (auto& v : a) v = _mm512_setzero_ps();
-    for (int64_t l = 0; l < len; ++l) {
-      if (ahead > 0 && l + AHEAD < len) prefetch(value[l + AHEAD] + off, ahead);
-      const __m512 pl = _mm512_set1_ps(p[l]);
-      const float* v = value[l] + off + i;
-      for (int k = 0; k < 4; ++k) a[k] = _mm512_fmadd_ps(pl, _mm512_loadu_ps(v + 16 * k), a[k]);
-    }
-    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(o + i + 16 * k, a[k]);
-    ahead = 0;
-  }
-  for (; i < dim; i += 16) {
-    __m512 a = _mm512_setzero_ps();
-    for (int64_t l = 0; l < len; ++l)
-      a = _mm512_fmadd_ps(_mm512_set1_ps(p[l]), _mm512_loadu_ps(value[l] + off + i), a);
-    _mm512_storeu_ps(o + i, a);
-  }
-}
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int N = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fma(V a, const float* b, V c) { return _mm512_fmadd_ps(a, _mm512_loadu_ps(b), c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
 #endif
 
 // s[0..len) = softmax(s), in float32.
@@ -441,7 +440,8 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
           if (dim % 16 == 0) {
             key_scores16(qh, slots.data(), len, dim, sc, ahead, scores.data());
             softmax_(scores.data(), len);
-            weighted_values16(scores.data(), slots.data(), half_page, len, dim, ahead, o + h * dim);
+            weighted_values<Lanes16>(scores.data(), slots.data(), half_page, len, dim, ahead,
+                                     o + h * dim);
             continue;
           }
 #endif
