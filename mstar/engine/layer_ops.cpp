@@ -103,44 +103,73 @@ inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// out[l] = sc * (q . key l) for the keys at key[l] (dim floats each), four keys at a time
-// (one horizontal sum for four); the `ahead` floats at the key AHEAD on asked for too.
-void key_scores(const float* q, const float* const* key, int64_t len, int64_t dim, float sc,
-                int64_t ahead, float* out) {
-  int64_t l = 0;
-  for (; l + 4 <= len; l += 4) {
-    for (int64_t j = l + AHEAD; j < std::min(l + AHEAD + 4, len); ++j) prefetch(key[j], ahead);
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t i = 0;
-    for (; i + 8 <= dim; i += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + i);
-      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[l] + i), a0);
-      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[l + 1] + i), a1);
-      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[l + 2] + i), a2);
-      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[l + 3] + i), a3);
-    }
-    alignas(16) float t[4];
-    _mm_store_ps(t, sum4(a0, a1, a2, a3));
-    for (; i < dim; ++i)
-      for (int j = 0; j < 4; ++j) t[j] += q[i] * key[l + j][i];
-    for (int j = 0; j < 4; ++j) out[l + j] = t[j] * sc;
-  }
-  for (; l < len; ++l) out[l] = dot(q, key[l], dim) * sc;
-}
-
-// The vector ops `weighted_values` uses: eight lanes (AVX2), or sixteen (AVX-512 builds).
+// The vector ops `key_scores` and `weighted_values` use: eight lanes (AVX2), or sixteen
+// (`Lanes16`, AVX-512 builds, for heads of a whole number of 16 floats: half the
+// instructions a key). `fold` halves a sum to eight lanes; `dot` is one key's q . key.
 struct Lanes8 {
   using V = __m256;
   static constexpr int N = 8;
   static V zero() { return _mm256_setzero_ps(); }
   static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V fma(V a, const float* b, V c) { return _mm256_fmadd_ps(a, _mm256_loadu_ps(b), c); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static __m256 fold(V v) { return v; }
+  static float dot(const float* a, const float* b, int64_t n) { return ::dot(a, b, n); }
 };
+
+#if defined(__AVX512F__)
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int N = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V fma(V a, const float* b, V c) { return _mm512_fmadd_ps(a, _mm512_loadu_ps(b), c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static __m256 fold(V v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  }
+  static float dot(const float* a, const float* b, int64_t n) {  // n a multiple of 16
+    V s = zero();
+    for (int64_t i = 0; i < n; i += N) s = fma(load(a + i), b + i, s);
+    return _mm512_reduce_add_ps(s);
+  }
+};
+using Wide = Lanes16;  // the widest lanes of this build
+#else
+using Wide = Lanes8;
+#endif
+
+// out[l] = sc * (q . key l) for the keys at key[l] (dim floats each), four keys at a time
+// (one horizontal sum for four); the `ahead` floats at the key AHEAD on asked for too.
+template <typename L>
+void key_scores(const float* q, const float* const* key, int64_t len, int64_t dim, float sc,
+                int64_t ahead, float* out) {
+  int64_t l = 0;
+  for (; l + 4 <= len; l += 4) {
+    for (int64_t j = l + AHEAD; j < std::min(l + AHEAD + 4, len); ++j) prefetch(key[j], ahead);
+    typename L::V a0 = L::zero(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + L::N <= dim; i += L::N) {
+      const typename L::V qv = L::load(q + i);
+      a0 = L::fma(qv, key[l] + i, a0);
+      a1 = L::fma(qv, key[l + 1] + i, a1);
+      a2 = L::fma(qv, key[l + 2] + i, a2);
+      a3 = L::fma(qv, key[l + 3] + i, a3);
+    }
+    alignas(16) float t[4];
+    _mm_store_ps(t, sum4(L::fold(a0), L::fold(a1), L::fold(a2), L::fold(a3)));
+    for (; i < dim; ++i)
+      for (int j = 0; j < 4; ++j) t[j] += q[i] * key[l + j][i];
+    for (int j = 0; j < 4; ++j) out[l + j] = t[j] * sc;
+  }
+  for (; l < len; ++l) out[l] = L::dot(q, key[l], dim) * sc;
+}
 
 // o[0..dim) = sum_l p[l] * (value l at value[l] + off), 64 floats at a time in registers;
 // the `ahead` floats at the value AHEAD on asked for too.
-template <typename L = Lanes8>
+template <typename L>
 void weighted_values(const float* p, const float* const* value, int64_t off, int64_t len,
                      int64_t dim, int64_t ahead, float* o) {
   constexpr int K = 64 / L::N;
@@ -164,47 +193,6 @@ void weighted_values(const float* p, const float* const* value, int64_t off, int
   }
 }
 
-#if defined(__AVX512F__)
-// key_scores and weighted_values in 16-lane vectors (AVX-512 builds), for heads of a whole
-// number of 16 floats: half the instructions a key. `key_scores16` folds each key's sum
-// to 8 lanes, then sums four keys at once as `key_scores` does; `weighted_values` takes
-// `Lanes16`.
-void key_scores16(const float* q, const float* const* key, int64_t len, int64_t dim, float sc,
-                  int64_t ahead, float* out) {
-  const auto fold = [](__m512 a) {
-    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-  };
-  int64_t l = 0;
-  for (; l + 4 <= len; l += 4) {
-    for (int64_t j = l + AHEAD; j < std::min(l + AHEAD + 4, len); ++j) prefetch(key[j], ahead);
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t i = 0; i < dim; i += 16) {
-      const __m512 qv = _mm512_loadu_ps(q + i);
-      a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(key[l] + i), a0);
-      a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(key[l + 1] + i), a1);
-      a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(key[l + 2] + i), a2);
-      a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(key[l + 3] + i), a3);
-    }
-    _mm_storeu_ps(out + l, _mm_mul_ps(sum4(fold(a0), fold(a1), fold(a2), fold(a3)), _mm_set1_ps(sc)));
-  }
-  for (; l < len; ++l) {
-    __m512 a = _mm512_setzero_ps();
-    for (int64_t i = 0; i < dim; i += 16)
-      a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(key[l] + i), a);
-    out[l] = _mm512_reduce_add_ps(a) * sc;
-  }
-}
-
-struct Lanes16 {
-  using V = __m512;
-  static constexpr int N = 16;
-  static V zero() { return _mm512_setzero_ps(); }
-  static V set1(float x) { return _mm512_set1_ps(x); }
-  static V fma(V a, const float* b, V c) { return _mm512_fmadd_ps(a, _mm512_loadu_ps(b), c); }
-  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-};
-#endif
-
 // s[0..len) = softmax(s), in float32.
 void softmax_(float* s, int64_t len) {
   float peak = -INFINITY;
@@ -217,6 +205,16 @@ void softmax_(float* s, int64_t len) {
   for (l = 0; l < len; ++l) total += s[l];
   const float inv = 1.f / total;
   for (l = 0; l < len; ++l) s[l] *= inv;
+}
+
+// One query head over its len keys (`slots`; values `off` floats after each key):
+// scaled scores, softmax, the weighted values into o[0..dim).
+template <typename L>
+void attend(const float* q, const float* const* slots, int64_t len, int64_t dim, float sc,
+            int64_t off, int64_t ahead, float* scores, float* o) {
+  key_scores<L>(q, slots, len, dim, sc, ahead, scores);
+  softmax_(scores, len);
+  weighted_values<L>(scores, slots, off, len, dim, ahead, o);
 }
 
 void check_f32(const at::Tensor& t, const char* name) {
@@ -415,6 +413,7 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   const int64_t* indices = kv_indices.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+  const auto head = dim % Wide::N == 0 ? &attend<Wide> : &attend<Lanes8>;
   // a task per query and run of KV heads (all of them, each slot's keys read as one run,
   // unless a few queries share the threads); threads only where the step's attention
   // repays waking them (`grain`)
@@ -435,19 +434,8 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
           slots[l] = lp + indices[indptr[r] + l / page] * page_stride + (l % page) * slot + (h0 + kh) * dim;
         for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
           const int64_t ahead = h == 0 ? run * dim : 0;  // the first pass asks for the run's slots
-          const float* qh = qp + t * qs0 + (h0 * group + h) * qs1;
-#if defined(__AVX512F__)
-          if (dim % 16 == 0) {
-            key_scores16(qh, slots.data(), len, dim, sc, ahead, scores.data());
-            softmax_(scores.data(), len);
-            weighted_values<Lanes16>(scores.data(), slots.data(), half_page, len, dim, ahead,
-                                     o + h * dim);
-            continue;
-          }
-#endif
-          key_scores(qh, slots.data(), len, dim, sc, ahead, scores.data());
-          softmax_(scores.data(), len);
-          weighted_values(scores.data(), slots.data(), half_page, len, dim, ahead, o + h * dim);
+          head(qp + t * qs0 + (h0 * group + h) * qs1, slots.data(), len, dim, sc, half_page,
+               ahead, scores.data(), o + h * dim);
         }
       }
     }
