@@ -8,8 +8,8 @@ without ~8 Python calls into the dispatcher a layer and the Python between
 them. It serves steps the layer ops' attention serves (``StepAttention.rows``:
 decode, short prefills) of fewer than ``BF16_ROWS`` tokens (more may multiply
 on bfloat16 panels), on layers whose linear layers are all packed, without
-bias, with SiLU; any other step runs layer by layer. The weights are read from the layers at
-every step, as the layer-by-layer path reads them.
+bias, with SiLU; any other step runs layer by layer. The weights are read
+from the layers at every step, as the layer-by-layer path reads them.
 """
 
 from __future__ import annotations
