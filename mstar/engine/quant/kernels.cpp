@@ -17,7 +17,8 @@
 // bytes (two groups) as eight 32-bit lanes and takes nibble i of every lane at once
 // ((d >> 4i) & 15): no byte shuffles; the activations are permuted once per call to
 // match (`permute_int4`). With AVX-512 they take `gemv_wide` instead: 16 lanes, the
-// weights dequantized exactly, once for all the rows.
+// weights dequantized exactly, once for all the rows; int4 at one row takes `gemv1_int4`:
+// 64 bytes (4 groups) transposed in registers, each nibble made float32 by a permute.
 // More rows (prefill, batched decode): 16 weight rows at a time (32 with AVX-512) are
 // dequantized into a float32 panel, transposed ([K, 16], in L2), and every activation
 // row is multiplied against it by a register-blocked kernel (6 rows x 16 outputs in 12

@@ -47,9 +47,9 @@ void gemv(const Int4& w, const float* x, const float* xp, const float* xsum, int
 std::vector<float> group_sums(const float* x, int64_t K) {
   std::vector<float> sums(padded(K / 32), 0.0f);
   for (int64_t j = 0; j < K / 32; ++j) {
-    float s = 0;
-    for (int k = 0; k < 32; ++k) s += x[j * 32 + k];
-    sums[j] = s;
+    const float* g = x + j * 32;
+    sums[j] = hsum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(g), _mm256_loadu_ps(g + 8)),
+                                 _mm256_add_ps(_mm256_loadu_ps(g + 16), _mm256_loadu_ps(g + 24))));
   }
   return sums;
 }
@@ -104,6 +104,49 @@ struct Int8Wide {
   }
 };
 
+// int4 at one activation row: 64 bytes of a row (4 groups) at a time, transposed in
+// registers (vpermd, vpshufb) so that 32-bit lane l holds byte l of each of the 4 groups;
+// group g's weights 0-15 are then nibble 2g of the lanes, 16-31 nibble 2g + 1: a shift
+// and a permute of 0..15 each make them float32, multiplied by x in its own order, no
+// widening shuffle a group. Scale and min are taken out of each group's sum, as `gemv1`.
+inline __m512i transposed_groups(const uint8_t* p, int64_t groups) {
+  const __m512i dwords = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i bytes =
+      _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+  __m512i d;  // plain loads (a masked load from memory is ~3x slower here) unless 1 or 3 groups
+  if (groups >= 4) d = _mm512_loadu_si512(p);
+  else if (groups == 2) d = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  else d = _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << (4 * groups)) - 1), p);
+  return _mm512_shuffle_epi8(_mm512_permutexvar_epi32(dwords, d), bytes);
+}
+
+void gemv1_int4(const Int4& w, const float* x, const float* xsum, int64_t n0, int64_t n1, float* y) {
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const int64_t G = w.G;
+  std::vector<float> s(padded(G));
+  for (int64_t n = n0; n < n1; ++n) {
+    to_float(w.scales + n * G, G, s.data());
+    const uint8_t* q = w.q + n * G * 16;
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t j = 0; j < G; j += 4) {
+      _mm_prefetch(reinterpret_cast<const char*>(q + j * 16 + AHEAD_BYTES), _MM_HINT_T0);
+      const __m512i d = transposed_groups(q + j * 16, G - j);
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        if (j + g == G) break;
+        const __m512i low = g ? _mm512_srli_epi32(d, 8 * g) : d;
+        const __m512 lo = _mm512_permutexvar_ps(low, iota);
+        const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 8 * g + 4), iota);
+        const float* xg = x + (j + g) * 32;
+        const __m512 dot = _mm512_fmadd_ps(_mm512_loadu_ps(xg + 16), hi,
+                                           _mm512_mul_ps(_mm512_loadu_ps(xg), lo));
+        acc[g & 1] = _mm512_fmadd_ps(dot, _mm512_set1_ps(s[j + g]), acc[g & 1]);
+      }
+    }
+    y[n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + w.min_dot(n, xsum);
+  }
+}
+
 // y[:, n0:n1] for ROWS activation rows [ROWS, K], two groups a step, each group
 // dequantized once for all the rows: four accumulators a row up to four rows (so the
 // additions of one row do not wait on each other), two beyond (within 32 registers).
@@ -150,6 +193,14 @@ template <typename W>
 void streamed(const W& w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
   using Wide = std::conditional_t<std::is_same_v<W, Int4>, Int4Wide, Int8Wide>;
   const int64_t piece = std::max<int64_t>(4, (N / team_threads() + 3) / 4 * 4);
+  if constexpr (std::is_same_v<W, Int4>) {
+    if (M == 1) {
+      const std::vector<float> xsum = group_sums(x, K);
+      return share(N, piece, N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1, int) {
+        gemv1_int4(w, x, xsum.data(), n0, n1, y);
+      });
+    }
+  }
   share(N, piece, N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1, int) {
     Wide wide(w);
     with_rows<GEMV_ROWS>(M, [&](auto rows) { gemv_wide<rows()>(wide, x, K, n0, n1, y, N); });
