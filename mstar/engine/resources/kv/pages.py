@@ -16,6 +16,12 @@ again. So every page is exactly one of: free, owned (registered or not),
 cached-unowned. This class is the allocator: the owner counts and the
 free/cached counters change here and nowhere else.
 
+Tails (``TailCache``): a freed stream's partially filled last page may stay
+cached too, unregistered, under the registered page before it; it is
+cached-unowned as a registered page is (counted, queued, evicted), owned
+only while ``match_prefix`` copies it, and forgotten when evicted or when
+its anchor page is unregistered.
+
 Several managers may share one pool (a hybrid model's KV groups, see
 ``KVGroups``): each owns the pages it allocated, and ``lock`` guards the pool
 and every manager on it.
@@ -30,6 +36,7 @@ import numpy as np
 from mstar.engine.resources.kv.eviction import EvictionQueue
 from mstar.engine.resources.kv.keys import ChainHasher, Key, PageKeys
 from mstar.engine.resources.kv.registry import PrefixRegistry
+from mstar.engine.resources.kv.tails import Anchor, TailCache
 
 __all__ = ["Key", "PageKeys", "PagePool"]
 
@@ -51,11 +58,12 @@ class PagePool:
         self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int32)  # top at the end
         self._nstack = num_pages  # pages on the free stack
         self.num_free = num_pages  # free stack + cached-unowned: all allocatable
-        self.num_cached = 0  # cached-unowned pages
+        self.num_cached = 0  # cached-unowned pages (tails too)
         self.num_evicted = 0  # registered pages evicted by alloc, ever
         self.registry = PrefixRegistry(num_pages, page_size)
         self._queue = EvictionQueue(num_pages)
         self._hasher = ChainHasher(page_size)
+        self.tails = TailCache(num_pages)
         self.tiers = None  # a KVTiers (kv/tiers), set by kv.tiers.attach
 
     @property
@@ -68,7 +76,8 @@ class PagePool:
         pages (read, don't keep)."""
         if not self.num_cached:
             return self._stack[: self._nstack]
-        cached = np.flatnonzero(self.registry.registered & (self.refcount == 0)).astype(np.int32)
+        kept = self.registry.registered | self.tails.is_tail
+        cached = np.flatnonzero(kept & (self.refcount == 0)).astype(np.int32)
         return np.concatenate((self._stack[: self._nstack], cached))
 
     def alloc(self, n: int) -> np.ndarray:
@@ -93,19 +102,19 @@ class PagePool:
         if self.num_cached:
             revived = pages[self.refcount[pages] == 1]
             if len(revived):
-                assert self.registry.registered[revived].all(), "share of a free page"
+                assert self._kept(revived).all(), "share of a free page"
                 self._queue.drop(revived)
                 self.num_cached -= len(revived)
                 self.num_free -= len(revived)
 
     def release(self, pages: np.ndarray) -> None:
         """One owner fewer for each of ``pages`` (distinct). Pages left with
-        none go back on the free stack, or, if registered, become
+        none go back on the free stack, or, if registered or tails, become
         cached-unowned (the later in ``pages``, the sooner evicted)."""
         self.refcount[pages] -= 1
         dead = pages[self.refcount[pages] == 0]
-        if self.registry.size:
-            cached = self.registry.registered[dead]
+        if self.registry.size or self.tails.size:
+            cached = self._kept(dead)
             if cached.any():
                 queued = dead[cached][::-1]
                 self._queue.push(queued)
@@ -151,6 +160,13 @@ class PagePool:
             self.tiers.filled(pages)
         return hashes
 
+    def cache_tail(self, page: int, anchor: Anchor, tokens: np.ndarray) -> None:
+        """Owned, unregistered ``page`` holds ``tokens`` (fewer than a page)
+        after ``anchor``: it stays cached as a tail once its last owner
+        releases it (``TailCache.add``; the tails it replaces are freed)."""
+        assert self.refcount[page] > 0 and not self.registry.registered[page], "tail of a stream"
+        self._free_cached(np.array(self.tails.add(page, anchor, tokens), dtype=np.int32))
+
     def lookup(self, keys: PageKeys, parent: int = -1) -> np.ndarray:
         """``PrefixRegistry.lookup``: the verified cached pages of the longest
         run of leading ``keys``. Changes nothing; ``share`` the result to own it."""
@@ -163,11 +179,12 @@ class PagePool:
         np.add.at(is_free, free, 1)
         owned = self.refcount > 0
         registered = self.registry.registered
-        cached = registered & ~owned
+        tails = self.tails.is_tail
+        cached = (registered | tails) & ~owned
         if (self.refcount < 0).any() or (is_free > 1).any():
             raise AssertionError("broken rule: owner counts >= 0, a page on the stack once")
-        if ((is_free > 0) & (owned | registered)).any():
-            raise AssertionError("broken rule: a free page is neither owned nor registered")
+        if ((is_free > 0) & (owned | registered | tails)).any():
+            raise AssertionError("broken rule: a free page is neither owned nor cached")
         if ((is_free > 0).astype(np.int8) + owned + cached != 1).any():
             raise AssertionError("broken rule: a page is free xor owned xor cached-unowned")
         if self.num_cached != cached.sum() or self.num_free != self._nstack + self.num_cached:
@@ -175,8 +192,20 @@ class PagePool:
         if sorted(self._queue.queued().tolist()) != np.flatnonzero(cached).tolist():
             raise AssertionError("broken rule: each cached-unowned page is queued once")
         self.registry.check()
+        self.tails.check(registered)
 
     # --- internals -----------------------------------------------------------------------
+
+    def _kept(self, pages: np.ndarray) -> np.ndarray:
+        """Whether each of ``pages`` stays cached when unowned: registered or a tail."""
+        return self.registry.registered[pages] | self.tails.is_tail[pages]
+
+    def _free_cached(self, pages: np.ndarray) -> None:
+        """Cached-unowned ``pages``, no longer cached, to the free stack."""
+        self._queue.drop(pages)
+        self.num_cached -= len(pages)
+        self.num_free -= len(pages)
+        self._push(pages)
 
     def _push(self, pages: np.ndarray) -> None:
         self._stack[self._nstack : self._nstack + len(pages)] = pages
@@ -185,17 +214,23 @@ class PagePool:
 
     def _evict(self, n: int) -> np.ndarray:
         """The ``n`` least recently released cached-unowned pages,
-        unregistered (the caller counts them out of ``num_free``). Their
-        registered descendants go too: those cached-unowned to the free stack."""
+        unregistered or forgotten as tails (the caller counts them out of
+        ``num_free``). Their registered descendants and the tails under any
+        of them go too: those cached-unowned to the free stack."""
         pages = self._queue.pop(n)
-        if self.tiers is not None:
-            self.tiers.offer(pages)  # their KV is copied out before it is overwritten
         self.num_cached -= len(pages)
-        self.num_evicted += len(pages)
-        cut = self.registry.unregister(pages)
-        loose = cut[self.refcount[cut] == 0]
-        self._queue.drop(loose)
-        self.num_cached -= len(loose)
-        self.num_free -= len(loose)
-        self._push(loose)
+        tail = self.tails.is_tail[pages]
+        registered = pages
+        if tail.any():
+            self.tails.forget(pages[tail])
+            registered = pages[~tail]
+        if not len(registered):
+            return pages
+        if self.tiers is not None:
+            self.tiers.offer(registered)  # their KV is copied out before it is overwritten
+        self.num_evicted += len(registered)
+        cut = self.registry.unregister(registered)
+        self._free_cached(cut[self.refcount[cut] == 0])
+        if self.tails.size:
+            self._free_cached(self.tails.orphans(np.concatenate((registered, cut))))
         return pages

@@ -94,7 +94,7 @@ class PrefixRegistry:
         registered nor a live duplicate leaves all of ``pages`` unregistered.
         """
         self.used = True
-        prev = self._resolve(parent)
+        prev = self.holder(parent)
         if prev is None or not len(pages):
             return
         twins = self.table.find(keys.hashes)
@@ -220,7 +220,7 @@ class PrefixRegistry:
         if self.listener is not None:
             self.listener.stored(keys.hashes, self.key[parents], parents >= 0, keys.tokens)
 
-    def _resolve(self, page: int) -> int | None:
+    def holder(self, page: int) -> int | None:
         """The registered page holding ``page``'s chain (-1 for none before
         a first page), or None when there is none."""
         if page < 0 or self.registered[page]:
