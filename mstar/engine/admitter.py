@@ -206,10 +206,11 @@ class Admitter:
 
     def _waits_for_shared(self, step: KVStep, waiting: set[str]) -> bool:
         """Requests with a stream about to start whose next full page (its
-        tokens from position 0) a stream of another request scheduled before
-        it computes whole in ``step``: added to ``waiting``, to match that
-        page once it commits; True when one was. (Nothing to do in a decode
-        step: one token a row.)"""
+        tokens from position 0 to the page boundary after what it holds, a
+        matched partial page's included) a stream of another request
+        scheduled before it computes whole in ``step``: added to
+        ``waiting``, to match that page once it commits; True when one was.
+        (Nothing to do in a decode step: one token a row.)"""
         if not self.prefix_cache or len(step.tokens) == len(step.segments):
             return False
         size, added = self.mgr.page_size, False
@@ -217,7 +218,7 @@ class Admitter:
         for rid, label, span, _ in step.segments:
             req = self.running[rid]
             tokens, start = req.streams[label], req.fed[label]
-            end = start + size
+            end = (start // size + 1) * size
             if (
                 req.prompt_logprobs is None
                 and (start == 0 or (rid, label) in self._unstarted)

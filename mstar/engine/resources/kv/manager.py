@@ -217,8 +217,9 @@ class KVManager:
         return self._pages.num_cached
 
     def prefix_stats(self) -> dict[str, int]:
-        """Tokens queried and hit by ``match_prefix``, pages registered in the
-        cache now, pages evicted so far."""
+        """Tokens queried and hit by ``match_prefix`` (a copied partial
+        page's too), pages registered in the cache now, registered pages
+        evicted so far, partial pages cached now (tails: never registered)."""
         with self._lock:
             p = self._prefix
             if p is not None:
@@ -228,15 +229,21 @@ class KVManager:
                 "tokens_hit": p.hit if p else 0,
                 "pages_cached": self._pages.num_registered,
                 "pages_evicted": self._pages.num_evicted,
+                "tails_cached": self._pages.tails.size,
             }
 
     def match_prefix(self, request_id: str, label: str, tokens: Any, namespace: str = "") -> int:
-        """Start the stream (request_id, label) on the longest run of cached
-        full pages equal to a prefix of ``tokens`` (shared, leaving at least
-        one token to compute) and return its stored length: a multiple of
-        ``page_size``, 0 when nothing matches. The caller schedules the rest.
-        ``namespace`` separates KV that equal tokens do not determine (an
-        adapter, images, a salt)."""
+        """Start the stream (request_id, label) on the longest cached prefix
+        of ``tokens`` that leaves at least one token to compute, and return
+        its stored length (0 when nothing matches; any length, not only a
+        multiple of ``page_size``). The cached full pages equal to its pages
+        are shared; with a cache attached and a page free, the tokens past
+        them come from a cached partial page (a freed stream's last, or the
+        prompt's last full page when taking it whole would leave nothing),
+        whose KV is copied into a page of the stream's own. The caller
+        schedules the rest. ``namespace`` separates KV that equal tokens do
+        not determine (an adapter, images, a salt). Raises as the cache's
+        ``copy_pages`` does, changing nothing."""
         with self._lock:
             if self._prefix is None:
                 raise InvalidStep(
@@ -252,11 +259,11 @@ class KVManager:
                     label,
                 )
             self._check_idle(request_id, label, "")
-            pages, last = self._prefix.match(_token_ids(tokens, request_id, label), namespace)
-            self._pages.share(pages)
-            stored = len(pages) * self.page_size
-            slot = self._streams.make(request_id, label, pages.copy(), stored)
-            self._prefix.start(slot, namespace, len(pages), last)
+            ids = _token_ids(tokens, request_id, label)
+            pages, stored, last = self._prefix.match(ids, namespace, self.cache)
+            slot = self._streams.make(request_id, label, pages, stored)
+            keyed = stored // self.page_size
+            self._prefix.start(slot, namespace, keyed, last, ids[keyed * self.page_size : stored])
             return stored
 
     # --- the step protocol -------------------------------------------------------------

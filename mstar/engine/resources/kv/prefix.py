@@ -17,6 +17,13 @@ before a lookup, before any stream is freed or forked, before other
 recording, or when a stream fills its next page. A stream's partial page
 lives in one half of a two-page ring (``tail``), so the up to ``page_size -
 1`` tokens a stream records after filling a page never overwrite it.
+
+Tails: a recording stream freed with a partial last page leaves it cached
+(``leave_tail``, see ``kv.tails``), and ``match`` continues a prompt past
+its cached full pages into the cached page sharing the most tokens with the
+rest (a tail, or the prompt's last full page when taking it whole would
+leave nothing to compute): that page's KV is copied into a page of the new
+stream's own, whose chain then records on from those tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ from typing import Any
 import numpy as np
 
 from mstar.engine.resources.kv.pages import PagePool
+from mstar.engine.resources.kv.tails import Anchor, best_tail
+
+_NO_PAGES = np.zeros(0, dtype=np.int32)
 
 
 class TokenError(ValueError):
@@ -118,13 +128,23 @@ class PrefixChains:
         self.waiting = np.concatenate((self.waiting, np.zeros(n - old, bool)))
         self.namespace += [""] * (n - old)
 
-    def start(self, slot: int, namespace: str = "", keyed: int = 0, last: int | None = None):
-        """A new stream (its page table made) whose first ``keyed`` pages are cached ones."""
+    def start(
+        self,
+        slot: int,
+        namespace: str = "",
+        keyed: int = 0,
+        last: int | None = None,
+        tail: np.ndarray | None = None,
+    ):
+        """A new stream (its page table made) whose first ``keyed`` pages are
+        cached ones, and whose next page holds ``tail``'s tokens (copied)."""
         self.on[slot] = True
         self.keyed[slot] = keyed
         self.last_key[slot] = last or 0
         self.last_page[slot] = self.tables[slot][keyed - 1] if keyed else 0
         self.namespace[slot] = namespace
+        if tail is not None:
+            self.tail[slot, keyed % 2, : len(tail)] = tail
 
     def copy(self, src: int, dst: int) -> None:
         """A fork: ``dst`` continues ``src``'s chain."""
@@ -136,16 +156,64 @@ class PrefixChains:
         self.last_page[dst] = self.last_page[src]
         self.namespace[dst] = self.namespace[src]
 
-    def match(self, tokens: np.ndarray, namespace: str) -> tuple[np.ndarray, int | None]:
-        """The cached pages of the longest run of ``tokens``' full pages that
-        leaves at least one token to compute, and the key of the last."""
+    def match(
+        self, tokens: np.ndarray, namespace: str, cache: Any
+    ) -> tuple[np.ndarray, int, int | None]:
+        """A new stream's start on the cache, leaving at least one of
+        ``tokens`` to compute: its pages, now owned (the cached pages of the
+        longest run of ``tokens``' full pages, then, with a ``cache`` to copy
+        with and a page free, a copy of the best cached partial page), its
+        stored length and the key of its last full page (None: none)."""
         self.flush()
-        usable = (len(tokens) - 1) // self.page_size * self.page_size
-        keys = self.pool.page_keys(tokens[: max(usable, 0)], None, namespace)
+        ps = self.page_size
+        keys = self.pool.page_keys(tokens, None, namespace)
         pages = self.pool.lookup(keys)
+        usable = max(len(tokens) - 1, 0) // ps
+        spare = int(pages[usable]) if len(pages) > usable else -1  # a whole last page
+        pages = pages[:usable]
+        self.pool.share(pages)
+        full = len(pages) * ps
+        anchor: Anchor = int(pages[-1]) if len(pages) else namespace
+        copy, c = _NO_PAGES, 0
+        if cache is not None:
+            try:
+                copy, c = self._copy_tail(tokens[full:], anchor, spare, cache)
+            except BaseException:
+                self.pool.release(pages)
+                raise
         self.queried += len(tokens)
-        self.hit += len(pages) * self.page_size
-        return pages, int(keys.hashes[len(pages) - 1]) if len(pages) else None
+        self.hit += full + c
+        last = int(keys.hashes[len(pages) - 1]) if len(pages) else None
+        return np.concatenate((pages, copy)), full + c, last
+
+    def _copy_tail(
+        self, rest: np.ndarray, anchor: Anchor, spare: int, cache: Any
+    ) -> tuple[np.ndarray, int]:
+        """A fresh page holding the KV of the cached page (a tail under
+        ``anchor``, or the registered ``spare``, -1: none) sharing the
+        longest common prefix ``c`` with ``rest`` (less its last token), and
+        ``c``; no page and 0 when none shares any or no page is free."""
+        pool = self.pool
+        found = pool.tails.under(anchor)
+        if spare >= 0:
+            found = [*found, (spare, pool.registry.tokens[spare])]
+        src, c = best_tail(found, rest)
+        if not c:
+            return _NO_PAGES, 0
+        pinned = np.array([src], dtype=np.int32)
+        pool.share(pinned)  # so that the alloc below cannot evict it
+        try:
+            if not pool.num_free:
+                return _NO_PAGES, 0
+            page = pool.alloc(1)
+            try:
+                cache.copy_pages(pinned, page)
+            except BaseException:
+                pool.release(page)
+                raise
+            return page, c
+        finally:
+            pool.release(pinned)
 
     def record(self, slots: np.ndarray, ends: Any, spans: np.ndarray, tokens) -> None:
         """Committed tokens of a step's rows (``ends``: the lengths after it);
@@ -217,6 +285,24 @@ class PrefixChains:
             self._record_steps()
         if self.waiting[slot]:
             self._register_waiting()
+
+    def leave_tail(self, slot: int, stored: int) -> None:
+        """Before ``slot``'s stream (settled) is freed holding ``stored``
+        tokens: a partial last page it recorded stays cached as a tail,
+        under the registered page holding its last full page's chain (its
+        namespace without one; nothing when that chain is not cached)."""
+        ps = self.page_size
+        keyed, t = divmod(stored, ps)
+        if not t or not self.on[slot]:
+            return
+        assert self.keyed[slot] == keyed, "a recording stream keys each page it fills"
+        anchor: Anchor | None = self.namespace[slot]
+        if keyed:
+            anchor = self.pool.registry.holder(int(self.last_page[slot]))
+            if anchor is None:
+                return
+        tokens = self.tail[slot, keyed % 2, :t].copy()
+        self.pool.cache_tail(int(self.tables[slot][keyed]), anchor, tokens)
 
     def _register_waiting(self) -> None:
         """Register the full pages waiting: one batch for those continuing a

@@ -131,9 +131,13 @@ class StreamTable:
 
     def free(self, slot: int, keep: np.ndarray | None = None) -> None:
         """Free the slot and release its pages, but those in ``keep`` (pages
-        an undone step took from its reservation go back to it)."""
+        an undone step took from its reservation go back to it); with a
+        prefix cache and no ``keep``, a partial last page it recorded stays
+        cached (``PrefixChains.leave_tail``)."""
         if self.prefix is not None:
             self.prefix.settle(slot)  # its full pages are registered before they go
+            if keep is None:
+                self.prefix.leave_tail(slot, int(self.stored[slot]))
         pages = self.tables[slot][: self.npages[slot]]
         self.pool.release(pages if keep is None else pages[~np.isin(pages, keep)])
         self.tables[slot] = None
