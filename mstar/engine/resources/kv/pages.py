@@ -202,6 +202,7 @@ class PagePool:
 
     def _free_cached(self, pages: np.ndarray) -> None:
         """Cached-unowned ``pages``, no longer cached, to the free stack."""
+        assert not self.refcount[pages].any(), "an owned page freed"
         self._queue.drop(pages)
         self.num_cached -= len(pages)
         self.num_free -= len(pages)

@@ -192,28 +192,24 @@ class PrefixChains:
         """A fresh page holding the KV of the cached page (a tail under
         ``anchor``, or the registered ``spare``, -1: none) sharing the
         longest common prefix ``c`` with ``rest`` (less its last token), and
-        ``c``; no page and 0 when none shares any or no page is free."""
+        ``c``; no page and 0 when none shares any or no page is free. The
+        page allocated may be the source itself, evicted (a copy onto
+        itself): its KV stays, and nothing else it takes along is reused
+        before the copy."""
         pool = self.pool
         found = pool.tails.under(anchor)
         if spare >= 0:
             found = [*found, (spare, pool.registry.tokens[spare])]
         src, c = best_tail(found, rest)
-        if not c:
+        if not c or not pool.num_free:
             return _NO_PAGES, 0
-        pinned = np.array([src], dtype=np.int32)
-        pool.share(pinned)  # so that the alloc below cannot evict it
+        page = pool.alloc(1)
         try:
-            if not pool.num_free:
-                return _NO_PAGES, 0
-            page = pool.alloc(1)
-            try:
-                cache.copy_pages(pinned, page)
-            except BaseException:
-                pool.release(page)
-                raise
-            return page, c
-        finally:
-            pool.release(pinned)
+            cache.copy_pages(np.array([src], dtype=np.int32), page)
+        except BaseException:
+            pool.release(page)
+            raise
+        return page, c
 
     def record(self, slots: np.ndarray, ends: Any, spans: np.ndarray, tokens) -> None:
         """Committed tokens of a step's rows (``ends``: the lengths after it);
