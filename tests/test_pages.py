@@ -6,6 +6,7 @@ import pytest
 
 from mstar.engine.resources.kv.keys import _BASE, _seed
 from mstar.engine.resources.kv.pages import PageKeys, PagePool
+from mstar.engine.resources.kv.tails import PER_ANCHOR
 
 MASK = (1 << 64) - 1
 
@@ -380,4 +381,32 @@ def test_register_next_counts_two_children_of_one_parent():
     pool.release(np.concatenate((first, pages)))
     pool.alloc(8)  # evicts all three: the parent's count must reach zero, not below
     assert pool.num_registered == 0
+    pool.check()
+
+
+def test_an_unregistered_anchor_takes_its_tails_along():
+    pool = PagePool(4, 2)
+    anchor, tail, other = pool.alloc(3)
+    pool.register(np.array([anchor], np.int32), pool.page_keys([1, 2]))
+    pool.cache_tail(int(tail), int(anchor), np.array([3]))
+    pool.cache_tail(int(other), "", np.array([5]))  # a tail under the namespace root
+    pool.release(np.array([anchor], np.int32))  # the anchor first: evicted first
+    pool.release(np.array([tail, other], np.int32))
+    assert (pool.num_free, pool.num_cached, pool.tails.size) == (4, 3, 2)
+    pool.check()
+    pool.alloc(2)  # the free page, then the anchor: its tail goes to the free stack
+    assert (pool.num_free, pool.num_cached, pool.tails.size) == (2, 1, 1)
+    assert pool.tails.under("")[0][0] == other and not pool.tails.under(int(anchor))
+    pool.check()
+
+
+def test_tails_under_one_anchor_are_capped_oldest_first():
+    pool = PagePool(PER_ANCHOR + 1, 4)
+    pages = pool.alloc(PER_ANCHOR + 1)
+    for token, page in enumerate(pages.tolist()):
+        pool.cache_tail(page, "", np.array([token]))  # none begins another
+        pool.release(pages[token : token + 1])
+    assert pool.tails.size == PER_ANCHOR and pool.num_cached == PER_ANCHOR
+    assert [int(t[0]) for _, _, t in pool.tails.entries()] == list(range(1, PER_ANCHOR + 1))
+    assert pool.free_pages()[:1].tolist() == [pages[0]]  # the oldest, on the free stack
     pool.check()

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mstar.engine.resources.kv.pages import PageKeys, PagePool
+from mstar.engine.resources.kv.tails import PER_ANCHOR
 
 
 class Model:
@@ -21,29 +22,70 @@ class Model:
         self.gen = [0] * num_pages
         self.twin = {}  # duplicate page -> (twin, twin's gen then)
         self.evicted = 0
+        self.tails = {}  # anchor (page or namespace) -> [(tail page, tokens)], oldest first
 
     def alloc(self, n):
         take = min(n, len(self.stack))
         out = self.stack[len(self.stack) - take :]
         del self.stack[len(self.stack) - take :]
         batch, self.queue = self.queue[: n - take], self.queue[n - take :]
-        self.evicted += len(batch)
-        self.unregister(batch)
+        for anchor, held in list(self.tails.items()):  # evicted tails are forgotten
+            self._set(anchor, [(p, t) for p, t in held if p not in batch])
+        registered = [p for p in batch if p in self.chain]
+        self.evicted += len(registered)
+        self.unregister(registered)
         for p in out + batch:
             self.refcount[p] = 1
             self.twin.pop(p, None)
         return out + batch
 
     def unregister(self, pages):
+        gone_all = list(pages)
         while pages:
             for p in pages:
                 del self.page_of[self.chain.pop(p)]
                 self.gen[p] += 1
             gone = set(pages)
             pages = sorted(p for p in self.chain if self.parent[p] in gone)
+            gone_all += pages
             loose = [p for p in pages if self.refcount[p] == 0]
             self.queue = [p for p in self.queue if p not in loose]
             self.stack += loose
+        orphans = [p for a in gone_all for p, _ in self.tails.pop(a, [])]
+        self.queue = [p for p in self.queue if p not in orphans]
+        self.stack += orphans
+
+    def is_tail(self, page):
+        return any(p == page for held in self.tails.values() for p, _ in held)
+
+    def cache_tail(self, page, anchor, tokens):
+        """A tail under ``anchor`` unless covered; the tails it covers, then
+        the oldest past ``PER_ANCHOR``, to the free stack."""
+        held = self.tails.get(anchor, [])
+        n = len(tokens)
+        if any(t[:n] == tokens for _, t in held if len(t) >= n):
+            return
+        covered = [len(t) <= n and tokens[: len(t)] == t for _, t in held]
+        kept = [h for h, c in zip(held, covered) if not c]
+        gone = [p for (p, _), c in zip(held, covered) if c]
+        while len(kept) >= PER_ANCHOR:
+            gone.append(kept.pop(0)[0])
+        self.tails[anchor] = [*kept, (page, tokens)]
+        self.queue = [p for p in self.queue if p not in gone]
+        self.stack += gone
+
+    def holder(self, page):
+        """The registered page holding ``page``'s chain, or None."""
+        if page in self.chain:
+            return page
+        twin, gen = self.twin.get(page, (-1, -1))
+        return twin if twin in self.chain and self.gen[twin] == gen else None
+
+    def _set(self, anchor, held):
+        if held:
+            self.tails[anchor] = held
+        else:
+            self.tails.pop(anchor, None)
 
     def share(self, pages):
         for p in pages:
@@ -57,8 +99,9 @@ class Model:
             self.refcount[p] -= 1
             if self.refcount[p] == 0:
                 dead.append(p)
-        self.queue += [p for p in reversed(dead) if p in self.chain]
-        self.stack += [p for p in dead if p not in self.chain]
+        kept = [p for p in dead if p in self.chain or self.is_tail(p)]
+        self.queue += kept[::-1]
+        self.stack += [p for p in dead if p not in kept]
 
     def register(self, pages, chains, parent):
         if parent >= 0 and parent not in self.chain:
@@ -172,10 +215,30 @@ class PoolMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.streams)
     @rule(data=st.data())
-    def release(self, data):
-        s = self.streams.pop(data.draw(st.integers(0, len(self.streams) - 1)))
+    def release(self, data, i=None):
+        i = data.draw(st.integers(0, len(self.streams) - 1)) if i is None else i
+        s = self.streams.pop(i)
         self.pool.release(np.array(s[2], dtype=np.int32))
         self.model.release(s[2])
+
+    @precondition(lambda self: self.streams)
+    @rule(data=st.data())
+    def leave_tail(self, data):
+        """A stream with a partial last page of its own goes, leaving it
+        as a tail under the page holding its last full one (its namespace)."""
+        i = data.draw(st.integers(0, len(self.streams) - 1))
+        namespace, tokens, pages, _ = self.streams[i]
+        full = len(tokens) // PS
+        if full == len(pages) or self.pool.refcount[pages[-1]] != 1:
+            return
+        anchor = self.model.holder(pages[full - 1]) if full else namespace
+        assert anchor == (self.pool.registry.holder(pages[full - 1]) if full else namespace)
+        if anchor is None:
+            return
+        rest = tuple(tokens[full * PS :])
+        self.pool.cache_tail(pages[-1], anchor, np.array(rest, dtype=np.int64))
+        self.model.cache_tail(pages[-1], anchor, rest)
+        self.release(data, i)
 
     @rule(n=st.integers(0, 4))
     def alloc_and_free(self, n):
@@ -195,6 +258,8 @@ class PoolMachine(RuleBasedStateMachine):
         assert pool.free_pages()[: len(model.stack)].tolist() == model.stack
         assert sorted(np.flatnonzero(pool.registry.registered).tolist()) == sorted(model.chain)
         assert pool.num_evicted == model.evicted
+        tails = sorted((str(a), p, tuple(t.tolist())) for a, p, t in pool.tails.entries())
+        assert tails == sorted((str(a), p, t) for a, held in model.tails.items() for p, t in held)
         for page, (_, tokens) in model.chain.items():  # each page holds what its key claims
             assert pool.registry.tokens[page].tolist() == list(tokens[-PS:])
         for namespace, tokens, _, _ in self.streams:  # and every stream its own

@@ -198,8 +198,11 @@ class PrefixMachine(RuleBasedStateMachine):
         if not hasattr(self, "mgr"):
             return
         self.mgr.check_invariants()
-        for key, tokens in self.hist.items():
+        for key, tokens in self.hist.items():  # every stream reads back its tokens
             assert self.mgr.stored_len(*key) == len(tokens)
+            pages = self.mgr.page_ids(*key)
+            at = np.arange(len(tokens))
+            assert self.cache.slots[pages[at // self.ps], at % self.ps].tolist() == tokens
         pool = self.mgr._pages  # every registered page holds the tokens its key claims
         registered = np.flatnonzero(pool.registry.registered)
         assert (self.cache.slots[registered] == pool.registry.tokens[registered]).all()
