@@ -41,26 +41,28 @@ SHARED = [(7 * i) % 250 + 1 for i in range(20)]  # a system prompt: 2.5 pages of
 
 
 def test_requests_arriving_together_compute_a_shared_prefix_once():
-    """Five prompts at once, one prefix of 20 tokens (two full pages of 8)
-    and one a duplicate: the first computes its 25; the others wait a step
-    for its pages and compute only what follows them (9 tokens; the duplicate
-    its last token alone, a one-token row). Same tokens as without the cache."""
+    """Five prompts at once, one prefix of 20 tokens (two full pages of 8
+    and 4 tokens of a third) and one a duplicate: the first computes its 25;
+    the others wait a step for its pages and compute only what follows the
+    20 (5 tokens: the third page's first 4 copied; the duplicate its last
+    token alone, a one-token row). Same tokens as without the cache."""
     prompts = [SHARED + [200 + i] * 5 for i in range(4)] + [SHARED + [200] * 5]
     want, computed, _ = _prefill(prompts, prefix_cache=False)
     assert computed == 5 * 25
     got, computed, _ = _prefill(prompts, prefix_cache=True)
     assert got == want
-    assert computed == 25 + 3 * 9
+    assert computed == 25 + 3 * 5
 
 
 def test_a_stream_holding_a_matched_prefix_waits_for_the_next_shared_page():
     """The first page is cached from before; two prompts arriving together
     share the next one too: the second takes the first page, waits for the
-    first prompt's second page and takes it as well."""
+    first prompt's second page and takes it as well (and the 4 shared
+    tokens of its third, copied)."""
     _, _, engine = _prefill([SHARED[:8] + [3] * 9], prefix_cache=True)
     prompts = [SHARED + [200 + i] * 5 for i in range(2)]
     got, computed, _ = _prefill(prompts, prefix_cache=True, engine=engine)
-    assert computed == (25 - 8) + 9
+    assert computed == (25 - 8) + 5
     assert got == _prefill(prompts, prefix_cache=False)[0]
 
 

@@ -74,6 +74,34 @@ def test_an_exact_multiple_of_the_page_size_hits_all_but_one_token():
     mgr.check_invariants()
 
 
+def test_a_prompt_ending_inside_a_cached_page_is_served_from_a_copy_of_it():
+    longer = [*PROMPT, *range(11)]  # a's third page is full and registered
+    store = TokenCache(16, PS)
+    mgr = KVManager(16, PS, cache=store, prefix_cache=True)
+    serve(mgr, store, [("a", "main", longer)])
+    assert mgr.match_prefix("b", "main", PROMPT) == 36  # a holds it: copied, not shared
+    serve(mgr, store, [("b", "main", [*PROMPT[36:], 7, 7])])
+    assert mgr.match_prefix("c", "main", longer) == 47
+    assert store.read(serve(mgr, store, [("c", "main", longer[47:])])["c", "main"], 48) == longer
+    mgr.release("b")  # its tail shares 7 tokens with d's prompt, a's third page 5
+    other = [*PROMPT, 7, 7, 9]
+    assert mgr.match_prefix("d", "main", other) == 39
+    assert store.read(serve(mgr, store, [("d", "main", other[39:])])["d", "main"], 40) == other
+    mgr.check_invariants()
+
+
+def test_a_page_registered_after_another_is_forgotten_with_its_content():
+    mgr, store = cached([*PROMPT, *range(11)], num_pages=5)  # 3 full pages
+    serve(mgr, store, [("z", "main", [99] * 33)])  # evicts a's third, writes one token there
+    mgr.release("z")
+    assert mgr.match_prefix("b", "main", PROMPT) == 32
+    mgr, store = cached(PROMPT[:16], num_pages=1)  # one full page: the namespace's first
+    serve(mgr, store, [("z", "main", [99] * 5)])
+    mgr.release("z")
+    assert mgr.match_prefix("b", "main", PROMPT[:10]) == 0
+    mgr.check_invariants()
+
+
 def test_without_a_free_page_or_a_cache_only_full_pages_are_taken():
     cache = TokenCache(2, PS)
     mgr = KVManager(2, PS, cache=cache, prefix_cache=True)

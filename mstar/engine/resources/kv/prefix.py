@@ -21,9 +21,10 @@ lives in one half of a two-page ring (``tail``), so the up to ``page_size -
 Tails: a recording stream freed with a partial last page leaves it cached
 (``leave_tail``, see ``kv.tails``), and ``match`` continues a prompt past
 its cached full pages into the cached page sharing the most tokens with the
-rest (a tail, or the prompt's last full page when taking it whole would
-leave nothing to compute): that page's KV is copied into a page of the new
-stream's own, whose chain then records on from those tokens.
+rest (a tail; the prompt's last full page when taking it whole would leave
+nothing to compute; the page last registered after the last one matched):
+that page's KV is copied into a page of the new stream's own, whose chain
+then records on from those tokens.
 """
 
 from __future__ import annotations
@@ -190,16 +191,18 @@ class PrefixChains:
         self, rest: np.ndarray, anchor: Anchor, spare: int, cache: Any
     ) -> tuple[np.ndarray, int]:
         """A fresh page holding the KV of the cached page (a tail under
-        ``anchor``, or the registered ``spare``, -1: none) sharing the
-        longest common prefix ``c`` with ``rest`` (less its last token), and
+        ``anchor``, the registered ``spare`` (-1: none), or the page last
+        registered after ``anchor``) sharing the longest common prefix ``c``
+        with ``rest`` (less its last token), and
         ``c``; no page and 0 when none shares any or no page is free. The
         page allocated may be the source itself, evicted (a copy onto
         itself): its KV stays, and nothing else it takes along is reused
         before the copy."""
         pool = self.pool
+        registry = pool.registry
+        child = registry.child(anchor)
         found = pool.tails.under(anchor)
-        if spare >= 0:
-            found = [*found, (spare, pool.registry.tokens[spare])]
+        found = found + [(p, registry.tokens[p]) for p in dict.fromkeys((spare, child)) if p >= 0]
         src, c = best_tail(found, rest)
         if not c or not pool.num_free:
             return _NO_PAGES, 0

@@ -19,6 +19,10 @@ own stream does not own (see ``register``), which can be evicted first. So
 unregistering a page unregisters its registered descendants with it: parent
 links always name live, registered pages (``check`` asserts it).
 
+Each page and namespace remembers the page last registered after it
+(``child``), so a prompt that ends inside a cached page can be served from
+it (``PrefixChains.match``); a stale memory is caught by the parent links.
+
 Which pages are owned, free or cached is the pool's business, not this one's.
 ``listener`` (None: no cost) hears every page registered and unregistered,
 on the thread that changes the registry (``RegistryListener``).
@@ -65,6 +69,8 @@ class PrefixRegistry:
         self._gen = np.zeros(num_pages, dtype=np.int64)  # bumped when unregistered
         self._twin = np.full(num_pages, -1, dtype=np.int32)  # a duplicate's registered twin
         self._twin_gen = np.zeros(num_pages, dtype=np.int64)
+        self._child = np.full(num_pages, -1, dtype=np.int32)  # the page last linked after it
+        self._root: dict[str, int] = {}  # namespace -> the first page last linked in it
         self.listener: RegistryListener | None = None
 
     @property
@@ -75,6 +81,17 @@ class PrefixRegistry:
     def namespace_of(self, page: int) -> str | None:
         """A registered first page's namespace (None for any other page)."""
         return self._namespace.get(page)
+
+    def child(self, anchor: int | str) -> int:
+        """The registered page last registered after page ``anchor`` (a
+        namespace: first in it) and still after it; -1 when there is none."""
+        if isinstance(anchor, str):
+            page = self._root.get(anchor, -1)
+            if page >= 0 and self.registered[page] and self._namespace.get(page) == anchor:
+                return page
+            return -1
+        page = int(self._child[anchor])
+        return page if page >= 0 and self.registered[page] and self.parent[page] == anchor else -1
 
     def reused(self, pages: np.ndarray) -> None:
         """``pages`` were allocated anew: a twin named by their last life is gone."""
@@ -214,8 +231,10 @@ class PrefixRegistry:
             self._children[linked] += 1
         else:  # forks' chains: several pages after one parent
             np.add.at(self._children, linked, 1)
+        self._child[linked] = pages[parents >= 0]
         if parents[0] < 0:
             self._namespace[int(pages[0])] = keys.namespace
+            self._root[keys.namespace] = int(pages[0])
         self.table.insert(keys.hashes, pages)
         if self.listener is not None:
             self.listener.stored(keys.hashes, self.key[parents], parents >= 0, keys.tokens)
