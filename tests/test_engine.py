@@ -396,6 +396,25 @@ def test_prefix_cache_reuses_shared_prefixes_exactly(models):
     assert again[0].outputs[0].token_ids == outputs[0]
 
 
+@pytest.mark.parametrize("new", [2, 8], ids=["tail", "filled page"])
+def test_a_repeated_prompt_computes_only_its_last_token(models, new):
+    """37 tokens, pages of 8: the repeat takes 4 pages and 4 tokens of the
+    fifth, copied from the first run's partial last page (``tail``) or from
+    the page its answer filled, and answers exactly as without the cache
+    (its log-probabilities too: wrong KV moves them)."""
+    prompt = [random.Random(21).randrange(1, 256) for _ in range(37)]
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True, logprobs=1)
+    (off,) = engine(models, prefix_cache=False).generate([prompt], params)
+    eng = engine(models)
+    (first,) = eng.generate([prompt], params)
+    hit = eng.mgr.prefix_stats()["tokens_hit"]
+    (again,) = eng.generate([prompt], params)
+    assert eng.mgr.prefix_stats()["tokens_hit"] - hit == 36  # whole pages alone: 32
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids == off.outputs[0].token_ids
+    want = [r.chosen.logprob for r in off.outputs[0].logprobs]
+    assert [r.chosen.logprob for r in again.outputs[0].logprobs] == pytest.approx(want, abs=1e-4)
+
+
 def test_smollm2_chat_prompts_share_the_system_prompt_from_cache(smollm2):
     from mstar.engine.loader import chat_prompt
 
