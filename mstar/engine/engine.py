@@ -58,9 +58,9 @@ class Engine:
     ``KV_MEMORY_FRACTION`` of the free memory (see ``device.pool_pages``). String
     prompts and chats need ``tokenizer`` (a Hugging Face fast tokenizer);
     outputs get ``.text`` with one. With ``prefix_cache`` a stream that starts
-    (or restarts after preemption) first takes the longest run of cached full
-    pages equal to a prefix of its tokens, computed by any earlier request, and
-    computes only the rest. ``prefix_cache=None`` (the default) turns it on
+    (or restarts after preemption) first takes the longest cached prefix of
+    its tokens, computed by any earlier request (full pages shared, then a
+    cached partial page's tokens copied), and computes only the rest. ``prefix_cache=None`` (the default) turns it on
     unless some attention layer of the model has a sliding window: such
     layers then give the pages behind their window back to the pool, which a
     prefix cache would keep (the two do not combine yet).

@@ -132,8 +132,9 @@ class KVManager:
     With ``prefix_cache=True``, full pages are registered by content once
     committed (a stream's segments must carry their ``tokens``), stay cached
     after their last owner lets go until their memory is needed (cached pages
-    count as free), and ``match_prefix`` starts a new stream on the longest
-    cached run of a prompt's pages.
+    count as free), a freed stream's partial last page stays cached too (a
+    tail: copied, never shared), and ``match_prefix`` starts a new stream on
+    the longest cached prefix of a prompt.
 
     With ``pool`` (a ``PagePool`` of ``num_pages`` pages of ``page_size``) it
     allocates from that pool, shared with other managers, under the pool's
