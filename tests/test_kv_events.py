@@ -65,6 +65,7 @@ def test_stored_pages_chain_and_carry_the_router_side_keys(published):
     assert isinstance(events[0], AllBlocksCleared)
     stored = [e for e in events if isinstance(e, BlockStored)]
     assert len(stored) == engine.mgr.prefix_stats()["pages_cached"] == 6  # 3 shared + 1 each
+    assert engine.mgr.prefix_stats()["tails_cached"] == 3  # partial pages: never stored blocks
     by_key = {e.block_hashes[0]: e for e in stored}
     assert len(by_key) == len(stored), "a page stored twice"
     for e in stored:

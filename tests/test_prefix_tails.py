@@ -11,6 +11,7 @@ computed its whole prompt.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from kvsteps import TokenCache
 from oracles import dense_attention
@@ -18,7 +19,7 @@ from test_prefix import serve
 
 from mstar.engine.resources.attn.paged import paged_attention
 from mstar.engine.resources.kv.cache import KVCache
-from mstar.engine.resources.kv.manager import KVManager
+from mstar.engine.resources.kv.manager import InvalidStep, KVManager
 from mstar.engine.resources.step import KVStep, Segment
 
 PS = 16
@@ -205,3 +206,14 @@ def test_attention_over_a_copied_tail_equals_a_fresh_computation():
     held = cache.layer(0)[torch.from_numpy(pages).long()]  # [3, 2, PS, H_kv, D]
     held = held.permute(1, 0, 2, 3, 4).reshape(2, 3 * PS, KV_HEADS, DIM)[:, :37]
     assert torch.equal(held, torch.stack([k, v]))
+
+
+def test_a_stream_on_a_copied_tail_rewinds_into_it_not_behind_its_full_pages():
+    mgr, store = cached(PROMPT)
+    mgr.match_prefix("b", "main", PROMPT)
+    mgr.rewind("b", "main", 3)  # its own page: allowed
+    with pytest.raises(InvalidStep, match="registered page"):
+        mgr.rewind("b", "main", 2)  # into the second page, cached
+    view = serve(mgr, store, [("b", "main", PROMPT[33:])])["b", "main"]
+    assert store.read(view, 37) == PROMPT
+    mgr.check_invariants()
