@@ -239,9 +239,10 @@ class KVManager:
         its stored length (0 when nothing matches; any length, not only a
         multiple of ``page_size``). The cached full pages equal to its pages
         are shared; with a cache attached and a page free, the tokens past
-        them come from a cached partial page (a freed stream's last, or the
-        prompt's last full page when taking it whole would leave nothing),
-        whose KV is copied into a page of the stream's own. The caller
+        them come from the cached page sharing the most with the rest (a
+        freed stream's partial last page; the page last registered after
+        those; the prompt's last full page when taking it whole would leave
+        nothing), whose KV is copied into a page of the stream's own. The caller
         schedules the rest. ``namespace`` separates KV that equal tokens do
         not determine (an adapter, images, a salt). Raises as the cache's
         ``copy_pages`` does, changing nothing."""

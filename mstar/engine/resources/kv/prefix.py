@@ -190,14 +190,13 @@ class PrefixChains:
     def _copy_tail(
         self, rest: np.ndarray, anchor: Anchor, spare: int, cache: Any
     ) -> tuple[np.ndarray, int]:
-        """A fresh page holding the KV of the cached page (a tail under
-        ``anchor``, the registered ``spare`` (-1: none), or the page last
-        registered after ``anchor``) sharing the longest common prefix ``c``
-        with ``rest`` (less its last token), and
-        ``c``; no page and 0 when none shares any or no page is free. The
-        page allocated may be the source itself, evicted (a copy onto
-        itself): its KV stays, and nothing else it takes along is reused
-        before the copy."""
+        """A fresh page holding the KV of the cached page sharing the longest
+        common prefix with ``rest`` (less its last token), and that prefix's
+        length ``c``: a tail under ``anchor``, the registered ``spare`` (-1:
+        none) or the page last registered after ``anchor``. No page and 0
+        when none shares any or no page is free. The page allocated may be
+        the source itself, evicted (a copy onto itself): its KV stays, and
+        nothing else it takes along is reused before the copy."""
         pool = self.pool
         registry = pool.registry
         child = registry.child(anchor)
