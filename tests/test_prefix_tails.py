@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kvsteps import TokenCache
+from kvsteps import CopyFailed, TokenCache
 from oracles import dense_attention
 from test_prefix import serve
 
@@ -217,3 +217,15 @@ def test_a_stream_on_a_copied_tail_rewinds_into_it_not_behind_its_full_pages():
     view = serve(mgr, store, [("b", "main", PROMPT[33:])])["b", "main"]
     assert store.read(view, 37) == PROMPT
     mgr.check_invariants()
+
+
+def test_a_failed_copy_changes_nothing():
+    mgr, store = cached(PROMPT)
+    free, cached_pages = mgr.num_free_pages, mgr.num_cached_pages
+    store.fail = True
+    with pytest.raises(CopyFailed):
+        mgr.match_prefix("b", "main", PROMPT)
+    assert mgr.labels("b") == [] and mgr.shared_pages() == 0
+    assert (mgr.num_free_pages, mgr.num_cached_pages) == (free, cached_pages)
+    mgr.check_invariants()
+    assert mgr.match_prefix("b", "main", PROMPT) == 36
