@@ -66,6 +66,18 @@ def test_a_stream_holding_a_matched_prefix_waits_for_the_next_shared_page():
     assert got == _prefill(prompts, prefix_cache=False)[0]
 
 
+def test_a_stream_holding_a_copied_partial_page_waits_for_that_page():
+    """A tail of 12 tokens is cached from before (one page of 8 and 4 on
+    the next): both prompts arriving together take it, at 12 tokens; the
+    second shares the first's next 4 alone (to the page boundary, not 8
+    past its start), waits for that page and computes only what follows."""
+    _, _, engine = _prefill([SHARED[:12]], prefix_cache=True)
+    prompts = [SHARED + [200] * 5, SHARED[:16] + [201] * 9]
+    got, computed, _ = _prefill(prompts, prefix_cache=True, engine=engine)
+    assert computed == (25 - 12) + (25 - 16)
+    assert got == _prefill(prompts, prefix_cache=False)[0]
+
+
 def test_prompt_logprobs_are_computed_whole_not_waited_for():
     prompts = [SHARED + [200 + i] * 5 for i in range(3)]
     _, computed, _ = _prefill(prompts, prefix_cache=True, logprobs=1)
