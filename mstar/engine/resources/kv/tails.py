@@ -32,7 +32,7 @@ class TailCache:
 
     def __init__(self, num_pages: int) -> None:
         self.is_tail = np.zeros(num_pages, dtype=bool)
-        self.anchors = np.zeros(num_pages, dtype=bool)  # per page: tails hang off it
+        self._anchored = np.zeros(num_pages, dtype=bool)  # per page: tails hang off it
         self._under: dict[Anchor, list[tuple[int, np.ndarray]]] = {}
         self._anchor: dict[int, Anchor] = {}  # tail page -> its anchor
 
@@ -68,8 +68,8 @@ class TailCache:
         self._under[anchor] = [*kept, (page, tokens)]
         self._anchor[page] = anchor
         self.is_tail[page] = True
-        if isinstance(anchor, int):
-            self.anchors[anchor] = True
+        if not isinstance(anchor, str):
+            self._anchored[anchor] = True
         self._forget_pages(gone)
         return gone
 
@@ -84,10 +84,10 @@ class TailCache:
     def orphans(self, pages: np.ndarray) -> np.ndarray:
         """Forget the tails under ``pages`` (just unregistered) and return
         their pages (int32)."""
-        hit = pages[self.anchors[pages]]
+        hit = pages[self._anchored[pages]]
         if not len(hit):
             return np.zeros(0, dtype=np.int32)
-        self.anchors[hit] = False
+        self._anchored[hit] = False
         gone = [p for anchor in hit.tolist() for p, _ in self._under.pop(anchor)]
         self._forget_pages(gone)
         return np.array(gone, dtype=np.int32)
@@ -99,8 +99,8 @@ class TailCache:
             raise AssertionError("broken rule: each tail is listed once, under its anchor")
         if sorted(listed) != np.flatnonzero(self.is_tail).tolist():
             raise AssertionError("broken rule: the tail pages are the listed ones")
-        pages = [a for a, held in self._under.items() if isinstance(a, int) and held]
-        if not registered[pages].all() or sorted(pages) != np.flatnonzero(self.anchors).tolist():
+        pages = [a for a, held in self._under.items() if not isinstance(a, str) and held]
+        if not registered[pages].all() or sorted(pages) != np.flatnonzero(self._anchored).tolist():
             raise AssertionError("broken rule: a tail's anchor page is registered")
         if (self.is_tail & registered).any():
             raise AssertionError("broken rule: a tail is not registered")
@@ -110,8 +110,8 @@ class TailCache:
             self._under[anchor] = held
             return
         del self._under[anchor]
-        if isinstance(anchor, int):
-            self.anchors[anchor] = False
+        if not isinstance(anchor, str):
+            self._anchored[anchor] = False
 
     def _forget_pages(self, pages: list[int]) -> None:
         for page in pages:
