@@ -157,9 +157,11 @@ class KVCache:
                 )
         src_t = torch.from_numpy(src_ids).to(self.device)
         dst_t = torch.from_numpy(dst_ids).to(self.device)
+        # index_select + index_copy_: ~0.2 ms a page over 30 layers on CPU, where
+        # ``part[dst] = part[src]`` (index_put_) took ~2.7 ms
         for cache in self._layers:
             for part in cache if isinstance(cache, tuple) else (cache,):
-                part[dst_t] = part[src_t]
+                part.index_copy_(0, dst_t, part.index_select(0, src_t))
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
