@@ -85,3 +85,32 @@ def test_serve_and_bench_serve_reject_impossible_options_in_one_line(capsys, arg
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("drops", [1, 2])
+def test_bench_serve_sends_again_once_when_a_kept_alive_connection_drops(drops):
+    """A connection the server closed while idle drops before any answer:
+    the request is sent once more, and a second drop is its error."""
+    import asyncio
+
+    from mstar.bench.serve import one_request
+
+    calls = []
+    sse = 'data: {"choices": [{"delta": {"content": "Hi"}}]}\n\ndata: [DONE]\n\n'
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        if len(calls) <= drops:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            return await one_request(client, "http://peer/v1", {"messages": []})
+
+    sample = asyncio.run(run())
+    assert len(calls) == 2
+    if drops == 1:
+        assert sample.error is None and sample.ttft is not None and sample.tokens == 1
+    else:
+        assert sample.ttft is None and sample.error.startswith("RemoteProtocolError")

@@ -83,8 +83,17 @@ def arrivals(n: int, rate: float, seed: int = SEED) -> list[float]:
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Sample:
     """Stream one chat completion; the first non-empty content (or tool
-    call, or token ids with ``return_token_ids``) is its first token."""
+    call, or token ids with ``return_token_ids``) is its first token. Sent
+    again once when the connection drops before any answer (a kept-alive
+    connection the server had closed: llama-server closes idle ones)."""
     t0 = time.perf_counter()
+    sample = await _stream(client, url, body, t0)
+    if sample.ttft is None and sample.error and sample.error.startswith("RemoteProtocolError"):
+        sample = await _stream(client, url, body, t0)
+    return sample
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict, t0: float) -> Sample:
     ttft, chunks, tokens = None, 0, None
     try:
         async with client.stream("POST", f"{url}/chat/completions", json=body) as r:
