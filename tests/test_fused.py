@@ -39,10 +39,13 @@ SIZES = {
 TOL = 1e-4
 
 
-def _llama(packed: bool = False, **settings) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _llama(
+    packed: bool = False, int16: bool = False, **settings
+) -> tuple[torch.nn.Module, torch.nn.Module]:
     """A seeded tiny Llama (the reference: its own forward, SDPA attention)
     and its twin on the plan; ``packed``: both with int4 layers and an int8
-    head (the reference dequantized, as the mode check's)."""
+    head (the reference dequantized, as the mode check's), the int4 ones on
+    int16 activations with ``int16``."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES, **settings)).eval()
     if packed:
@@ -50,8 +53,10 @@ def _llama(packed: bool = False, **settings) -> tuple[torch.nn.Module, torch.nn.
             pytest.skip(f"packed kernels: {kernel_or_why()}")
         for name, module in list(model.named_modules()):
             if isinstance(module, torch.nn.Linear):
-                pack = quantize_int8 if name == "lm_head" else quantize_int4
-                model.set_submodule(name, PackedLinear(pack(module.weight), module.bias))
+                head = name == "lm_head"
+                weights = (quantize_int8 if head else quantize_int4)(module.weight)
+                layer = PackedLinear(weights, module.bias, None, int16 and not head)
+                model.set_submodule(name, layer)
     paged = copy.deepcopy(model)
     paged.set_attn_implementation(register())
     reference = copy.deepcopy(model)
@@ -203,16 +208,24 @@ def test_weights_changed_after_the_first_step_are_followed():
     run.decode(["a"])
 
 
-def test_layer_stack_is_the_layers_bit_for_bit():
+@pytest.mark.parametrize("int16", [False, True], ids=["float32", "int16 activations"])
+def test_layer_stack_is_the_layers_bit_for_bit(int16):
     """Steps of fewer than ``BF16_ROWS`` tokens on packed layers (decode
     rows, a short prefill chunk beside one) run as one ``decode_layers``
-    call: the same logits, bit for bit, as layer by layer; a long prefill,
-    and ``BF16_ROWS`` rows (the bfloat16 panels' count), run layer by
-    layer; float32 layers never stack."""
+    call: the same logits, bit for bit, as layer by layer, the int4 layers
+    on float32 or int16 activations; a long prefill, and ``BF16_ROWS`` rows
+    (the bfloat16 panels' count), run layer by layer; float32 layers, and
+    int4 ones with and without int16 activations, never stack."""
     if layer_ops_or_why() is not None:
         pytest.skip(f"layer ops: {layer_ops_or_why()}")
+    if int16 and (why := bf16_or_why()) is not None:
+        pytest.skip(why)
     assert "not packed" in LayerStack.refusal(fused_step(_llama()[1]).layers)
-    _, paged = _llama(packed=True)
+    _, paged = _llama(packed=True, int16=int16)
+    if int16:
+        _, mixed = _llama(packed=True, int16=True)
+        mixed.model.layers[1].mlp.down_proj.int16_activations = False
+        assert "with and without int16" in LayerStack.refusal(fused_step(mixed).layers)
     with torch.no_grad():  # norms of their own (a fresh model's are all ones)
         for name, weight in paged.named_parameters():
             if "norm" in name:

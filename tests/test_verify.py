@@ -164,7 +164,7 @@ def test_bfloat16_arithmetic_on_packed_weights_is_checked_at_the_half_precision_
     model = copy.deepcopy(paged)
     quantize_model(model, QuantChoice("int4", "as asked", "bfloat16"))
     assert not float32_arithmetic(model)
-    assert weights_mode(model) == "packed int4 (bfloat16 arithmetic)"
+    assert weights_mode(model) == "packed int4 (bfloat16+int16 arithmetic)"
     engine = Engine(model, **OPTIONS)
     check = engine.mode_check
     assert check is not None and check.ok, check

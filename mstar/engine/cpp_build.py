@@ -22,17 +22,20 @@ __all__ = ["AVX512_FLAGS", "BF16_FLAGS", "FLAGS", "build", "build_or_why", "flag
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-fopenmp")
 # the subset torch's "AVX512" capability requires; sources test __AVX512F__
 AVX512_FLAGS = (*FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
-# and bfloat16 dot products (vdpbf16ps); sources test __AVX512BF16__
-BF16_FLAGS = (*AVX512_FLAGS, "-mavx512bf16")
+# and bfloat16 dot products (vdpbf16ps) and byte dot products (vpdpbusd, which every CPU
+# with the first has); sources test __AVX512BF16__, __AVX512VNNI__
+BF16_FLAGS = (*AVX512_FLAGS, "-mavx512bf16", "-mavx512vnni")
 
 
 def flags() -> tuple[str, ...]:
     """The build flags for this CPU: ``AVX512_FLAGS`` where torch runs its
-    AVX-512 kernels (``BF16_FLAGS`` where the CPU has AVX512-BF16 too),
+    AVX-512 kernels (``BF16_FLAGS`` where the CPU has AVX512-BF16 and VNNI too),
     else ``FLAGS``."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return FLAGS
-    return BF16_FLAGS if torch.cpu._is_avx512_bf16_supported() else AVX512_FLAGS
+    cpu = torch.cpu
+    both = cpu._is_avx512_bf16_supported() and cpu._is_vnni_supported()
+    return BF16_FLAGS if both else AVX512_FLAGS
 
 
 def build(

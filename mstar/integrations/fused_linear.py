@@ -47,7 +47,8 @@ def concat_refusal(layers: Sequence[torch.nn.Module]) -> str | None:
     if any(t.dtype != tensors[0].dtype or t.device != tensors[0].device for t in _main(layers)):
         return "has linear layers of different dtypes or devices"
     packed = isinstance(layers[0], PackedLinear)
-    if packed and len({(m.kind, m.scales.shape[1], m.arithmetic) for m in layers}) != 1:
+    formats = {(m.kind, m.scales.shape[1], m.arithmetic) for m in layers} if packed else set()
+    if len(formats) > 1:
         return "has packed layers of different formats or arithmetic"
     return None
 
@@ -133,7 +134,8 @@ def _joined(layers: Sequence[torch.nn.Module]) -> torch.nn.Module:
     if isinstance(layers[0], PackedLinear):
         parts = [None if getattr(layers[0], n) is None else torch.cat([getattr(m, n) for m in layers])
                  for n in _PACKED_TENSORS]  # fmt: skip
-        return PackedLinear(Packed(layers[0].kind, *parts[:3]), bias, parts[3])
+        first = layers[0]
+        return PackedLinear(Packed(first.kind, *parts[:3]), bias, parts[3], first.int16_activations)
     weight = torch.cat([m.weight for m in layers])
     joined = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     joined.weight = torch.nn.Parameter(weight, requires_grad=False)

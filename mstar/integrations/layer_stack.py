@@ -38,6 +38,7 @@ class LayerStack:
         # name), in ``decode_layers``' order: read every step, as they are then
         self._slots: list[tuple[dict[str, torch.Tensor | None], str]] = []
         self._linears = [m for layer in self.layers for m in _linears(layer)]
+        self.int16_activations = any(m.int16_activations for m in self._linears)
         for layer in self.layers:
             self._slots.append((layer.norm1._parameters, "weight"))
             for i, module in enumerate(_linears(layer)):
@@ -57,6 +58,11 @@ class LayerStack:
             norms = (layer.norm1.variance_epsilon, layer.norm2.variance_epsilon)
             if norms != (first.norm1.variance_epsilon,) * 2 or layer.heads != first.heads:
                 return "has layers of different norm epsilons or head counts"
+        int16 = {
+            m.int16_activations for layer in layers for m in _linears(layer) if m.kind == "int4"
+        }
+        if len(int16) > 1:
+            return "has int4 layers with and without int16 activations"
         return None
 
     def __call__(
@@ -77,7 +83,7 @@ class LayerStack:
         caches = [attention.cache.layer(layer.index) for layer in self.layers]
         return torch.ops.mstar_layer.decode_layers.default(
             h, weights, caches, self.eps, rotary.cos_rows, rotary.sin_rows,
-            *attention.rows, self.heads, attention.scaling,
+            *attention.rows, self.heads, attention.scaling, self.int16_activations,
         )  # fmt: skip
 
     def _weights(self) -> list[torch.Tensor] | None:

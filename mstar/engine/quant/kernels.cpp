@@ -29,16 +29,29 @@
 // torch's, kept awake through a step), each taking the next piece as it finishes
 // (`share`), so a core busy with something else does less of it.
 //
-// The parts, in cpp/: common.h, team.h, formats.h, gemv.h, panels.h, bf16_panels.h.
+// With AVX512-VNNI (built with AVX512-BF16), `int4_linear_i16` rounds 1-8 activation
+// rows to int16 per group of 32 and multiplies them by the int4 weights in integers
+// (i16_gemv.h): no float conversion of the weights, close to exact but not exact.
+//
+// The parts, in cpp/: common.h, team.h, formats.h, gemv.h, i16_gemv.h, panels.h, bf16_panels.h.
 #include "bf16_panels.h"
 #include "gemv.h"
 #include "panels.h"
+#include "i16_gemv.h"
 
 namespace {
 
-// y = x @ W.T for float32 x [..., K] and the N x K weights `w`.
+// Without AVX512-VNNI, or for int8 weights: never called (`int4_linear_i16` refuses first).
 template <typename W>
-at::Tensor packed_linear(const at::Tensor& x_in, const W& w, int64_t N, int64_t K) {
+void streamed_i16(const W&, const float*, int64_t, int64_t, int64_t, float*) {
+  TORCH_CHECK(false, "int16 activations need int4 weights and a build with AVX512-VNNI");
+}
+
+// y = x @ W.T for float32 x [..., K] and the N x K weights `w`; up to GEMV_ROWS rows of x
+// rounded to int16 first when `int16_rows` (int4 with AVX512-VNNI only).
+template <typename W>
+at::Tensor packed_linear(const at::Tensor& x_in, const W& w, int64_t N, int64_t K,
+                         bool int16_rows = false) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat, "expected float32 activations, got ",
               x_in.scalar_type());
   TORCH_CHECK(x_in.size(-1) == K, "expected activations of width ", K, ", got ", x_in.size(-1));
@@ -46,7 +59,8 @@ at::Tensor packed_linear(const at::Tensor& x_in, const W& w, int64_t N, int64_t 
   const at::Tensor x = x_in.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
-  if (M <= GEMV_ROWS) streamed(w, x.data_ptr<float>(), M, N, K, y.data_ptr<float>());
+  if (M <= GEMV_ROWS && int16_rows) streamed_i16(w, x.data_ptr<float>(), M, N, K, y.data_ptr<float>());
+  else if (M <= GEMV_ROWS) streamed(w, x.data_ptr<float>(), M, N, K, y.data_ptr<float>());
   else if (M < PANEL_ROWS) tiled(w, x.data_ptr<float>(), M, N, K, y.data_ptr<float>());
   else paneled(w, x.data_ptr<float>(), M, N, K, y.data_ptr<float>());
   auto sizes = x_in.sizes().vec();
@@ -54,15 +68,29 @@ at::Tensor packed_linear(const at::Tensor& x_in, const W& w, int64_t N, int64_t 
   return y.view(sizes);
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                       const at::Tensor& mins) {
+Int4 int4_weights(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins) {
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous(), "bad qweight");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf, "bad scales");
   TORCH_CHECK(scales.is_contiguous() && mins.is_contiguous(), "expected contiguous scales");
-  const int64_t N = qweight.size(0), K = qweight.size(1) * 2;
-  const Int4 w{qweight.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(),
-               K, K / 32};
-  return packed_linear(x, w, N, K);
+  const int64_t K = qweight.size(1) * 2;
+  return Int4{qweight.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(),
+              K, K / 32};
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& mins) {
+  const Int4 w = int4_weights(qweight, scales, mins);
+  return packed_linear(x, w, qweight.size(0), w.K);
+}
+
+// As int4_linear, up to GEMV_ROWS rows of x rounded to int16 per group of 32 first.
+at::Tensor int4_linear_i16(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                          const at::Tensor& mins) {
+#if !defined(__AVX512VNNI__)
+  TORCH_CHECK(false, "int4_linear_i16 needs a build with AVX512-VNNI, got one without");
+#endif
+  const Int4 w = int4_weights(qweight, scales, mins);
+  return packed_linear(x, w, qweight.size(0), w.K, true);
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
@@ -78,12 +106,14 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 
 TORCH_LIBRARY(mstar_quant, m) {
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> Tensor");
+  m.def("int4_linear_i16(Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor panels) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mstar_quant, CPU, m) {
   m.impl("int4_linear", &int4_linear);
+  m.impl("int4_linear_i16", &int4_linear_i16);
   m.impl("int8_linear", &int8_linear);
   m.impl("bf16_linear", &bf16_linear);
 }

@@ -56,7 +56,7 @@ def bf16_or_why() -> str | None:
     """None when this CPU's build of the kernels has ``bf16_linear`` (it
     has AVX512-BF16's dot products), else why not; builds nothing."""
     if flags() != BF16_FLAGS:
-        return "the CPU lacks AVX512-BF16 (bfloat16 dot products)"
+        return "the CPU lacks AVX512-BF16 (bfloat16 dot products) or AVX512-VNNI"
     return None
 
 
@@ -78,6 +78,10 @@ def build_under(
 
 def _register_fakes() -> None:
     @torch.library.register_fake("mstar_quant::int4_linear")
+    def _(x, qweight, scales, mins):
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+    @torch.library.register_fake("mstar_quant::int4_linear_i16")
     def _(x, qweight, scales, mins):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
