@@ -13,6 +13,7 @@ namespace {
 class Team {
  public:
   static constexpr auto SPIN = std::chrono::microseconds(500);
+  static constexpr int WAIT_SPINS = 1000;  // ~15 us of pauses for the helpers, then yields
 
   // This process's team, built anew in a forked child (the parent's helpers are not in
   // it) and when torch's thread count has grown past it (the old helpers sleep on).
@@ -39,7 +40,12 @@ class Team {
     }
     cv_.notify_all();
     job(0);
-    while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
+    // a helper held off its core (by another process's thread: a shared machine) is waited
+    // for on a yield, not spun through the rest of this thread's time slice
+    for (int spins = 0; pending_.load(std::memory_order_acquire) != 0; ++spins) {
+      if (spins < WAIT_SPINS) _mm_pause();
+      else std::this_thread::yield();
+    }
   }
 
  private:
