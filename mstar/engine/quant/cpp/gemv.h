@@ -109,15 +109,19 @@ struct Int8Wide {
 // group g's weights 0-15 are then nibble 2g of the lanes, 16-31 nibble 2g + 1: a shift
 // and a permute of 0..15 each make them float32, multiplied by x in its own order, no
 // widening shuffle a group. Scale and min are taken out of each group's sum, as `gemv1`.
+// A row's 64 bytes of groups 4c.. (`groups` of them, < 4: the row's last chunk), zeros after.
+inline __m512i chunk_bytes(const uint8_t* p, int64_t groups) {
+  if (groups >= 4) return _mm512_loadu_si512(p);  // plain loads: a masked one is ~3x slower here
+  if (groups == 2)
+    return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_maskz_loadu_epi8((__mmask64{1} << (16 * groups)) - 1, p);
+}
+
 inline __m512i transposed_groups(const uint8_t* p, int64_t groups) {
   const __m512i dwords = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   const __m512i bytes =
       _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
-  __m512i d;  // plain loads (a masked load from memory is ~3x slower here) unless 1 or 3 groups
-  if (groups >= 4) d = _mm512_loadu_si512(p);
-  else if (groups == 2) d = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  else d = _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << (4 * groups)) - 1), p);
-  return _mm512_shuffle_epi8(_mm512_permutexvar_epi32(dwords, d), bytes);
+  return _mm512_shuffle_epi8(_mm512_permutexvar_epi32(dwords, chunk_bytes(p, groups)), bytes);
 }
 
 void gemv1_int4(const Int4& w, const float* x, const float* xsum, int64_t n0, int64_t n1, float* y) {

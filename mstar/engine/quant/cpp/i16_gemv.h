@@ -8,8 +8,7 @@
 // where the CPU has AVX512-BF16 (cpp_build.BF16_FLAGS), which every CPU with it has.
 #pragma once
 
-#include "formats.h"
-#include "team.h"
+#include "gemv.h"
 
 namespace {
 
@@ -48,14 +47,8 @@ struct Int16Rows {
   }
 };
 
-// Row n's groups 4c.. (`groups` of them, < 4: the row's last chunk): the weight bytes
-// (zeros after), and the float16 scales and minimums as float32 [s0 s1 s2 s3 m0 m1 m2 m3].
-inline __m512i chunk_bytes(const uint8_t* p, int64_t groups) {
-  if (groups >= 4) return _mm512_loadu_si512(p);  // plain loads: a masked one is ~3x slower here
-  if (groups == 2)
-    return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_maskz_loadu_epi8((__mmask64{1} << (16 * groups)) - 1, p);
-}
+// Row n's groups 4c.. (`groups` of them, < 4: the row's last chunk): the float16 scales
+// and minimums as float32 [s0 s1 s2 s3 m0 m1 m2 m3] (zeros after); the bytes: `chunk_bytes`.
 inline __m256 chunk_scales(const at::Half* scales, const at::Half* mins, int64_t groups) {
   __m128i s, m;
   if (groups >= 4) {
