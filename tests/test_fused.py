@@ -20,7 +20,7 @@ from mstar.engine.quant.linear import BF16_ROWS, PackedLinear  # noqa: E402
 from mstar.engine.quant.packed import bf16_panels  # noqa: E402
 from mstar.engine.resources.kv.cache import KVCache  # noqa: E402
 from mstar.integrations import hf, llama_step  # noqa: E402
-from mstar.integrations.fused_linear import RowConcat, concat_refusal  # noqa: E402
+from mstar.integrations.fused_linear import RowConcat, StorageCheck, concat_refusal  # noqa: E402
 from mstar.integrations.hf import forward_step, register  # noqa: E402
 from mstar.integrations.layer_stack import LayerStack  # noqa: E402
 from mstar.integrations.llama_step import fused_refusal, fused_step  # noqa: E402
@@ -192,20 +192,45 @@ def test_refused_models_run_hf_forward():
     assert "replaced" in fused_refusal(paged)
 
 
-def test_weights_changed_after_the_first_step_are_followed():
+@pytest.mark.parametrize("how", ["new parameter", "new storage"])
+def test_weights_changed_after_the_first_step_are_followed(how):
     """The HF layers share the fused weights; a layer given new storage
-    afterwards is noticed and the fused weights rebuilt (never stale)."""
+    afterwards (a new parameter, or new data under the same one, as
+    ``model.to(...)`` and ``half()`` give) is noticed and the fused weights
+    rebuilt (never stale)."""
     reference, paged = _llama()
     run = Twin(paged)
     prompt = _prompt(6, 5)
     run.step([("a", prompt)])
     first = fused_step(paged)
+    weight = torch.randn_like(paged.model.layers[2].self_attn.v_proj.weight)
     for model in (reference, paged):
-        attn = model.model.layers[2].self_attn
-        attn.v_proj.weight = torch.nn.Parameter(torch.randn_like(attn.v_proj.weight))
+        v_proj = model.model.layers[2].self_attn.v_proj
+        if how == "new parameter":
+            v_proj.weight = torch.nn.Parameter(weight.clone())
+        else:
+            v_proj.weight.data = weight.clone()
     assert fused_step(paged) is not first
     run.decode(["a"])  # each step checks the fused logits against HF's forward
     run.decode(["a"])
+
+
+def test_storage_check_joins_checks_and_sees_new_or_absent_tensors():
+    """A ``StorageCheck`` (and one joined of several) holds while its slots
+    keep their storage, and fails once one gets new storage or none."""
+    layers = [torch.nn.Linear(4, 4) for _ in range(3)]
+    checks = [StorageCheck([(m._parameters, "weight")]) for m in layers]
+    joined = StorageCheck.joined(checks)
+    assert joined() and all(check() for check in checks)
+    with torch.no_grad():
+        layers[0].weight.mul_(2)  # in place: the same storage
+    assert joined()
+    layers[1].weight.data = layers[1].weight.data.clone()
+    assert not joined() and not checks[1]() and checks[0]() and checks[2]()
+    layers[1].weight = None
+    assert not checks[1]() and not StorageCheck.joined(checks[1:])()
+    with pytest.raises(ValueError, match="a tensor in every slot"):
+        StorageCheck([(layers[1]._parameters, "weight")])
 
 
 @pytest.mark.parametrize("int16", [False, True], ids=["float32", "int16 activations"])

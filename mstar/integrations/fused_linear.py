@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from mstar.engine.quant.linear import PackedLinear
 from mstar.engine.quant.packed import PANEL, Packed
 
-__all__ = ["RowConcat", "concat_refusal", "linear"]
+__all__ = ["RowConcat", "StorageCheck", "concat_refusal", "linear"]
 
 _PACKED_TENSORS = ("qweight", "scales", "mins", "panels")
 
@@ -68,21 +68,15 @@ class RowConcat:
             self.module = _joined(self.layers)
             names = _PACKED_TENSORS if isinstance(self.module, PackedLinear) else ("weight",)
             self._rebind(names + (("bias",) if layers[0].bias is not None else ()))
-        # where each layer holds its main weight (its module's ``_parameters`` or
-        # ``_buffers``, and the name): ``current`` runs every step, and reads them
-        # there rather than through ``nn.Module.__getattr__`` (~4x the time)
-        self._slots = tuple(_main_slot(m) for m in self.layers)
-        self._storage = tuple(held[name].data_ptr() for held, name in self._slots)
+        # each layer's main weight where its module holds it: ``current`` runs every step
+        self.check = StorageCheck([_main_slot(m) for m in self.layers])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self.module, x)
 
     def current(self) -> bool:
         """Whether the layers' weights are still views of the concatenation."""
-        return all(
-            (t := held.get(name)) is not None and t.data_ptr() == p
-            for (held, name), p in zip(self._slots, self._storage)
-        )
+        return self.check()
 
     def _rebind(self, names: Sequence[str]) -> None:
         """Each layer's tensors ``names`` become row views of the joined ones."""
@@ -99,6 +93,42 @@ class RowConcat:
                 else:
                     setattr(layer, name, view)
             start += width
+
+
+class StorageCheck:
+    """Whether the tensors held at ``slots`` (a module's ``_parameters`` or
+    ``_buffers``, and a name) still have the storage they had when it was
+    built (none is None): one pass over the slots at C speed, not
+    ``nn.Module.__getattr__`` (~4x the time) nor a Python loop. ``joined``
+    checks several as one."""
+
+    def __init__(
+        self,
+        slots: Sequence[tuple[dict[str, torch.Tensor | None], str]],
+        storage: Sequence[int] | None = None,
+    ) -> None:
+        self._held = tuple(held for held, _ in slots)
+        self._names = tuple(name for _, name in slots)
+        pointers = self._pointers() if storage is None else list(storage)
+        if pointers is None or len(pointers) != len(self._held):
+            raise ValueError("expected a tensor in every slot and a pointer for each")
+        self._storage = pointers
+
+    @classmethod
+    def joined(cls, checks: Sequence[StorageCheck]) -> StorageCheck:
+        """One check of every slot of ``checks`` against the storage each recorded."""
+        slots = [slot for c in checks for slot in zip(c._held, c._names)]
+        return cls(slots, [p for c in checks for p in c._storage])
+
+    def __call__(self) -> bool:
+        return self._pointers() == self._storage
+
+    def _pointers(self) -> list[int] | None:
+        """The slots' tensors' ``data_ptr()`` as they are now (None: a slot holds none)."""
+        try:
+            return list(map(torch.Tensor.data_ptr, map(dict.get, self._held, self._names)))
+        except TypeError:  # ``data_ptr`` of None
+            return None
 
 
 def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

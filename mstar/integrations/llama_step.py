@@ -24,7 +24,7 @@ from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaMode
 from mstar.engine.layer_ops import layer_ops_or_why
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.plan import KVPlanOutput
-from mstar.integrations.fused_linear import concat_refusal, linear
+from mstar.integrations.fused_linear import StorageCheck, concat_refusal, linear
 from mstar.integrations.layer_stack import LayerStack
 from mstar.integrations.llama_layer import FusedLlamaLayer, added_norm, layer_refusal
 from mstar.integrations.rotary import StepRotary
@@ -97,10 +97,14 @@ class FusedLlama:
         ]
         self.scaling = inner.layers[0].self_attn.scaling
         self.stack = LayerStack(self.layers) if LayerStack.refusal(self.layers) is None else None
+        # every layer's q/k/v and gate/up checks as one (``current`` runs every step)
+        self._check = StorageCheck.joined(
+            [joined.check for layer in self.layers for joined in (layer.qkv, layer.gate_up)]
+        )
 
     def current(self) -> bool:
         """Whether every layer still shares the model's weights."""
-        return all(layer.current() for layer in self.layers)
+        return self._check()
 
     def __call__(
         self,
