@@ -330,6 +330,31 @@ def test_row_concat_joins_bfloat16_panels_as_views():
     assert "different formats or arithmetic" in concat_refusal([layers[0], PackedLinear(packed[1])])
 
 
+def test_step_rotary_tables_are_hf_s_bit_for_bit():
+    """``StepRotary``'s tables are HF's ``cos`` and ``sin`` with the first
+    half of ``sin`` negated, bit for bit; the ``signs`` passed back in serve
+    the next step, and ones of another width or dtype are made anew."""
+    from mstar.integrations.rotary import StepRotary
+
+    config = transformers.LlamaConfig(**SIZES)
+    rotary_emb = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
+    positions = torch.tensor([0, 1, 7, 4095, 123456])
+    cos, sin = rotary_emb(torch.empty(0), positions[None])
+    half = cos.shape[-1] // 2
+    expected = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+    first = StepRotary(rotary_emb, positions, torch.float32)
+    assert torch.equal(first.cos_rows.view(torch.int32), cos[0].view(torch.int32))
+    assert torch.equal(first.sin_rows.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(first.sin[:, 0], first.sin_rows) and first.cos.shape == (5, 1, 2 * half)
+    again = StepRotary(rotary_emb, positions[:2], torch.float32, first.signs)
+    assert again.signs is first.signs
+    assert torch.equal(again.sin_rows.view(torch.int32), expected[:2].view(torch.int32))
+    for signs in (first.signs[:-2], first.signs.double()):
+        assert torch.equal(
+            StepRotary(rotary_emb, positions, torch.float32, signs).signs, first.signs
+        )
+
+
 def test_layer_ops_silu_mul_matches_torch_over_the_float_range():
     """silu(g) * u with the vectorized exponential: within a few float32 ulps of
     float64 over [-100, 100] (every lane position and the scalar tail: 1539

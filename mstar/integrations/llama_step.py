@@ -96,6 +96,7 @@ class FusedLlama:
             FusedLlamaLayer(layer, i, self.kernels) for i, layer in enumerate(inner.layers)
         ]
         self.scaling = inner.layers[0].self_attn.scaling
+        self._signs: torch.Tensor | None = None  # the last step's ``StepRotary.signs``
         self.stack = LayerStack(self.layers) if LayerStack.refusal(self.layers) is None else None
         # every layer's q/k/v and gate/up checks as one (``current`` runs every step)
         self._check = StorageCheck.joined(
@@ -119,7 +120,8 @@ class FusedLlama:
         every layer's keys and values into ``cache`` where ``plan`` says."""
         with torch.no_grad():
             h = torch.nn.functional.embedding(input_ids, self.embed.weight)
-            rotary = StepRotary(self.rotary_emb, position_ids.to(h.device), h.dtype)
+            rotary = StepRotary(self.rotary_emb, position_ids.to(h.device), h.dtype, self._signs)
+            self._signs = rotary.signs
             attention = StepAttention(plan, cache, self.scaling, h.device, self.kernels)
             pending = None if self.stack is None else self.stack(h, rotary, attention)
             if pending is None:  # not a step the stack serves

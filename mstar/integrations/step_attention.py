@@ -93,5 +93,7 @@ class StepAttention:
 def _short(qo_lens: np.ndarray, kv_lens: np.ndarray) -> bool:
     """Whether every row has one query or at most ``KERNEL_PAIRS`` causal
     (query, key) pairs."""
+    if qo_lens.max(initial=0) <= 1:  # decode rows (or none)
+        return True
     q, kv = qo_lens.astype(np.int64), kv_lens.astype(np.int64)
     return bool(((q <= 1) | (q * kv - q * (q - 1) // 2 <= KERNEL_PAIRS)).all())
