@@ -295,6 +295,7 @@ def test_logits_at_without_logits_to_keep(llama):
     [
         (torch.tensor([0, 3]), r"expected logits_at in \[0, 3\), got values in \[0, 3\]"),
         (torch.tensor([-1]), r"expected logits_at in \[0, 3\)"),
+        (torch.arange(300) % 4 - 1, r"got values in \[-1, 2\]"),  # many: one reduction
         (torch.tensor([0], dtype=torch.int32), "expected logits_at an int64 tensor"),
         (torch.tensor([[0]]), "expected logits_at an int64 tensor"),
     ],

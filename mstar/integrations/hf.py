@@ -82,8 +82,8 @@ def forward_step(
             raise ValueError(f"expected a model FlashInfer serves, got one with {reason}")
     if logits_at is not None:
         _check_logits_at(logits_at, total)
-    vocab = model.config.get_text_config().vocab_size
     if total == 0:
+        vocab = model.config.get_text_config().vocab_size
         return torch.empty(0, vocab, device=input_ids.device)
     keep = logits_at
     if logits_at is not None and not len(logits_at):  # the step's KV is still written
@@ -188,11 +188,21 @@ def _check_logits_at(logits_at: torch.Tensor, total: int) -> None:
         raise ValueError(
             f"expected logits_at an int64 tensor [n], got {logits_at.dtype} {tuple(logits_at.shape)}"
         )
-    if logits_at.numel() and not (int(logits_at.min()) >= 0 and int(logits_at.max()) < total):
-        raise ValueError(
-            f"expected logits_at in [0, {total}), got values in"
-            f" [{int(logits_at.min())}, {int(logits_at.max())}]"
-        )
+    if not logits_at.numel():
+        return
+    low, high = _bounds(logits_at)
+    if not (low >= 0 and high < total):
+        raise ValueError(f"expected logits_at in [0, {total}), got values in [{low}, {high}]")
+
+
+def _bounds(values: torch.Tensor) -> tuple[int, int]:
+    """The least and greatest of non-empty integer ``values``: a few (a decode
+    step's) read to the host at once, not two reductions and two reads."""
+    if values.numel() <= 256:
+        host = values.tolist()
+        return min(host), max(host)
+    low, high = values.aminmax()
+    return int(low), int(high)
 
 
 def _check_chunk_positions(plan: KVPlanOutput, position_ids: np.ndarray, page_size: int) -> None:

@@ -38,5 +38,7 @@ def positions(plan: KVPlanOutput) -> torch.Tensor:
         stored = np.asarray(indptrs.kv_lens, dtype=np.int64) - counts
         if offsets is not None:
             stored += offsets
+    if qo_indptr[-1] == len(counts) and counts.min(initial=1) == 1:  # decode: a token a row
+        return torch.from_numpy(stored)
     first = np.repeat(stored - qo_indptr[:-1], counts)
     return torch.from_numpy(first + np.arange(qo_indptr[-1]))
