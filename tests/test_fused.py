@@ -249,7 +249,8 @@ def test_layer_stack_is_the_layers_bit_for_bit(int16):
     _, paged = _llama(packed=True, int16=int16)
     if int16:
         _, mixed = _llama(packed=True, int16=True)
-        mixed.model.layers[1].mlp.down_proj.int16_activations = False
+        mlp = mixed.model.layers[1].mlp
+        mlp.down_proj = PackedLinear(mlp.down_proj.packed(), None, None, False)
         assert "with and without int16" in LayerStack.refusal(fused_step(mixed).layers)
     with torch.no_grad():  # norms of their own (a fresh model's are all ones)
         for name, weight in paged.named_parameters():

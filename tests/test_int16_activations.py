@@ -126,3 +126,9 @@ def test_bfloat16_arithmetic_gives_int4_layers_int16_activations_and_says_so(vnn
     int8 = build_model(0)[1].eval()
     assert "int16" not in quantize_model(int8, QuantChoice("int8", "as asked", "bfloat16"))
     assert not any(m.int16_activations for m in int8.modules() if isinstance(m, PackedLinear))
+
+
+def test_int16_activations_are_fixed_at_construction(vnni):
+    layer = PackedLinear(random_int4(32, 64, seed=3), int16_activations=True)
+    with pytest.raises(AttributeError):
+        layer.int16_activations = False

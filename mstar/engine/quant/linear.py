@@ -37,7 +37,7 @@ class PackedLinear(torch.nn.Module):
         if int16_activations and packed.kind != "int4":
             raise ValueError(f"expected int4 weights for int16 activations, got {packed.kind}")
         self.kind = packed.kind
-        self.int16_activations = int16_activations
+        self._int16 = int16_activations
         self.out_features, self.in_features = packed.shape
         want = (self.out_features // PANEL, self.in_features // 2, PANEL, 2)
         if panels is not None and (panels.dtype != torch.bfloat16 or tuple(panels.shape) != want):
@@ -50,6 +50,12 @@ class PackedLinear(torch.nn.Module):
         self.register_buffer("mins", packed.mins)
         self.register_buffer("panels", panels)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+
+    @property
+    def int16_activations(self) -> bool:
+        """Whether fewer than ``BF16_ROWS`` rows are rounded to int16 (fixed
+        at construction: a one-call layer stack reads it once)."""
+        return self._int16
 
     @property
     def arithmetic(self) -> str:
@@ -70,7 +76,7 @@ class PackedLinear(torch.nn.Module):
         b, ops = self._buffers, torch.ops.mstar_quant
         if self._panelled(x.numel() // self.in_features):
             y = ops.bf16_linear.default(x, b["panels"])
-        elif self.int16_activations:
+        elif self._int16:
             y = ops.int4_linear_i16.default(x, b["qweight"], b["scales"], b["mins"])
         elif self.kind == "int4":
             y = ops.int4_linear.default(x, b["qweight"], b["scales"], b["mins"])
