@@ -42,10 +42,10 @@ def test_auto_takes_bfloat16_where_the_cpu_multiplies_it_natively(monkeypatch):
 
 
 def test_auto_for_packed_weights_takes_the_packed_kernels_arithmetic(monkeypatch):
-    """A GGUF in its own weights, int8/int4 at load: bfloat16 where the
-    packed kernels multiply in it (AVX512-BF16), else float32 even where the
-    CPU multiplies bfloat16 natively (AMX: the packed kernels take float32
-    activations); without the kernels the native-bfloat16 rule holds."""
+    """A GGUF in its own weights, int8/int4 at load: bfloat16 arithmetic
+    wherever the packed kernels run (the panels with AVX512-BF16, int16
+    activations without), and says which; without the kernels the
+    native-bfloat16 rule holds."""
     from mstar.engine import dtypes
     from mstar.options import resolved_dtype
 
@@ -53,11 +53,14 @@ def test_auto_for_packed_weights_takes_the_packed_kernels_arithmetic(monkeypatch
     monkeypatch.setattr(dtypes, "_packed_kernels_run", lambda: True)
     monkeypatch.setattr(dtypes, "_bf16_packed_runs", lambda: False)
     choice = resolved_dtype("auto", "cpu", model="smollm2", quantization="auto")
-    assert choice.dtype == torch.float32 and "packed weights" in choice.describe()
+    assert choice.dtype == torch.bfloat16 and "rounded to int16" in choice.describe()
     for model, quantization in [("m.gguf", "gguf"), ("folder", "int8"), ("folder", "int4")]:
         assert resolved_dtype("auto", "cpu", model=model, quantization=quantization).dtype == (
-            torch.float32
+            torch.bfloat16
         )
+    assert resolved_dtype("float32", "cpu", model="smollm2", quantization="auto").dtype == (
+        torch.float32
+    )
     for model, quantization in [("smollm2", "none"), ("folder", "auto"), ("m.gguf", "none")]:
         assert resolved_dtype("auto", "cpu", model=model, quantization=quantization).dtype == (
             torch.bfloat16

@@ -243,8 +243,6 @@ def test_layer_stack_is_the_layers_bit_for_bit(int16):
     int4 ones with and without int16 activations, never stack."""
     if layer_ops_or_why() is not None:
         pytest.skip(f"layer ops: {layer_ops_or_why()}")
-    if int16 and (why := bf16_or_why()) is not None:
-        pytest.skip(why)
     assert "not packed" in LayerStack.refusal(fused_step(_llama()[1]).layers)
     _, paged = _llama(packed=True, int16=int16)
     if int16:

@@ -6,7 +6,8 @@
   (bfloat16 activations), in the same run, alternating.
 - ``steps``: the eager engine's decode step at batch 1 and 32 per quantization.
 - ``accuracy``: per quantization (``gguf bfloat16``: the file's own weights in
-  bfloat16 arithmetic, where the CPU has AVX512-BF16), greedy agreement with
+  bfloat16 arithmetic: the panels where the CPU has AVX512-BF16, int16
+  activations at few rows on any), greedy agreement with
   float32 on the demo's prompts (tokens equal before the first difference) and
   the log-likelihood of a fixed passage (lm-eval-style echo scoring: sum of
   log p(token)), scored at once (a prefill's many rows) and one token a

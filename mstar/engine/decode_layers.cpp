@@ -10,7 +10,7 @@
 // weights: per layer, in order, 14 tensors: input norm weight [hidden]; q/k/v, o,
 // post-attention norm weight, gate/up, down, each linear as (qweight, scales, mins):
 // qweight uint8 for int4 (mins its float16 minimums), int8 for int8 (mins empty);
-// int16_activations: the int4 ones take their activations rounded to int16 (int4_linear_i16).
+// int16_activations: they take their activations rounded to int16 (int4/int8_linear_i16).
 // caches: per layer its KV tensor [P, 2, S, H_kv, D]; the rest as layer_ops' attention's.
 // h [T, hidden] gets every layer's attention and all but the last layer's MLP output
 // added in place; returns the last layer's MLP output, for the caller's final norm to add.
@@ -20,9 +20,9 @@ namespace {
 constexpr int64_t LAYER_TENSORS = 14;
 
 at::Tensor packed(const at::Tensor& x, const at::Tensor* w, bool int16_activations) {
-  if (w[0].scalar_type() == at::kByte && int16_activations) return int4_linear_i16(x, w[0], w[1], w[2]);
-  if (w[0].scalar_type() == at::kByte) return int4_linear(x, w[0], w[1], w[2]);
-  return int8_linear(x, w[0], w[1]);
+  if (w[0].scalar_type() == at::kByte)
+    return int16_activations ? int4_linear_i16(x, w[0], w[1], w[2]) : int4_linear(x, w[0], w[1], w[2]);
+  return int16_activations ? int8_linear_i16(x, w[0], w[1]) : int8_linear(x, w[0], w[1]);
 }
 
 at::Tensor decode_layers(at::Tensor h, at::TensorList weights, at::TensorList caches, double eps,

@@ -6,10 +6,12 @@ one and a decode step streams half the bytes), float32 elsewhere (a CPU
 without them emulates bfloat16 and runs slower than float32). Packed
 weights (a GGUF file's own, or int8/int4 at load) on the CPU keep the model
 in float32 (their kernels take float32 activations) and ``auto`` names their
-arithmetic: bfloat16 where the CPU has AVX512-BF16 (their many-row products,
-prefill and batched decode, multiply in it: ``mstar.engine.quant``), float32
-elsewhere (on Zen 5 SmolLM2's own Q4_1 step ran 3x a bfloat16 model's at
-batch 1, docs/performance.md).
+arithmetic: bfloat16 wherever the kernels run (``mstar.engine.quant``): with
+AVX512-BF16 their many-row products, prefill and batched decode, multiply in
+it; on any CPU int4 layers take a decode row's activations rounded to int16
+(1-8 rows with AVX512-VNNI, one on AVX2: ~1.7x the float32 kernel there,
+~1e-4 of its result). On Zen 5 SmolLM2's own Q4_1 step ran 3x a bfloat16
+model's at batch 1 (docs/performance.md). ``float32`` keeps them exact.
 
 Float32 is the dtype the engine is exact in: token for token against the
 model's own Hugging Face ``generate`` in float32. In bfloat16 the engine runs
@@ -72,7 +74,11 @@ def resolve_dtype(
                 torch.bfloat16,
                 "auto: the CPU has AVX512-BF16: packed weights multiply many rows in it",
             )
-        return DtypeChoice(torch.float32, "auto: packed weights take float32 activations")
+        return DtypeChoice(
+            torch.bfloat16,
+            "auto: packed int4 weights take one row's activations rounded to int16"
+            " (no AVX512-BF16 here: more rows float32)",
+        )
     native = native_cpu_bf16()
     if native:
         return DtypeChoice(torch.bfloat16, f"auto: the CPU has {native}")

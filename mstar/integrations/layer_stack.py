@@ -64,11 +64,8 @@ class LayerStack:
             norms = (layer.norm1.variance_epsilon, layer.norm2.variance_epsilon)
             if norms != (first.norm1.variance_epsilon,) * 2 or layer.heads != first.heads:
                 return "has layers of different norm epsilons or head counts"
-        int16 = {
-            m.int16_activations for layer in layers for m in _linears(layer) if m.kind == "int4"
-        }
-        if len(int16) > 1:
-            return "has int4 layers with and without int16 activations"
+        if len({m.int16_activations for layer in layers for m in _linears(layer)}) > 1:
+            return "has layers with and without int16 activations"
         return None
 
     def __call__(

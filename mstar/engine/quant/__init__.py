@@ -8,7 +8,7 @@
   channel, int4 groups of 32: ``mstar.engine.quant.at_load``).
 - ``none``: float weights (a GGUF dequantized to float32).
 - ``auto``: ``gguf`` for a GGUF file where the kernels serve it (the CPU,
-  one process, float32), else ``none``.
+  one process, float32 or bfloat16 arithmetic), else ``none``.
 
 Every linear layer (the head too; a tied embedding keeps its float weights)
 becomes a ``PackedLinear``: float32 activations through the AVX2 kernels of
@@ -17,19 +17,22 @@ stay ``nn.Linear`` holding the dequantized weights: the same values, not
 smaller, and the description says why.
 
 Arithmetic: ``dtype`` float32 (the model's activations, exact against the
-dequantized weights), or bfloat16 where the CPU has AVX512-BF16: the model
-stays float32 and each packed layer also holds its weights as bfloat16
-panels, which inputs of ``linear.BF16_ROWS`` rows or more (prefill, batched
-decode) multiply in bfloat16, ~2.5x faster at 32 rows; fewer rows (decode
-of a few requests) still stream the packed weights, int4 ones on their
-activations rounded to int16 per group of 32 (AVX512-VNNI's 16-bit dot
-products, which every CPU with AVX512-BF16 has: at one row ~1.1-1.3x the
-float32 kernel from memory, ~1.5x in cache; ~20x closer to float32 than the
-panels). The panels cost two bytes a weight beside the packed ones.
+dequantized weights), or bfloat16: the model stays float32 and what rounds
+is the packed layers' products. Where the CPU has AVX512-BF16 each packed
+layer also holds its weights as bfloat16 panels, which inputs of
+``linear.BF16_ROWS`` rows or more (prefill, batched decode) multiply in
+bfloat16, ~2.5x faster at 32 rows (the panels cost two bytes a weight
+beside the packed ones); elsewhere those rows stay float32. Few rows
+(decode) stream the packed weights on their activations rounded to int16
+per group of 32 (``int16_rows(bits)`` of them: int4 1-8 with AVX512-VNNI's
+16-bit dot products, which every CPU with AVX512-BF16 has, at one row
+~1.1-1.3x the float32 kernel from memory, ~1.5x in cache; one with AVX2's,
+~1.5-1.7x; int8 one, AVX2's; ~20x closer to float32 than the panels).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,8 +95,6 @@ def _blocker(device: torch.device, dtype: torch.dtype, tensor_parallel_size: int
         return f"the quantized kernels run on the CPU, not {device.type}"
     if tensor_parallel_size != 1:
         return "tensor parallelism shards float weights"
-    if dtype == torch.bfloat16 and (why := bf16_or_why()) is not None:
-        return f"the quantized kernels take float32 activations here: {why}"
     if dtype not in (torch.float32, torch.bfloat16):
         return f"the quantized kernels take float32 activations, not {str(dtype).removeprefix('torch.')}"
     return None
@@ -121,14 +122,15 @@ def quantize_model(
         packed = {name: (quantize(mod.weight), "float") for name, mod in layers.items()}
         unpacked = {}
     why = kernel_or_why()
-    bf16 = why is None and choice.arithmetic == "bfloat16"
+    rounded = why is None and choice.arithmetic == "bfloat16"
+    panels = rounded and bf16_or_why() is None
     for name, (weights, _) in packed.items():
-        _swap(model, name, weights, use_kernel=why is None, bf16=bf16)
+        _swap(model, name, weights, use_kernel=why is None, panels=panels, int16=rounded)
     summary = _summary(choice, packed, unpacked)
     if why is not None:
         summary += f"; run as float32 (dequantized): {why}"
-    elif bf16:
-        summary += f"; {_bf16_summary(model, packed)}"
+    elif rounded:
+        summary += f"; {_rounded_summary(model, packed)}"
     model.mstar_quantization = summary
     return summary
 
@@ -170,26 +172,39 @@ def _gguf_layers(
     return packed, unpacked
 
 
-def _swap(model: Any, name: str, weights: Packed, use_kernel: bool, bf16: bool) -> None:
+def _swap(
+    model: Any, name: str, weights: Packed, use_kernel: bool, panels: bool, int16: bool
+) -> None:
     parent, _, attr = name.rpartition(".")
     owner = model.get_submodule(parent) if parent else model
     old = getattr(owner, attr)
     if use_kernel:
-        panels = bf16_panels(weights) if bf16 and weights.shape[0] % PANEL == 0 else None
-        int16 = bf16 and weights.kind == "int4"  # bfloat16's build has AVX512-VNNI
-        setattr(owner, attr, PackedLinear(weights, old.bias, panels, int16))
+        held = bf16_panels(weights) if panels and weights.shape[0] % PANEL == 0 else None
+        setattr(owner, attr, PackedLinear(weights, old.bias, held, int16))
     else:  # a parameter of its own: a tied embedding keeps its weights
         old.weight = torch.nn.Parameter(weights.dequantize(), requires_grad=False)
 
 
-def _bf16_summary(model: Any, packed: dict[str, tuple[Packed, str]]) -> str:
-    """The summary's clause on bfloat16 arithmetic, naming the layers ``_swap``
-    left without panels."""
-    odd = [name for name in packed if model.get_submodule(name).panels is None]
-    kept = f" (float32 for {', '.join(odd)}: rows not a multiple of {PANEL})" if odd else ""
-    int16 = [name for name in packed if model.get_submodule(name).int16_activations]
-    fewer = f", fewer on int16 activations (the {len(int16)} int4 layers)" if int16 else ""
-    return f"{BF16_ROWS}+ rows multiply in bfloat16{kept}{fewer}"
+def _rounded_summary(model: Any, packed: dict[str, tuple[Packed, str]]) -> str:
+    """The summary's clause on bfloat16 arithmetic: the rows on int16
+    activations, per kind of layer; the rows on bfloat16 panels (naming the
+    layers ``_swap`` left without), or why there are none."""
+    if (why := bf16_or_why()) is not None:
+        many = f"more rows float32 ({why})"
+    else:
+        odd = [name for name in packed if model.get_submodule(name).panels is None]
+        kept = f" (float32 for {', '.join(odd)}: rows not a multiple of {PANEL})" if odd else ""
+        many = f"{BF16_ROWS}+ rows multiply in bfloat16{kept}"
+    kinds = Counter(m.kind for m in map(model.get_submodule, packed) if m.int16_activations)
+    by_rows: dict[int, list[str]] = {}
+    for kind, n in sorted(kinds.items()):
+        rows = torch.ops.mstar_quant.int16_rows(int(kind.removeprefix("int")))
+        by_rows.setdefault(rows, []).append(f"the {n} {kind} layer{'s' * (n > 1)}")
+    few = [
+        f"{'1 row' if rows == 1 else f'1-{rows} rows'} ({', '.join(names)})"
+        for rows, names in sorted(by_rows.items(), reverse=True)
+    ]
+    return f"int16 activations at {', '.join(few)}, {many}" if few else many
 
 
 def _summary(

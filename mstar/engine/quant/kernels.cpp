@@ -29,9 +29,11 @@
 // torch's, kept awake through a step), each taking the next piece as it finishes
 // (`share`), so a core busy with something else does less of it.
 //
-// With AVX512-VNNI (built with AVX512-BF16), `int4_linear_i16` rounds 1-8 activation
-// rows to int16 per group of 32 and multiplies them by the int4 weights in integers
-// (i16_gemv.h): no float conversion of the weights, close to exact but not exact.
+// `int4_linear_i16` rounds up to I16_ROWS activation rows (`int16_rows(4)`: 8 with
+// AVX512-VNNI, 1 without) to int16 per group of 32 and multiplies them by the int4 weights
+// in integers (i16_gemv.h: VNNI's `vpdpwssd`, else AVX2's `vpmaddwd`): no float
+// conversion of the weights, close to exact but not exact; `int8_linear_i16` the same for
+// int8 weights at one row (AVX2's, every build).
 //
 // The parts, in cpp/: common.h, team.h, formats.h, gemv.h, i16_gemv.h, panels.h, bf16_panels.h.
 #include "bf16_panels.h"
@@ -41,14 +43,14 @@
 
 namespace {
 
-// Without AVX512-VNNI, or for int8 weights: never called (`int4_linear_i16` refuses first).
+// Most rows the weights `W` take rounded to int16 (int4: I16_ROWS; int8: one).
 template <typename W>
-void streamed_i16(const W&, const float*, int64_t, int64_t, int64_t, float*) {
-  TORCH_CHECK(false, "int16 activations need int4 weights and a build with AVX512-VNNI");
+constexpr int64_t i16_rows() {
+  return std::is_same_v<W, Int4> ? I16_ROWS : 1;
 }
 
-// y = x @ W.T for float32 x [..., K] and the N x K weights `w`; up to GEMV_ROWS rows of x
-// rounded to int16 first when `int16_rows` (int4 with AVX512-VNNI only).
+// y = x @ W.T for float32 x [..., K] and the N x K weights `w`; up to `i16_rows<W>()`
+// rows of x rounded to int16 first when `int16_rows`.
 template <typename W>
 at::Tensor packed_linear(const at::Tensor& x_in, const W& w, int64_t N, int64_t K,
                          bool int16_rows = false) {
@@ -59,7 +61,7 @@ at::Tensor packed_linear(const at::Tensor& x_in, const W& w, int64_t N, int64_t 
   const at::Tensor x = x_in.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
-  if (M <= GEMV_ROWS && int16_rows) streamed_i16(w, x.data_ptr<float>(), M, N, K, y.data_ptr<float>());
+  if (M <= i16_rows<W>() && int16_rows) streamed_i16(w, x.data_ptr<float>(), M, N, K, y.data_ptr<float>());
   else if (M <= GEMV_ROWS) streamed(w, x.data_ptr<float>(), M, N, K, y.data_ptr<float>());
   else if (M < PANEL_ROWS) tiled(w, x.data_ptr<float>(), M, N, K, y.data_ptr<float>());
   else paneled(w, x.data_ptr<float>(), M, N, K, y.data_ptr<float>());
@@ -83,23 +85,34 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   return packed_linear(x, w, qweight.size(0), w.K);
 }
 
-// As int4_linear, up to GEMV_ROWS rows of x rounded to int16 per group of 32 first.
+// As int4_linear, up to I16_ROWS rows of x rounded to int16 per group of 32 first.
 at::Tensor int4_linear_i16(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                           const at::Tensor& mins) {
-#if !defined(__AVX512VNNI__)
-  TORCH_CHECK(false, "int4_linear_i16 needs a build with AVX512-VNNI, got one without");
-#endif
   const Int4 w = int4_weights(qweight, scales, mins);
   return packed_linear(x, w, qweight.size(0), w.K, true);
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+Int8 int8_weights(const at::Tensor& qweight, const at::Tensor& scales) {
   TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.is_contiguous(), "bad qweight");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous(), "bad scales");
-  const int64_t N = qweight.size(0), K = qweight.size(1), group = K / scales.size(1);
+  const int64_t K = qweight.size(1), group = K / scales.size(1);
   TORCH_CHECK(group % 32 == 0, "expected an int8 group size divisible by 32, got ", group);
-  const Int8 w{qweight.data_ptr<int8_t>(), scales.data_ptr<at::Half>(), K, scales.size(1), group};
-  return packed_linear(x, w, N, K);
+  return Int8{qweight.data_ptr<int8_t>(), scales.data_ptr<at::Half>(), K, scales.size(1), group};
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+  return packed_linear(x, int8_weights(qweight, scales), qweight.size(0), qweight.size(1));
+}
+
+// As int8_linear, one row of x rounded to int16 per group of 32 first.
+at::Tensor int8_linear_i16(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+  return packed_linear(x, int8_weights(qweight, scales), qweight.size(0), qweight.size(1), true);
+}
+
+// Most rows the int4 (bits 4) or int8 (bits 8) ops `*_i16` round to int16.
+int64_t int16_rows(int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "expected bits 4 or 8, got ", bits);
+  return bits == 4 ? i16_rows<Int4>() : i16_rows<Int8>();
 }
 
 }  // namespace
@@ -108,6 +121,8 @@ TORCH_LIBRARY(mstar_quant, m) {
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> Tensor");
   m.def("int4_linear_i16(Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
+  m.def("int8_linear_i16(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
+  m.def("int16_rows(int bits) -> int", &int16_rows);
   m.def("bf16_linear(Tensor x, Tensor panels) -> Tensor");
 }
 
@@ -115,5 +130,6 @@ TORCH_LIBRARY_IMPL(mstar_quant, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("int4_linear_i16", &int4_linear_i16);
   m.impl("int8_linear", &int8_linear);
+  m.impl("int8_linear_i16", &int8_linear_i16);
   m.impl("bf16_linear", &bf16_linear);
 }

@@ -89,6 +89,10 @@ def _register_fakes() -> None:
     def _(x, qweight, scales):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
+    @torch.library.register_fake("mstar_quant::int8_linear_i16")
+    def _(x, qweight, scales):
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
     @torch.library.register_fake("mstar_quant::bf16_linear")
     def _(x, panels):
         return x.new_empty((*x.shape[:-1], panels.shape[0] * panels.shape[2]))

@@ -2,8 +2,9 @@
 float32 activations in and out, through the kernels of ``kernels.cpp``;
 with bfloat16 panels of the same weights (``packed.bf16_panels``), inputs
 of ``BF16_ROWS`` rows or more multiply in bfloat16 instead; with
-``int16_activations`` (int4 weights, a build with AVX512-VNNI), fewer rows
-are rounded to int16 per group of 32 and multiplied in integers."""
+``int16_activations``, up to ``int16_rows(bits)`` rows (the kernels'
+``torch.ops.mstar_quant.int16_rows``: int4 8 with AVX512-VNNI, 1 on AVX2;
+int8 1) are rounded to int16 per group of 32 and multiplied in integers."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ class PackedLinear(torch.nn.Module):
     ``F.linear`` on ``packed.dequantize()`` up to the order of the sums,
     or, with ``panels`` (``bf16_panels(packed)``) at ``BF16_ROWS`` rows or
     more, as on ``x`` and ``W`` rounded to bfloat16 (sums in float32), and
-    with ``int16_activations`` below ``BF16_ROWS`` rows, as on ``x`` rounded
-    to int16 per group of 32 (``scale = max |x| / 32767``; the weights'
+    with ``int16_activations`` up to ``int16_rows(bits)`` rows, as on ``x``
+    rounded to int16 per group of 32 (``scale = max |x| / 32767``; int4's
     minimums times the float32 sums of ``x``): ~1e-4 of the float32 result
     on SmolLM2, ~20x closer than the bfloat16 panels."""
 
@@ -34,8 +35,6 @@ class PackedLinear(torch.nn.Module):
         int16_activations: bool = False,
     ) -> None:
         super().__init__()
-        if int16_activations and packed.kind != "int4":
-            raise ValueError(f"expected int4 weights for int16 activations, got {packed.kind}")
         self.kind = packed.kind
         self._int16 = int16_activations
         self.out_features, self.in_features = packed.shape
@@ -53,7 +52,7 @@ class PackedLinear(torch.nn.Module):
 
     @property
     def int16_activations(self) -> bool:
-        """Whether fewer than ``BF16_ROWS`` rows are rounded to int16 (fixed
+        """Whether up to ``int16_rows(bits)`` rows are rounded to int16 (fixed
         at construction: a one-call layer stack reads it once)."""
         return self._int16
 
@@ -76,12 +75,12 @@ class PackedLinear(torch.nn.Module):
         b, ops = self._buffers, torch.ops.mstar_quant
         if self._panelled(x.numel() // self.in_features):
             y = ops.bf16_linear.default(x, b["panels"])
-        elif self._int16:
-            y = ops.int4_linear_i16.default(x, b["qweight"], b["scales"], b["mins"])
         elif self.kind == "int4":
-            y = ops.int4_linear.default(x, b["qweight"], b["scales"], b["mins"])
+            op = ops.int4_linear_i16 if self._int16 else ops.int4_linear
+            y = op.default(x, b["qweight"], b["scales"], b["mins"])
         else:
-            y = ops.int8_linear.default(x, b["qweight"], b["scales"])
+            op = ops.int8_linear_i16 if self._int16 else ops.int8_linear
+            y = op.default(x, b["qweight"], b["scales"])
         return y if self.bias is None else y + self.bias
 
     def read_tensors(self, rows: int) -> list[torch.Tensor]:

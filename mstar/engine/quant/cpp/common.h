@@ -28,6 +28,13 @@ constexpr int64_t PANEL_ROWS = 12;       // fewest activation rows for the panel
 constexpr int64_t GEMV_ROWS = 4;
 constexpr int64_t PANEL_ROWS = 48;
 #endif
+// most activation rows rounded to int16 where asked (i16_gemv.h); more stay float32. AVX2
+// multiplies 2+ rows about as fast in float32 (the weights made float once for all rows)
+#if defined(__AVX512VNNI__)
+constexpr int64_t I16_ROWS = 8;
+#else
+constexpr int64_t I16_ROWS = 1;
+#endif
 constexpr int64_t PIECE = 16384;         // weights per piece of GEMV work
 constexpr int64_t PARALLEL_MIN = 1 << 18;  // fewer weights (x rows) than this: one thread
 

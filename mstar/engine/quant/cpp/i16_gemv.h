@@ -5,12 +5,37 @@
 // rounds to int8, 256x coarser); the weights' minimums still meet the float32 sums of the
 // activations. The nibbles need no float conversion (no permute a group, as `gemv1_int4`
 // has): ~1.5x its speed in cache, and at 2 threads the weights' stream is the limit. Built
-// where the CPU has AVX512-BF16 (cpp_build.BF16_FLAGS), which every CPU with it has.
+// where the CPU has AVX512-BF16 (cpp_build.BF16_FLAGS), which every CPU with it has; an
+// AVX2 version of the same rounding below it for every other build (1 row: see I16_ROWS),
+// and int8 weights on one row so rounded, in AVX2 for every build.
 #pragma once
 
 #include "gemv.h"
 
 namespace {
+
+// One group of 32 activations rounded to int16 into out[0..32) (scale = max |x| / 32767,
+// to nearest, ties to even; a group under 1e-30 left at zero, as 32767 / a denormal would
+// be inf); returns the scale, and the group's float32 sum in `sum`. AVX2, any build.
+inline float rounded_group(const float* xg, int16_t* out, float& sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], top = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xg + 8 * i);
+    top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[i]));
+    total = _mm256_add_ps(total, v[i]);
+  }
+  float tops[8];
+  _mm256_storeu_ps(tops, top);
+  const float amax = *std::max_element(tops, tops + 8);
+  const __m256 inverse = _mm256_set1_ps(amax > 1e-30f ? 32767.0f / amax : 0.0f);
+  alignas(32) int32_t r[32];  // |x| * inverse <= 32767
+  for (int i = 0; i < 4; ++i)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(r + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse)));
+  std::copy_n(r, 32, out);
+  sum = hsum(total);
+  return amax > 1e-30f ? amax / 32767.0f : 0.0f;
+}
 
 #if defined(__AVX512VNNI__)
 
@@ -115,6 +140,114 @@ void streamed_i16(const Int4& w, const float* x, int64_t M, int64_t N, int64_t K
   });
 }
 
+#else
+
+// AVX2 (`vpmaddwd`: 16 products of 16-bit integers an instruction, summed in pairs into
+// 32-bit lanes, then added): the same rounding as above, two groups a 32-byte chunk (the
+// int4 rows' own `Int4::chunk`), so 1-4 rows run at about half the float32 kernel's
+// instructions a weight.
+
+// Activation rows [M, K] rounded to int16 per group of 32, laid out as a chunk's weights
+// come out of its 32 bytes (groups 2c, 2c+1, a 128-bit lane each) widened to 16 bits: 4
+// vectors, vector v's lane k holding weights 8v..8v+7 of group 2c + k; zeros past the
+// last group. Per chunk also 8 lanes of each group's scale, lane l for group 2c + l / 4;
+// and the groups' float32 sums, for `Int4::min_dot`.
+struct Int16Rows {
+  int64_t C;                  // chunks a row: ceil(G / 2)
+  std::vector<int16_t> q;     // [M, C, 4, 2, 8]: vector v, group k, weight 8v + j
+  std::vector<float> scales;  // [M, C, 8]
+  std::vector<float> sums;    // [M, padded(G)]
+
+  Int16Rows(const float* x, int64_t M, int64_t K)
+      : C((K / 32 + 1) / 2), q(M * C * 64, 0), scales(M * C * 8, 0.0f), sums(M * padded(K / 32), 0.0f) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < K / 32; ++g) {
+        int16_t v[32];
+        const float scale = rounded_group(x + m * K + g * 32, v, sums[m * padded(K / 32) + g]);
+        const int64_t c = g / 2, k = g % 2;
+        for (int u = 0; u < 4; ++u) std::copy_n(v + 8 * u, 8, &q[(m * C + c) * 64 + u * 16 + k * 8]);
+        std::fill_n(&scales[(m * C + c) * 8 + k * 4], 4, scale);
+      }
+  }
+};
+
+// y[:, n0:n1] for ROWS rows: per weight row, each chunk's nibbles (widened to 16 bits)
+// dotted with every activation row's integers in 32-bit lanes (4 per group), made float32
+// and scaled by weight scale x activation scale; plus the weights' minimums times the sums.
+template <int ROWS>
+void gemv_i16(const Int4& w, const Int16Rows& xq, int64_t n0, int64_t n1, float* y, int64_t N) {
+  const int64_t C = xq.C, G = w.G;
+  const __m256i low = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+  std::vector<float> s(padded(G));
+  for (int64_t n = n0; n < n1; ++n) {
+    to_float(w.scales + n * G, G, s.data());
+    __m256 acc[ROWS];
+    for (int m = 0; m < ROWS; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < C; ++c) {
+      const __m256i d = w.chunk(n, c);
+      const __m256i lo = _mm256_and_si256(d, low), hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), low);
+      const __m256i wv[4] = {_mm256_unpacklo_epi8(lo, zero), _mm256_unpackhi_epi8(lo, zero),
+                             _mm256_unpacklo_epi8(hi, zero), _mm256_unpackhi_epi8(hi, zero)};
+      const __m256 ws = pair(s.data() + 2 * c);
+#pragma GCC unroll 4
+      for (int m = 0; m < ROWS; ++m) {
+        const int64_t at = m * C + c;
+        const __m256i* xc = reinterpret_cast<const __m256i*>(&xq.q[at * 64]);
+        const __m256i dot = _mm256_add_epi32(
+            _mm256_add_epi32(_mm256_madd_epi16(wv[0], _mm256_loadu_si256(xc)),
+                             _mm256_madd_epi16(wv[1], _mm256_loadu_si256(xc + 1))),
+            _mm256_add_epi32(_mm256_madd_epi16(wv[2], _mm256_loadu_si256(xc + 2)),
+                             _mm256_madd_epi16(wv[3], _mm256_loadu_si256(xc + 3))));
+        const __m256 scale = _mm256_mul_ps(ws, _mm256_loadu_ps(&xq.scales[at * 8]));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[m]);
+      }
+    }
+    for (int m = 0; m < ROWS; ++m)
+      y[m * N + n] = hsum(acc[m]) + w.min_dot(n, &xq.sums[m * padded(G)]);
+  }
+}
+
+// y = x @ W.T for M <= GEMV_ROWS rows of x [M, K], the activations rounded to int16 first.
+void streamed_i16(const Int4& w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
+  const Int16Rows xq(x, M, K);
+  const int64_t piece = std::max<int64_t>(4, PIECE / K / 4 * 4);
+  share(N, piece, N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1, int) {
+    with_rows<GEMV_ROWS>(M, [&](auto rows) { gemv_i16<rows()>(w, xq, n0, n1, y, N); });
+  });
+}
+
 #endif
+
+// int8 weights times one activation row rounded to int16 (`rounded_group`, in its own
+// order), any build: each group's 32 bytes widened to 16 bits (`vpmovsxbw`) and multiplied
+// in pairs (`vpmaddwd`), about half the float32 kernel's instructions a weight.
+void streamed_i16(const Int8& w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
+  TORCH_CHECK(M == 1, "int16 activations for int8 weights take one row, got ", M);
+  const int64_t G = K / 32;
+  std::vector<int16_t> q(K);
+  std::vector<float> xs(G);
+  for (int64_t g = 0; g < G; ++g) {
+    float unused;
+    xs[g] = rounded_group(x + g * 32, q.data() + g * 32, unused);
+  }
+  const int64_t piece = std::max<int64_t>(4, PIECE / K / 4 * 4);
+  share(N, piece, N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1, int) {
+    std::vector<float> s(padded(G));
+    for (int64_t n = n0; n < n1; ++n) {
+      w.row_scales(n, s.data());
+      const int8_t* p = w.q + n * K;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t g = 0; g < G; ++g) {
+        const __m256i* xg = reinterpret_cast<const __m256i*>(q.data() + g * 32);
+        const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + g * 32)));
+        const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + g * 32 + 16)));
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(a, _mm256_loadu_si256(xg)),
+                                             _mm256_madd_epi16(b, _mm256_loadu_si256(xg + 1)));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[g] * xs[g]), acc);
+      }
+      y[n] = hsum(acc);
+    }
+  });
+}
 
 }  // namespace
