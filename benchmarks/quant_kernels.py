@@ -15,9 +15,10 @@ and GB/s (wall) of the weight bytes it reads
 (int4: 0.625 bytes a weight with its scale and min; int8 in groups of 32:
 1.0625; bfloat16 panels: 2; float32: 4). Where the CPU has AVX512-BF16,
 this tree's bfloat16 panels of the int4 weights (``bf16 panels``, what 9+
-rows multiply in ``--dtype bfloat16``/auto) and, at 1-8 rows, its int4 on
-activations rounded to int16 (``int16 act.``, what they take there) run
-beside them. Random weights,
+rows multiply in ``--dtype bfloat16``/auto) run beside them; and on any CPU,
+at the rows ``int16_rows`` says (int4: 1-8 with AVX512-VNNI, 1 on AVX2;
+int8: 1), int4 and int8 on activations rounded to int16 (``int16 act.``,
+what bfloat16 arithmetic takes there). Random weights,
 SmolLM2-135M's shapes (``head``: the tied vocabulary head, which the engine
 runs as int8). ``--stream``: each variant cycles through distinct copies of
 its weights, ``STREAM_BYTES`` of them in all (more than the L3 cache holds), so
@@ -40,7 +41,6 @@ import torch.nn.functional as F
 
 from mstar.engine.cpu import cpu_info
 from mstar.engine.quant.kernels import PARTS, SOURCE, bf16_or_why, build_under, kernel_or_why
-from mstar.engine.quant.linear import BF16_ROWS
 from mstar.engine.quant.packed import PANEL, Packed, bf16_panels
 
 SHAPES = {
@@ -123,9 +123,11 @@ def variants(
     for label, op in ops.items():
         calls[f"int4 {label}"] = cycled(int4, lambda *w, op=op: op.int4_linear(x, *w))
         calls[f"int8 {label}"] = cycled(int8, lambda *w, op=op: op.int8_linear(x, *w))
-    if bf16_or_why() is None and rows < BF16_ROWS:  # this tree's int16 activations
-        i16 = torch.ops.mstar_quant.int4_linear_i16
-        calls["int4 int16 act."] = cycled(int4, lambda *w: i16(x, *w))
+    quant = torch.ops.mstar_quant
+    if rows <= quant.int16_rows(4):  # this tree's int16 activations
+        calls["int4 int16 act."] = cycled(int4, lambda *w: quant.int4_linear_i16(x, *w))
+    if rows <= quant.int16_rows(8):
+        calls["int8 int16 act."] = cycled(int8, lambda *w: quant.int8_linear_i16(x, *w))
     if bf16_or_why() is None and n % PANEL == 0:  # this tree's bfloat16 panels
         panels = [(bf16_panels(Packed("int4", *w)),) for w in int4[: copies("bf16")]]
         calls["bf16 panels"] = cycled(panels, lambda p: torch.ops.mstar_quant.bf16_linear(x, p))

@@ -22,7 +22,9 @@ from safetensors import safe_open
 
 from mstar.engine.quant.packed import Packed
 
-PACKED_FILE = "gguf-packed.safetensors"
+# beside the converted folder's model.safetensors, under a suffix no HF-format loader globs
+# (vLLM loads every *.safetensors of a folder: the packed tensors' names broke it)
+PACKED_FILE = "gguf-packed.mstar"
 # bytes of one block of 32 weights
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
@@ -54,6 +56,8 @@ def cached_packed_weights(
     from safetensors.torch import load_file, save_file
 
     saved = None if cache is None else cache / PACKED_FILE
+    if cache is not None:  # the name before: other loaders of the folder read it
+        (cache / "gguf-packed.safetensors").unlink(missing_ok=True)
     if saved is not None and saved.exists():
         with safe_open(saved, framework="pt") as f:
             types = json.loads(f.metadata()["types"])
