@@ -144,8 +144,8 @@ void streamed_i16(const Int4& w, const float* x, int64_t M, int64_t N, int64_t K
 
 // AVX2 (`vpmaddwd`: 16 products of 16-bit integers an instruction, summed in pairs into
 // 32-bit lanes, then added): the same rounding as above, two groups a 32-byte chunk (the
-// int4 rows' own `Int4::chunk`), so 1-4 rows run at about half the float32 kernel's
-// instructions a weight.
+// int4 rows' own `Int4::chunk`): one row at about half the float32 kernel's instructions a
+// weight (I16_ROWS: more rows share the float32 kernel's weights made float once).
 
 // Activation rows [M, K] rounded to int16 per group of 32, laid out as a chunk's weights
 // come out of its 32 bytes (groups 2c, 2c+1, a 128-bit lane each) widened to 16 bits: 4
@@ -171,48 +171,41 @@ struct Int16Rows {
   }
 };
 
-// y[:, n0:n1] for ROWS rows: per weight row, each chunk's nibbles (widened to 16 bits)
-// dotted with every activation row's integers in 32-bit lanes (4 per group), made float32
-// and scaled by weight scale x activation scale; plus the weights' minimums times the sums.
-template <int ROWS>
-void gemv_i16(const Int4& w, const Int16Rows& xq, int64_t n0, int64_t n1, float* y, int64_t N) {
+// y[n0:n1] for one row: per weight row, each chunk's nibbles (widened to 16 bits) dotted
+// with the row's integers in 32-bit lanes (4 per group), made float32 and scaled by weight
+// scale x activation scale, into two accumulators (even and odd chunks: the additions of a
+// row do not wait on each other); plus the weights' minimums times the sums.
+void gemv1_i16(const Int4& w, const Int16Rows& xq, int64_t n0, int64_t n1, float* y) {
   const int64_t C = xq.C, G = w.G;
   const __m256i low = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
   std::vector<float> s(padded(G));
   for (int64_t n = n0; n < n1; ++n) {
     to_float(w.scales + n * G, G, s.data());
-    __m256 acc[ROWS];
-    for (int m = 0; m < ROWS; ++m) acc[m] = _mm256_setzero_ps();
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+#pragma GCC unroll 2
     for (int64_t c = 0; c < C; ++c) {
       const __m256i d = w.chunk(n, c);
       const __m256i lo = _mm256_and_si256(d, low), hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), low);
-      const __m256i wv[4] = {_mm256_unpacklo_epi8(lo, zero), _mm256_unpackhi_epi8(lo, zero),
-                             _mm256_unpacklo_epi8(hi, zero), _mm256_unpackhi_epi8(hi, zero)};
-      const __m256 ws = pair(s.data() + 2 * c);
-#pragma GCC unroll 4
-      for (int m = 0; m < ROWS; ++m) {
-        const int64_t at = m * C + c;
-        const __m256i* xc = reinterpret_cast<const __m256i*>(&xq.q[at * 64]);
-        const __m256i dot = _mm256_add_epi32(
-            _mm256_add_epi32(_mm256_madd_epi16(wv[0], _mm256_loadu_si256(xc)),
-                             _mm256_madd_epi16(wv[1], _mm256_loadu_si256(xc + 1))),
-            _mm256_add_epi32(_mm256_madd_epi16(wv[2], _mm256_loadu_si256(xc + 2)),
-                             _mm256_madd_epi16(wv[3], _mm256_loadu_si256(xc + 3))));
-        const __m256 scale = _mm256_mul_ps(ws, _mm256_loadu_ps(&xq.scales[at * 8]));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[m]);
-      }
+      const __m256i* xc = reinterpret_cast<const __m256i*>(&xq.q[c * 64]);
+      const __m256i dot = _mm256_add_epi32(
+          _mm256_add_epi32(_mm256_madd_epi16(_mm256_unpacklo_epi8(lo, zero), _mm256_loadu_si256(xc)),
+                           _mm256_madd_epi16(_mm256_unpackhi_epi8(lo, zero), _mm256_loadu_si256(xc + 1))),
+          _mm256_add_epi32(_mm256_madd_epi16(_mm256_unpacklo_epi8(hi, zero), _mm256_loadu_si256(xc + 2)),
+                           _mm256_madd_epi16(_mm256_unpackhi_epi8(hi, zero), _mm256_loadu_si256(xc + 3))));
+      const __m256 scale = _mm256_mul_ps(pair(s.data() + 2 * c), _mm256_loadu_ps(&xq.scales[c * 8]));
+      acc[c & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[c & 1]);
     }
-    for (int m = 0; m < ROWS; ++m)
-      y[m * N + n] = hsum(acc[m]) + w.min_dot(n, &xq.sums[m * padded(G)]);
+    y[n] = hsum(_mm256_add_ps(acc[0], acc[1])) + w.min_dot(n, xq.sums.data());
   }
 }
 
-// y = x @ W.T for M <= GEMV_ROWS rows of x [M, K], the activations rounded to int16 first.
+// y = x @ W.T for one row of x [1, K] (I16_ROWS), rounded to int16 first.
 void streamed_i16(const Int4& w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
-  const Int16Rows xq(x, M, K);
+  TORCH_CHECK(M == 1, "int16 activations for int4 weights take one row here, got ", M);
+  const Int16Rows xq(x, 1, K);
   const int64_t piece = std::max<int64_t>(4, PIECE / K / 4 * 4);
   share(N, piece, N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1, int) {
-    with_rows<GEMV_ROWS>(M, [&](auto rows) { gemv_i16<rows()>(w, xq, n0, n1, y, N); });
+    gemv1_i16(w, xq, n0, n1, y);
   });
 }
 
