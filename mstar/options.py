@@ -30,8 +30,10 @@ def add_tensor_parallel_option(parser: argparse.ArgumentParser) -> None:
 def add_speed_options(parser: argparse.ArgumentParser, dtype: str | None = "auto") -> None:
     """``--dtype`` and ``--enforce-eager`` (see docs/performance.md)."""
     parser.add_argument(
-        "--dtype", default=dtype, help="auto (bfloat16 on CUDA and on CPUs with a native bfloat16"
-        " matmul, else float32), float32 (exact against HF), bfloat16 or float16"
+        "--dtype", default=dtype, help="auto (packed weights: bfloat16 arithmetic where the"
+        " kernels run, i.e. int16 decode activations, bfloat16 panels with AVX512-BF16; else"
+        " bfloat16 on CUDA and on CPUs with a native bfloat16 matmul, else float32),"
+        " float32 (exact against HF), bfloat16 or float16"
         + (f"; default {dtype}" if dtype else "; default: bench --roofline both, --serve auto"),
     )  # fmt: skip
     parser.add_argument(

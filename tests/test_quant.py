@@ -273,7 +273,9 @@ def test_auto_is_the_files_own_format_where_the_kernels_serve_it(monkeypatch):
         monkeypatch.setattr(quant, "bf16_or_why", lambda why=why: why)
         choice = resolve_quantization("auto", gguf=True, dtype=torch.bfloat16)
         assert (choice.mode, choice.arithmetic) == ("gguf", "bfloat16")
-        assert resolve_quantization("int4", gguf=True, dtype=torch.bfloat16).arithmetic == "bfloat16"
+        assert (
+            resolve_quantization("int4", gguf=True, dtype=torch.bfloat16).arithmetic == "bfloat16"
+        )
 
 
 def test_engine_refuses_a_bad_quantization_before_loading():
