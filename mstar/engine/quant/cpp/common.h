@@ -28,8 +28,9 @@ constexpr int64_t PANEL_ROWS = 12;       // fewest activation rows for the panel
 constexpr int64_t GEMV_ROWS = 4;
 constexpr int64_t PANEL_ROWS = 48;
 #endif
-// most activation rows rounded to int16 where asked (i16_gemv.h); more stay float32. AVX2
-// multiplies 2+ rows about as fast in float32 (the weights made float once for all rows)
+// most activation rows rounded to int16 where asked (i16_gemv.h); more stay float32. On AVX2
+// the float32 kernel makes each weight float once for all its rows: at 2+ rows an int16 one
+// measured mixed (docs/performance.md, Zen 1)
 #if defined(__AVX512VNNI__)
 constexpr int64_t I16_ROWS = 8;
 #else

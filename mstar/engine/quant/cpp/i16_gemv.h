@@ -147,27 +147,26 @@ void streamed_i16(const Int4& w, const float* x, int64_t M, int64_t N, int64_t K
 // int4 rows' own `Int4::chunk`): one row at about half the float32 kernel's instructions a
 // weight (I16_ROWS: more rows share the float32 kernel's weights made float once).
 
-// Activation rows [M, K] rounded to int16 per group of 32, laid out as a chunk's weights
+// One activation row [K] rounded to int16 per group of 32, laid out as a chunk's weights
 // come out of its 32 bytes (groups 2c, 2c+1, a 128-bit lane each) widened to 16 bits: 4
 // vectors, vector v's lane k holding weights 8v..8v+7 of group 2c + k; zeros past the
 // last group. Per chunk also 8 lanes of each group's scale, lane l for group 2c + l / 4;
 // and the groups' float32 sums, for `Int4::min_dot`.
-struct Int16Rows {
-  int64_t C;                  // chunks a row: ceil(G / 2)
-  std::vector<int16_t> q;     // [M, C, 4, 2, 8]: vector v, group k, weight 8v + j
-  std::vector<float> scales;  // [M, C, 8]
-  std::vector<float> sums;    // [M, padded(G)]
+struct Int16Row {
+  int64_t C;                  // chunks: ceil(G / 2)
+  std::vector<int16_t> q;     // [C, 4, 2, 8]: vector v, group k, weight 8v + j
+  std::vector<float> scales;  // [C, 8]
+  std::vector<float> sums;    // [padded(G)]
 
-  Int16Rows(const float* x, int64_t M, int64_t K)
-      : C((K / 32 + 1) / 2), q(M * C * 64, 0), scales(M * C * 8, 0.0f), sums(M * padded(K / 32), 0.0f) {
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t g = 0; g < K / 32; ++g) {
-        int16_t v[32];
-        const float scale = rounded_group(x + m * K + g * 32, v, sums[m * padded(K / 32) + g]);
-        const int64_t c = g / 2, k = g % 2;
-        for (int u = 0; u < 4; ++u) std::copy_n(v + 8 * u, 8, &q[(m * C + c) * 64 + u * 16 + k * 8]);
-        std::fill_n(&scales[(m * C + c) * 8 + k * 4], 4, scale);
-      }
+  Int16Row(const float* x, int64_t K)
+      : C((K / 32 + 1) / 2), q(C * 64, 0), scales(C * 8, 0.0f), sums(padded(K / 32), 0.0f) {
+    for (int64_t g = 0; g < K / 32; ++g) {
+      int16_t v[32];
+      const float scale = rounded_group(x + g * 32, v, sums[g]);
+      const int64_t c = g / 2, k = g % 2;
+      for (int u = 0; u < 4; ++u) std::copy_n(v + 8 * u, 8, &q[c * 64 + u * 16 + k * 8]);
+      std::fill_n(&scales[c * 8 + k * 4], 4, scale);
+    }
   }
 };
 
@@ -175,7 +174,7 @@ struct Int16Rows {
 // with the row's integers in 32-bit lanes (4 per group), made float32 and scaled by weight
 // scale x activation scale, into two accumulators (even and odd chunks: the additions of a
 // row do not wait on each other); plus the weights' minimums times the sums.
-void gemv1_i16(const Int4& w, const Int16Rows& xq, int64_t n0, int64_t n1, float* y) {
+void gemv1_i16(const Int4& w, const Int16Row& xq, int64_t n0, int64_t n1, float* y) {
   const int64_t C = xq.C, G = w.G;
   const __m256i low = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
   std::vector<float> s(padded(G));
@@ -202,7 +201,7 @@ void gemv1_i16(const Int4& w, const Int16Rows& xq, int64_t n0, int64_t n1, float
 // y = x @ W.T for one row of x [1, K] (I16_ROWS), rounded to int16 first.
 void streamed_i16(const Int4& w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
   TORCH_CHECK(M == 1, "int16 activations for int4 weights take one row here, got ", M);
-  const Int16Rows xq(x, 1, K);
+  const Int16Row xq(x, K);
   const int64_t piece = std::max<int64_t>(4, PIECE / K / 4 * 4);
   share(N, piece, N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1, int) {
     gemv1_i16(w, xq, n0, n1, y);
