@@ -16,7 +16,7 @@ and GB/s (wall) of the weight bytes it reads
 1.0625; bfloat16 panels: 2; float32: 4). Where the CPU has AVX512-BF16,
 this tree's bfloat16 panels of the int4 weights (``bf16 panels``, what 9+
 rows multiply in ``--dtype bfloat16``/auto) run beside them; and on any CPU,
-at the rows ``int16_rows`` says (int4: 1-8 with AVX512-VNNI, 1 on AVX2;
+at the rows ``int16_rows`` says (int4: 1-8 with AVX512-VNNI, 1-4 on AVX2;
 int8: 1), int4 and int8 on activations rounded to int16 (``int16 act.``,
 what bfloat16 arithmetic takes there). Random weights,
 SmolLM2-135M's shapes (``head``: the tied vocabulary head, which the engine

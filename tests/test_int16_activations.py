@@ -21,7 +21,7 @@ LIMIT = 32767.0
 
 @pytest.fixture(scope="module")
 def rows():
-    """How many rows the int4 kernel rounds (8 with AVX512-VNNI, 1 on AVX2)."""
+    """How many rows the int4 kernel rounds (8 with AVX512-VNNI, 4 on AVX2)."""
     if (why := kernel_or_why()) is not None:
         pytest.skip(why)
     return torch.ops.mstar_quant.int16_rows(4)

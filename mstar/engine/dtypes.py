@@ -8,9 +8,9 @@ weights (a GGUF file's own, or int8/int4 at load) on the CPU keep the model
 in float32 (their kernels take float32 activations) and ``auto`` names their
 arithmetic: bfloat16 wherever the kernels run (``mstar.engine.quant``): with
 AVX512-BF16 their many-row products, prefill and batched decode, multiply in
-it; on any CPU they take a decode row's activations rounded to int16 (int4
-1-8 rows with AVX512-VNNI, else one: on Zen 1 1.3-1.6x the float32
-kernels, ~1e-4 of their result). On Zen 5 SmolLM2's own Q4_1 step ran 3x a bfloat16
+it; on any CPU they take decode rows' activations rounded to int16 (int4
+1-8 rows with AVX512-VNNI, 1-4 on AVX2; int8 one: on Zen 1 1.0-1.6x the
+float32 kernels, ~1e-4 of their result). On Zen 5 SmolLM2's own Q4_1 step ran 3x a bfloat16
 model's at batch 1 (docs/performance.md). ``float32`` keeps them exact.
 
 Float32 is the dtype the engine is exact in: token for token against the
@@ -76,7 +76,7 @@ def resolve_dtype(
             )
         return DtypeChoice(
             torch.bfloat16,
-            "auto: packed weights take a decode row's activations rounded to int16"
+            "auto: packed weights take decode rows' activations rounded to int16"
             " (no AVX512-BF16 here: more rows float32)",
         )
     native = native_cpu_bf16()

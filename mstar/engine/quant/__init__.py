@@ -26,8 +26,8 @@ beside the packed ones); elsewhere those rows stay float32. Few rows
 (decode) stream the packed weights on their activations rounded to int16
 per group of 32 (``int16_rows(bits)`` of them: int4 1-8 with AVX512-VNNI's
 16-bit dot products, which every CPU with AVX512-BF16 has, at one row
-~1.1-1.3x the float32 kernel from memory, ~1.5x in cache; one with AVX2's,
-1.3-1.6x on Zen 1; int8 one, AVX2's; ~20x closer to float32 than the panels).
+~1.1-1.3x the float32 kernel from memory, ~1.5x in cache; 1-4 with AVX2's,
+1.0-1.4x on Zen 1; int8 one, AVX2's; ~20x closer to float32 than the panels).
 """
 
 from __future__ import annotations

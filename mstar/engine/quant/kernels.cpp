@@ -30,10 +30,10 @@
 // (`share`), so a core busy with something else does less of it.
 //
 // `int4_linear_i16` rounds up to I16_ROWS activation rows (`int16_rows(4)`: 8 with
-// AVX512-VNNI, 1 without) to int16 per group of 32 and multiplies them by the int4 weights
-// in integers (i16_gemv.h: VNNI's `vpdpwssd`, else AVX2's `vpmaddwd`): no float
-// conversion of the weights, close to exact but not exact; `int8_linear_i16` the same for
-// int8 weights at one row (AVX2's, every build).
+// AVX512-VNNI, 4 on AVX2, 1 on AVX-512 without VNNI) to int16 per group of 32 and
+// multiplies them by the int4 weights in integers (i16_gemv.h: VNNI's `vpdpwssd`, else
+// AVX2's `vpmaddwd`): no float conversion of the weights, close to exact but not exact;
+// `int8_linear_i16` the same for int8 weights at one row (AVX2's, every build).
 //
 // The parts, in cpp/: common.h, team.h, formats.h, gemv.h, i16_gemv.h, panels.h, bf16_panels.h.
 #include "bf16_panels.h"

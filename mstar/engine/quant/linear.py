@@ -3,7 +3,7 @@ float32 activations in and out, through the kernels of ``kernels.cpp``;
 with bfloat16 panels of the same weights (``packed.bf16_panels``), inputs
 of ``BF16_ROWS`` rows or more multiply in bfloat16 instead; with
 ``int16_activations``, up to ``int16_rows(bits)`` rows (the kernels'
-``torch.ops.mstar_quant.int16_rows``: int4 8 with AVX512-VNNI, 1 on AVX2;
+``torch.ops.mstar_quant.int16_rows``: int4 8 with AVX512-VNNI, 4 on AVX2;
 int8 1) are rounded to int16 per group of 32 and multiplied in integers."""
 
 from __future__ import annotations

@@ -28,13 +28,13 @@ constexpr int64_t PANEL_ROWS = 12;       // fewest activation rows for the panel
 constexpr int64_t GEMV_ROWS = 4;
 constexpr int64_t PANEL_ROWS = 48;
 #endif
-// most activation rows rounded to int16 where asked (i16_gemv.h); more stay float32. On AVX2
-// the float32 kernel makes each weight float once for all its rows: at 2+ rows an int16 one
-// measured mixed (docs/performance.md, Zen 1)
+// most activation rows rounded to int16 where asked (i16_gemv.h); more stay float32
 #if defined(__AVX512VNNI__)
 constexpr int64_t I16_ROWS = 8;
+#elif defined(__AVX512F__)
+constexpr int64_t I16_ROWS = 1;  // AVX2's kernel beside AVX-512's float32 ones: unmeasured past 1
 #else
-constexpr int64_t I16_ROWS = 1;
+constexpr int64_t I16_ROWS = 4;  // 1.0-1.4x the float32 kernel at 1-4 rows (Zen 1, from memory)
 #endif
 constexpr int64_t PIECE = 16384;         // weights per piece of GEMV work
 constexpr int64_t PARALLEL_MIN = 1 << 18;  // fewer weights (x rows) than this: one thread

@@ -6,7 +6,7 @@
 // activations. The nibbles need no float conversion (no permute a group, as `gemv1_int4`
 // has): ~1.5x its speed in cache, and at 2 threads the weights' stream is the limit. Built
 // where the CPU has AVX512-BF16 (cpp_build.BF16_FLAGS), which every CPU with it has; an
-// AVX2 version of the same rounding below it for every other build (1 row: see I16_ROWS),
+// AVX2 version of the same rounding below it for every other build (rows: see I16_ROWS),
 // and int8 weights on one row so rounded, in AVX2 for every build.
 #pragma once
 
@@ -144,67 +144,75 @@ void streamed_i16(const Int4& w, const float* x, int64_t M, int64_t N, int64_t K
 
 // AVX2 (`vpmaddwd`: 16 products of 16-bit integers an instruction, summed in pairs into
 // 32-bit lanes, then added): the same rounding as above, two groups a 32-byte chunk (the
-// int4 rows' own `Int4::chunk`): one row at about half the float32 kernel's instructions a
-// weight (I16_ROWS: more rows share the float32 kernel's weights made float once).
+// int4 rows' own `Int4::chunk`): about half the float32 kernel's instructions a weight at
+// one row; 1.0-1.4x its speed at 1-4 rows on Zen 1 (I16_ROWS).
 
-// One activation row [K] rounded to int16 per group of 32, laid out as a chunk's weights
+// Activation rows [M, K] rounded to int16 per group of 32, laid out as a chunk's weights
 // come out of its 32 bytes (groups 2c, 2c+1, a 128-bit lane each) widened to 16 bits: 4
 // vectors, vector v's lane k holding weights 8v..8v+7 of group 2c + k; zeros past the
 // last group. Per chunk also 8 lanes of each group's scale, lane l for group 2c + l / 4;
 // and the groups' float32 sums, for `Int4::min_dot`.
-struct Int16Row {
-  int64_t C;                  // chunks: ceil(G / 2)
-  std::vector<int16_t> q;     // [C, 4, 2, 8]: vector v, group k, weight 8v + j
-  std::vector<float> scales;  // [C, 8]
-  std::vector<float> sums;    // [padded(G)]
+struct Int16Rows {
+  int64_t C;                  // chunks a row: ceil(G / 2)
+  std::vector<int16_t> q;     // [M, C, 4, 2, 8]: vector v, group k, weight 8v + j
+  std::vector<float> scales;  // [M, C, 8]
+  std::vector<float> sums;    // [M, padded(G)]
 
-  Int16Row(const float* x, int64_t K)
-      : C((K / 32 + 1) / 2), q(C * 64, 0), scales(C * 8, 0.0f), sums(padded(K / 32), 0.0f) {
-    for (int64_t g = 0; g < K / 32; ++g) {
-      int16_t v[32];
-      const float scale = rounded_group(x + g * 32, v, sums[g]);
-      const int64_t c = g / 2, k = g % 2;
-      for (int u = 0; u < 4; ++u) std::copy_n(v + 8 * u, 8, &q[c * 64 + u * 16 + k * 8]);
-      std::fill_n(&scales[c * 8 + k * 4], 4, scale);
-    }
+  Int16Rows(const float* x, int64_t M, int64_t K)
+      : C((K / 32 + 1) / 2), q(M * C * 64, 0), scales(M * C * 8, 0.0f), sums(M * padded(K / 32), 0.0f) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < K / 32; ++g) {
+        int16_t v[32];
+        const float scale = rounded_group(x + m * K + g * 32, v, sums[m * padded(K / 32) + g]);
+        const int64_t c = g / 2, k = g % 2;
+        for (int u = 0; u < 4; ++u) std::copy_n(v + 8 * u, 8, &q[(m * C + c) * 64 + u * 16 + k * 8]);
+        std::fill_n(&scales[(m * C + c) * 8 + k * 4], 4, scale);
+      }
   }
 };
 
-// y[n0:n1] for one row: per weight row, each chunk's nibbles (widened to 16 bits) dotted
-// with the row's integers in 32-bit lanes (4 per group), made float32 and scaled by weight
-// scale x activation scale, into two accumulators (even and odd chunks: the additions of a
-// row do not wait on each other); plus the weights' minimums times the sums.
-void gemv1_i16(const Int4& w, const Int16Row& xq, int64_t n0, int64_t n1, float* y) {
+// y[:, n0:n1] for ROWS rows: per weight row, each chunk's nibbles (widened to 16 bits)
+// dotted with every activation row's integers in 32-bit lanes (4 per group), made float32
+// and scaled by weight scale x activation scale; plus the weights' minimums times the sums.
+template <int ROWS>
+void gemv_i16(const Int4& w, const Int16Rows& xq, int64_t n0, int64_t n1, float* y, int64_t N) {
   const int64_t C = xq.C, G = w.G;
   const __m256i low = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
   std::vector<float> s(padded(G));
   for (int64_t n = n0; n < n1; ++n) {
     to_float(w.scales + n * G, G, s.data());
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-#pragma GCC unroll 2
+    __m256 acc[ROWS];
+    for (int m = 0; m < ROWS; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t c = 0; c < C; ++c) {
       const __m256i d = w.chunk(n, c);
       const __m256i lo = _mm256_and_si256(d, low), hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), low);
-      const __m256i* xc = reinterpret_cast<const __m256i*>(&xq.q[c * 64]);
-      const __m256i dot = _mm256_add_epi32(
-          _mm256_add_epi32(_mm256_madd_epi16(_mm256_unpacklo_epi8(lo, zero), _mm256_loadu_si256(xc)),
-                           _mm256_madd_epi16(_mm256_unpackhi_epi8(lo, zero), _mm256_loadu_si256(xc + 1))),
-          _mm256_add_epi32(_mm256_madd_epi16(_mm256_unpacklo_epi8(hi, zero), _mm256_loadu_si256(xc + 2)),
-                           _mm256_madd_epi16(_mm256_unpackhi_epi8(hi, zero), _mm256_loadu_si256(xc + 3))));
-      const __m256 scale = _mm256_mul_ps(pair(s.data() + 2 * c), _mm256_loadu_ps(&xq.scales[c * 8]));
-      acc[c & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[c & 1]);
+      const __m256i wv[4] = {_mm256_unpacklo_epi8(lo, zero), _mm256_unpackhi_epi8(lo, zero),
+                             _mm256_unpacklo_epi8(hi, zero), _mm256_unpackhi_epi8(hi, zero)};
+      const __m256 ws = pair(s.data() + 2 * c);
+#pragma GCC unroll 4
+      for (int m = 0; m < ROWS; ++m) {
+        const int64_t at = m * C + c;
+        const __m256i* xc = reinterpret_cast<const __m256i*>(&xq.q[at * 64]);
+        const __m256i dot = _mm256_add_epi32(
+            _mm256_add_epi32(_mm256_madd_epi16(wv[0], _mm256_loadu_si256(xc)),
+                             _mm256_madd_epi16(wv[1], _mm256_loadu_si256(xc + 1))),
+            _mm256_add_epi32(_mm256_madd_epi16(wv[2], _mm256_loadu_si256(xc + 2)),
+                             _mm256_madd_epi16(wv[3], _mm256_loadu_si256(xc + 3))));
+        const __m256 scale = _mm256_mul_ps(ws, _mm256_loadu_ps(&xq.scales[at * 8]));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[m]);
+      }
     }
-    y[n] = hsum(_mm256_add_ps(acc[0], acc[1])) + w.min_dot(n, xq.sums.data());
+    for (int m = 0; m < ROWS; ++m)
+      y[m * N + n] = hsum(acc[m]) + w.min_dot(n, &xq.sums[m * padded(G)]);
   }
 }
 
-// y = x @ W.T for one row of x [1, K] (I16_ROWS), rounded to int16 first.
+// y = x @ W.T for M <= I16_ROWS rows of x [M, K], the activations rounded to int16 first.
 void streamed_i16(const Int4& w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
-  TORCH_CHECK(M == 1, "int16 activations for int4 weights take one row here, got ", M);
-  const Int16Row xq(x, K);
+  const Int16Rows xq(x, M, K);
   const int64_t piece = std::max<int64_t>(4, PIECE / K / 4 * 4);
   share(N, piece, N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1, int) {
-    gemv1_i16(w, xq, n0, n1, y);
+    with_rows<I16_ROWS>(M, [&](auto rows) { gemv_i16<rows()>(w, xq, n0, n1, y, N); });
   });
 }
 
