@@ -5,9 +5,10 @@ both share one team of threads (``cpp/team.h``: kept awake through a step,
 where torch's OpenMP threads may sleep after every call); cached under the
 cache folder (``cache_root() / "kernels"``, by a hash of the sources: see
 ``mstar.engine.cpp_build``), and registered as the torch ops
-``torch.ops.mstar_quant.int4_linear`` / ``int8_linear`` (and
-``bf16_linear``, on bfloat16 panels: ``bf16_or_why()``) with fake
-implementations, so ``torch.compile`` traces through them, and
+``torch.ops.mstar_quant.int4_linear`` / ``int8_linear``, their
+``*_i16`` twins on activations rounded to int16 (``int16_rows(bits)``
+rows of them), and ``bf16_linear`` (on bfloat16 panels: ``bf16_or_why()``),
+with fake implementations, so ``torch.compile`` traces through them, and
 ``torch.ops.mstar_layer.*`` (``mstar.engine.layer_ops``).
 
 ``kernel_or_why()`` says whether they run here: they need a CPU with AVX2
