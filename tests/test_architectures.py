@@ -15,6 +15,7 @@ import re
 
 import pytest
 import torch
+from packaging.version import Version
 
 transformers = pytest.importorskip("transformers")
 
@@ -156,7 +157,6 @@ REFUSED = {
     "deepseek_v4": ("DeepseekV4Config", {}, "heavily_compressed_attention"),
     "doge": ("DogeConfig", {}, "a mask of its own"),
     "xglm": ("XGLMConfig", {}, "does not route attention"),
-    "falcon": ("FalconConfig", {"alibi": False}, "does not route attention"),
     "bloom": ("BloomConfig", {}, "ALiBi|does not route attention"),
     "mpt": ("MptConfig", {"d_model": 64, "n_heads": 4, "n_layers": 2}, "ALiBi|does not route"),
     "gpt_neo": (
@@ -165,6 +165,19 @@ REFUSED = {
         "does not route attention",
     ),
 }
+
+
+# Falcon routes attention through AttentionInterface from transformers 5.25;
+# before, it is refused for not doing so.
+if Version(transformers.__version__) >= Version("5.25"):
+    SUPPORTED["falcon"] = ("FalconConfig", {"alibi": False})
+    SUPPORTED["falcon_new_decoder"] = (
+        "FalconConfig",
+        {"alibi": False, "new_decoder_architecture": True, "num_kv_heads": 2},
+    )
+    REFUSED["falcon_alibi"] = ("FalconConfig", {"alibi": True}, "ALiBi")
+else:
+    REFUSED["falcon"] = ("FalconConfig", {"alibi": False}, "does not route attention")
 
 
 def _config(class_name: str, settings: dict):
