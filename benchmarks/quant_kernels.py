@@ -123,11 +123,16 @@ def variants(
     for label, op in ops.items():
         calls[f"int4 {label}"] = cycled(int4, lambda *w, op=op: op.int4_linear(x, *w))
         calls[f"int8 {label}"] = cycled(int8, lambda *w, op=op: op.int8_linear(x, *w))
-    quant = torch.ops.mstar_quant
-    if rows <= quant.int16_rows(4):  # this tree's int16 activations
-        calls["int4 int16 act."] = cycled(int4, lambda *w: quant.int4_linear_i16(x, *w))
-    if rows <= quant.int16_rows(8):
-        calls["int8 int16 act."] = cycled(int8, lambda *w: quant.int8_linear_i16(x, *w))
+    for label, op in ops.items():  # int16 activations, where the build has them
+        suffix = "" if label == "this tree" else f" {label}"
+        if hasattr(op, "int16_rows") and rows <= op.int16_rows(4):
+            calls[f"int4 int16 act.{suffix}"] = cycled(
+                int4, lambda *w, op=op: op.int4_linear_i16(x, *w)
+            )
+        if hasattr(op, "int16_rows") and rows <= op.int16_rows(8):
+            calls[f"int8 int16 act.{suffix}"] = cycled(
+                int8, lambda *w, op=op: op.int8_linear_i16(x, *w)
+            )
     if bf16_or_why() is None and n % PANEL == 0:  # this tree's bfloat16 panels
         panels = [(bf16_panels(Packed("int4", *w)),) for w in int4[: copies("bf16")]]
         calls["bf16 panels"] = cycled(panels, lambda p: torch.ops.mstar_quant.bf16_linear(x, p))
