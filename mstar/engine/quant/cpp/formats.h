@@ -46,9 +46,11 @@ struct Int4 {
     return _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
 
+  const uint8_t* group_bytes(int64_t n, int64_t j) const { return q + (n * G + j) * 16; }  // 16 of them
+
   // Group j of row n as 32 integers in float32, in their own order (four vectors).
   void load(int64_t n, int64_t j, __m256 v[4]) const {
-    const uint8_t* p = q + (n * G + j) * 16;
+    const uint8_t* p = group_bytes(n, j);
     const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
     const __m256i low = _mm256_set1_epi32(0x0F);
@@ -128,8 +130,9 @@ struct Int8 {
   inline __m256 values(const int8_t* p) const {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
+  const int8_t* group_bytes(int64_t n, int64_t j) const { return q + n * K + j * 32; }  // 32 of them
   void load(int64_t n, int64_t j, __m256 v[4]) const {
-    for (int i = 0; i < 4; ++i) v[i] = values(q + n * K + j * 32 + 8 * i);
+    for (int i = 0; i < 4; ++i) v[i] = values(group_bytes(n, j) + 8 * i);
   }
   float scale(int64_t n, int64_t j) const { return _cvtsh_ss(scales[n * per_row + j * 32 / group].x); }
   float min_dot(int64_t, const float*) const { return 0.0f; }

@@ -15,6 +15,7 @@ void gemv1(const W& w, const float* x, const float* xsum, int64_t K, int64_t n0,
   for (int64_t n = n0; n < n1; ++n) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t j = 0; j < K / 32; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w.group_bytes(n, j)) + AHEAD_BYTES, _MM_HINT_T0);
       __m256 v[4];
       w.load(n, j, v);
       const float* xc = x + j * 32;
@@ -59,8 +60,6 @@ std::vector<float> group_sums(const float* x, int64_t K) {
 // their own order, each group of 32 weights dequantized into two 16-lane vectors
 // exactly as `dequantize` does, and multiplied in place.
 
-constexpr int64_t AHEAD_BYTES = 1024;  // how far ahead a row's stream of weights is asked for (measured)
-
 // int4: the group's 16 bytes widened to 32-bit lanes hold weights 0-15 (low nibbles)
 // and 16-31 (high nibbles) in order; each is looked up in the group's table
 // fma(0..15, scale, min) (vpermps reads an index's low 4 bits only).
@@ -73,12 +72,12 @@ struct Int4Wide {
     to_float(w.mins + n * w.G, w.G, mn.data());
   }
   void ahead(int64_t n, int64_t j) const {
-    _mm_prefetch(reinterpret_cast<const char*>(w.q + (n * w.G + j) * 16 + AHEAD_BYTES), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w.group_bytes(n, j)) + AHEAD_BYTES, _MM_HINT_T0);
   }
   void group(int64_t n, int64_t j, __m512 v[2]) const {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i b = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q + (n * w.G + j) * 16)));
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.group_bytes(n, j))));
     const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(s[j]), _mm512_set1_ps(mn[j]));
     v[0] = _mm512_permutexvar_ps(b, table);
     v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
@@ -92,10 +91,10 @@ struct Int8Wide {
   explicit Int8Wide(const Int8& w) : w(w), s(padded(w.K / 32)) {}
   void row(int64_t n) { w.row_scales(n, s.data()); }
   void ahead(int64_t n, int64_t j) const {
-    _mm_prefetch(reinterpret_cast<const char*>(w.q + n * w.K + j * 32 + AHEAD_BYTES), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w.group_bytes(n, j)) + AHEAD_BYTES, _MM_HINT_T0);
   }
   void group(int64_t n, int64_t j, __m512 v[2]) const {
-    const int8_t* p = w.q + n * w.K + j * 32;
+    const int8_t* p = w.group_bytes(n, j);
     const __m512 sc = _mm512_set1_ps(s[j]);
     for (int h = 0; h < 2; ++h)
       v[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
@@ -218,8 +217,7 @@ void streamed(const W& w, const float* x, int64_t M, int64_t N, int64_t K, float
     if (M == 1) xsum = group_sums(x, K);
     else xp = permute_int4(x, M, K);
   }
-  const int64_t piece = std::max<int64_t>(4, PIECE / K / 4 * 4);
-  share(N, piece, N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1, int) {
+  share(N, stream_piece(N, K), N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1, int) {
     switch (M) {
       case 1: return gemv<1>(w, x, xp.data(), xsum.data(), n0, n1, y, N);
       case 2: return gemv<2>(w, x, xp.data(), xsum.data(), n0, n1, y, N);

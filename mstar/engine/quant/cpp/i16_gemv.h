@@ -147,14 +147,17 @@ void streamed_i16(const Int4& w, const float* x, int64_t M, int64_t N, int64_t K
 // int4 rows' own `Int4::chunk`): about half the float32 kernel's instructions a weight at
 // one row; 1.0-1.4x its speed at 1-4 rows on Zen 1 (I16_ROWS).
 
-// Activation rows [M, K] rounded to int16 per group of 32, laid out as a chunk's weights
-// come out of its 32 bytes (groups 2c, 2c+1, a 128-bit lane each) widened to 16 bits: 4
-// vectors, vector v's lane k holding weights 8v..8v+7 of group 2c + k; zeros past the
-// last group. Per chunk also 8 lanes of each group's scale, lane l for group 2c + l / 4;
-// and the groups' float32 sums, for `Int4::min_dot`.
+// Activation rows [M, K] rounded to int16 per group of 32, laid out as `gemv_i16` takes a
+// chunk's weights (groups 2c, 2c+1, 16 bytes each) out of its 16-bit lanes: lane j of
+// the chunk holds bytes 2j, 2j+1 of group 2c + j / 8, so weights 2i, 2i + 16, 2i + 1,
+// 2i + 17 (i = j % 8) in its four nibbles, low first; vector v's lane j holds the
+// activation of its nibble v; zeros past the last group. Per chunk also 8 lanes of each
+// group's scale, lane l for group 2c + l / 4; and the groups' float32 sums, for
+// `Int4::min_dot`.
 struct Int16Rows {
+  static constexpr int NIBBLE_WEIGHT[4] = {0, 16, 1, 17};  // nibble v of lane j: weight 2(j % 8) + this
   int64_t C;                  // chunks a row: ceil(G / 2)
-  std::vector<int16_t> q;     // [M, C, 4, 2, 8]: vector v, group k, weight 8v + j
+  std::vector<int16_t> q;     // [M, C, 4, 16]: vector v, lane j
   std::vector<float> scales;  // [M, C, 8]
   std::vector<float> sums;    // [M, padded(G)]
 
@@ -165,39 +168,44 @@ struct Int16Rows {
         int16_t v[32];
         const float scale = rounded_group(x + m * K + g * 32, v, sums[m * padded(K / 32) + g]);
         const int64_t c = g / 2, k = g % 2;
-        for (int u = 0; u < 4; ++u) std::copy_n(v + 8 * u, 8, &q[(m * C + c) * 64 + u * 16 + k * 8]);
+        for (int u = 0; u < 4; ++u)
+          for (int i = 0; i < 8; ++i) q[(m * C + c) * 64 + u * 16 + k * 8 + i] = v[2 * i + NIBBLE_WEIGHT[u]];
         std::fill_n(&scales[(m * C + c) * 8 + k * 4], 4, scale);
       }
   }
 };
 
-// y[:, n0:n1] for ROWS rows: per weight row, each chunk's nibbles (widened to 16 bits)
+// y[:, n0:n1] for ROWS rows: per weight row, each chunk's nibbles masked in place in its
+// 16-bit lanes (nibbles 1 and 2 left 16x: their products summed, then shifted back, exact)
 // dotted with every activation row's integers in 32-bit lanes (4 per group), made float32
 // and scaled by weight scale x activation scale; plus the weights' minimums times the sums.
+// No byte unpacks: ~10% faster than widening the nibbles (Zen 1).
 template <int ROWS>
 void gemv_i16(const Int4& w, const Int16Rows& xq, int64_t n0, int64_t n1, float* y, int64_t N) {
   const int64_t C = xq.C, G = w.G;
-  const __m256i low = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+  const __m256i first = _mm256_set1_epi16(0x000F), second = _mm256_set1_epi16(0x00F0);
   std::vector<float> s(padded(G));
   for (int64_t n = n0; n < n1; ++n) {
     to_float(w.scales + n * G, G, s.data());
     __m256 acc[ROWS];
     for (int m = 0; m < ROWS; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t c = 0; c < C; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(w.group_bytes(n, 2 * c)) + AHEAD_BYTES, _MM_HINT_T0);
       const __m256i d = w.chunk(n, c);
-      const __m256i lo = _mm256_and_si256(d, low), hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), low);
-      const __m256i wv[4] = {_mm256_unpacklo_epi8(lo, zero), _mm256_unpackhi_epi8(lo, zero),
-                             _mm256_unpacklo_epi8(hi, zero), _mm256_unpackhi_epi8(hi, zero)};
+      const __m256i wv[4] = {_mm256_and_si256(d, first), _mm256_and_si256(d, second),
+                             _mm256_and_si256(_mm256_srli_epi16(d, 4), second),
+                             _mm256_srli_epi16(d, 12)};  // x1, x16, x16, x1
       const __m256 ws = pair(s.data() + 2 * c);
 #pragma GCC unroll 4
       for (int m = 0; m < ROWS; ++m) {
         const int64_t at = m * C + c;
         const __m256i* xc = reinterpret_cast<const __m256i*>(&xq.q[at * 64]);
+        const __m256i sixteen = _mm256_add_epi32(_mm256_madd_epi16(wv[1], _mm256_loadu_si256(xc + 1)),
+                                                 _mm256_madd_epi16(wv[2], _mm256_loadu_si256(xc + 2)));
         const __m256i dot = _mm256_add_epi32(
             _mm256_add_epi32(_mm256_madd_epi16(wv[0], _mm256_loadu_si256(xc)),
-                             _mm256_madd_epi16(wv[1], _mm256_loadu_si256(xc + 1))),
-            _mm256_add_epi32(_mm256_madd_epi16(wv[2], _mm256_loadu_si256(xc + 2)),
-                             _mm256_madd_epi16(wv[3], _mm256_loadu_si256(xc + 3))));
+                             _mm256_madd_epi16(wv[3], _mm256_loadu_si256(xc + 3))),
+            _mm256_srai_epi32(sixteen, 4));
         const __m256 scale = _mm256_mul_ps(ws, _mm256_loadu_ps(&xq.scales[at * 8]));
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[m]);
       }
@@ -210,8 +218,7 @@ void gemv_i16(const Int4& w, const Int16Rows& xq, int64_t n0, int64_t n1, float*
 // y = x @ W.T for M <= I16_ROWS rows of x [M, K], the activations rounded to int16 first.
 void streamed_i16(const Int4& w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
   const Int16Rows xq(x, M, K);
-  const int64_t piece = std::max<int64_t>(4, PIECE / K / 4 * 4);
-  share(N, piece, N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1, int) {
+  share(N, stream_piece(N, K), N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1, int) {
     with_rows<I16_ROWS>(M, [&](auto rows) { gemv_i16<rows()>(w, xq, n0, n1, y, N); });
   });
 }
@@ -230,14 +237,14 @@ void streamed_i16(const Int8& w, const float* x, int64_t M, int64_t N, int64_t K
     float unused;
     xs[g] = rounded_group(x + g * 32, q.data() + g * 32, unused);
   }
-  const int64_t piece = std::max<int64_t>(4, PIECE / K / 4 * 4);
-  share(N, piece, N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1, int) {
+  share(N, stream_piece(N, K), N * K >= PARALLEL_MIN, [&](int64_t n0, int64_t n1, int) {
     std::vector<float> s(padded(G));
     for (int64_t n = n0; n < n1; ++n) {
       w.row_scales(n, s.data());
       const int8_t* p = w.q + n * K;
       __m256 acc = _mm256_setzero_ps();
       for (int64_t g = 0; g < G; ++g) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + g * 32 + AHEAD_BYTES), _MM_HINT_T0);
         const __m256i* xg = reinterpret_cast<const __m256i*>(q.data() + g * 32);
         const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + g * 32)));
         const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + g * 32 + 16)));
