@@ -378,6 +378,7 @@ def test_layer_ops_silu_mul_matches_torch_over_the_float_range():
         # hundreds of keys summed in another order
         ((*((n, 1) for n in (300, 1, 257, 64, 190, 299, 128)), (5, 1)), 8, 2, 64, 1e-5),
         (((1500, 1), (1201, 1)), 8, 2, 64, 1e-5),  # fewer rows than threads: KV heads apart
+        (((100, 1),), 9, 3, 64, 1e-5),  # one decode row, SmolLM2's heads
         # prefill: fresh prompts and chunks after a history, each query causal in its row,
         # beside decode rows; a row of one query among them
         (((0, 5), (7, 1), (0, 1), (13, 9), (4, 64)), 4, 2, 8, 1e-6),
