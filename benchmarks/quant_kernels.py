@@ -124,12 +124,14 @@ def variants(
         calls[f"int4 {label}"] = cycled(int4, lambda *w, op=op: op.int4_linear(x, *w))
         calls[f"int8 {label}"] = cycled(int8, lambda *w, op=op: op.int8_linear(x, *w))
     for label, op in ops.items():  # int16 activations, where the build has them
+        if not hasattr(op, "int16_rows"):
+            continue
         suffix = "" if label == "this tree" else f" {label}"
-        if hasattr(op, "int16_rows") and rows <= op.int16_rows(4):
+        if rows <= op.int16_rows(4):
             calls[f"int4 int16 act.{suffix}"] = cycled(
                 int4, lambda *w, op=op: op.int4_linear_i16(x, *w)
             )
-        if hasattr(op, "int16_rows") and rows <= op.int16_rows(8):
+        if rows <= op.int16_rows(8):
             calls[f"int8 int16 act.{suffix}"] = cycled(
                 int8, lambda *w, op=op: op.int8_linear_i16(x, *w)
             )
