@@ -430,8 +430,11 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
       scores.resize(len);
       slots.resize(len);
       for (int64_t kh = 0; kh < run; ++kh) {
-        for (int64_t l = 0; l < len; ++l)
-          slots[l] = lp + indices[indptr[r] + l / page] * page_stride + (l % page) * slot + (h0 + kh) * dim;
+        // the row's keys at KV head h0 + kh, page by page (no division a key)
+        for (int64_t l = 0, j = indptr[r]; l < len; ++j) {
+          const float* base = lp + indices[j] * page_stride + (h0 + kh) * dim;
+          for (const int64_t end = std::min(len, l + page); l < end; ++l, base += slot) slots[l] = base;
+        }
         for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
           const int64_t ahead = h == 0 ? run * dim : 0;  // the first pass asks for the run's slots
           head(qp + t * qs0 + (h0 * group + h) * qs1, slots.data(), len, dim, sc, half_page,

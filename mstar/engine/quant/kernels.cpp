@@ -49,6 +49,18 @@ constexpr int64_t i16_rows() {
   return std::is_same_v<W, Int4> ? I16_ROWS : 1;
 }
 
+// y [M, N] = x [M, K] @ W.T, both contiguous float32, by the kernel for M rows; up to
+// `i16_rows<W>()` rows of x rounded to int16 first when `int16_rows`. No tensors: for
+// callers holding their own buffers (decode_layers.cpp).
+template <typename W>
+void linear_rows(const W& w, const float* x, int64_t M, int64_t N, int64_t K, bool int16_rows,
+                 float* y) {
+  if (M <= i16_rows<W>() && int16_rows) streamed_i16(w, x, M, N, K, y);
+  else if (M <= GEMV_ROWS) streamed(w, x, M, N, K, y);
+  else if (M < PANEL_ROWS) tiled(w, x, M, N, K, y);
+  else paneled(w, x, M, N, K, y);
+}
+
 // y = x @ W.T for float32 x [..., K] and the N x K weights `w`; up to `i16_rows<W>()`
 // rows of x rounded to int16 first when `int16_rows`.
 template <typename W>
@@ -61,10 +73,7 @@ at::Tensor packed_linear(const at::Tensor& x_in, const W& w, int64_t N, int64_t 
   const at::Tensor x = x_in.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
-  if (M <= i16_rows<W>() && int16_rows) streamed_i16(w, x.data_ptr<float>(), M, N, K, y.data_ptr<float>());
-  else if (M <= GEMV_ROWS) streamed(w, x.data_ptr<float>(), M, N, K, y.data_ptr<float>());
-  else if (M < PANEL_ROWS) tiled(w, x.data_ptr<float>(), M, N, K, y.data_ptr<float>());
-  else paneled(w, x.data_ptr<float>(), M, N, K, y.data_ptr<float>());
+  linear_rows(w, x.data_ptr<float>(), M, N, K, int16_rows, y.data_ptr<float>());
   auto sizes = x_in.sizes().vec();
   sizes.back() = N;
   return y.view(sizes);
