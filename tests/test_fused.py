@@ -354,6 +354,39 @@ def test_step_rotary_tables_are_hf_s_bit_for_bit():
         )
 
 
+def test_rotary_table_rows_are_the_module_s_bit_for_bit():
+    """``RotaryTable``'s gathered rows are ``StepRotary``'s at the same
+    positions bit for bit (default and llama3 rope), grown past the largest
+    position asked, made anew when ``inv_freq`` changes in place, None past
+    ``TABLE_BYTES``; dynamic rope types are not served."""
+    from mstar.integrations import rotary as rotary_module
+    from mstar.integrations.rotary import RotaryTable, StepRotary
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}  # fmt: skip
+    for scaling in (None, llama3):
+        config = transformers.LlamaConfig(**SIZES, rope_scaling=scaling)
+        rotary_emb = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
+        assert RotaryTable.serves(rotary_emb)
+        table = RotaryTable(rotary_emb, n=8)
+        for positions in ([0], [5, 6, 7], [3, 900, 4095, 7]):
+            got = table(torch.tensor(positions))
+            want = StepRotary(rotary_emb, torch.tensor(positions), torch.float32)
+            assert torch.equal(got.cos_rows.view(torch.int32), want.cos_rows.view(torch.int32))
+            assert torch.equal(got.sin_rows.view(torch.int32), want.sin_rows.view(torch.int32))
+        assert len(table.cos) == 2 * 4095 + 2
+    rotary_emb.inv_freq.mul_(0.5)  # in place: the tables follow
+    got, want = table(torch.tensor([77])), StepRotary(rotary_emb, torch.tensor([77]), torch.float32)
+    assert torch.equal(got.sin_rows, want.sin_rows)
+    most = rotary_module.TABLE_BYTES // (8 * table.cos.shape[-1])
+    assert table(torch.tensor([most])) is None and table(torch.tensor([most - 1])) is not None
+    dynamic = transformers.LlamaConfig(
+        **SIZES, rope_scaling={"rope_type": "dynamic", "factor": 2.0}
+    )
+    emb = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(dynamic)
+    assert not RotaryTable.serves(emb)
+
+
 def test_layer_ops_silu_mul_matches_torch_over_the_float_range():
     """silu(g) * u with the vectorized exponential: within a few float32 ulps of
     float64 over [-100, 100] (every lane position and the scalar tail: 1539

@@ -27,7 +27,7 @@ from mstar.engine.resources.kv.plan import KVPlanOutput
 from mstar.integrations.fused_linear import StorageCheck, concat_refusal, linear
 from mstar.integrations.layer_stack import LayerStack
 from mstar.integrations.llama_layer import FusedLlamaLayer, added_norm, layer_refusal
-from mstar.integrations.rotary import StepRotary
+from mstar.integrations.rotary import RotaryTable, StepRotary
 from mstar.integrations.step_attention import StepAttention
 
 __all__ = ["FusedLlama", "fused_refusal", "fused_step"]
@@ -97,6 +97,8 @@ class FusedLlama:
         ]
         self.scaling = inner.layers[0].self_attn.scaling
         self._signs: torch.Tensor | None = None  # the last step's ``StepRotary.signs``
+        # the rotary tables at every position so far, where the rope type's are fixed
+        self._table = RotaryTable(self.rotary_emb) if RotaryTable.serves(self.rotary_emb) else None
         self.stack = LayerStack(self.layers) if LayerStack.refusal(self.layers) is None else None
         # every layer's q/k/v and gate/up checks as one (``current`` runs every step)
         self._check = StorageCheck.joined(
@@ -106,6 +108,15 @@ class FusedLlama:
     def current(self) -> bool:
         """Whether every layer still shares the model's weights."""
         return self._check()
+
+    def _rotary(self, position_ids: torch.Tensor) -> StepRotary:
+        """The step's rotary tables (float32 on the CPU: what this forward serves)."""
+        rotary = None if self._table is None else self._table(position_ids)
+        if rotary is not None:
+            return rotary
+        rotary = StepRotary(self.rotary_emb, position_ids, torch.float32, self._signs)
+        self._signs = rotary.signs
+        return rotary
 
     def __call__(
         self,
@@ -120,8 +131,7 @@ class FusedLlama:
         every layer's keys and values into ``cache`` where ``plan`` says."""
         with torch.no_grad():
             h = torch.nn.functional.embedding(input_ids, self.embed.weight)
-            rotary = StepRotary(self.rotary_emb, position_ids.to(h.device), h.dtype, self._signs)
-            self._signs = rotary.signs
+            rotary = self._rotary(position_ids.to(h.device))
             attention = StepAttention(plan, cache, self.scaling, h.device, self.kernels)
             pending = None if self.stack is None else self.stack(h, rotary, attention)
             if pending is None:  # not a step the stack serves
