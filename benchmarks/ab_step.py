@@ -2,13 +2,16 @@
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/ab_step.py /work/main /work/wt/step \\
         [--rows 1 32] [--rounds 2] [--steps 8] [--compile] [--threads N]
+        [--dtype auto] [--quantization auto]
 
 Each round runs one process per tree (``PYTHONPATH=<tree>``, the trees in
-turns), each measuring, per ``--rows``, an ``Engine`` on SmolLM2 (float32)
-with that many requests decoding (32-token prompts): the median wall and
-process-CPU time of ``--steps`` decode steps, and the model's linear layers
-alone at those rows (every ``nn.Linear``, the head once, called in turn:
-the same code for both trees), wall and CPU time. Prints each tree's best
+turns), each measuring, per ``--rows``, an ``Engine`` on SmolLM2
+(``Engine.from_pretrained`` with ``--dtype`` and ``--quantization``: float32
+and none by default; ``auto`` both for what ``serve`` runs) with that many
+requests decoding (32-token prompts): the median wall and process-CPU time
+of ``--steps`` decode steps, and the model's linear layers alone at those
+rows (``mstar.bench.roofline.linear_modules``, the head once, called in
+turn), wall and CPU time. Prints each tree's best
 round per rows (by CPU time: on a shared machine wall time mostly measures
 the others) and the load. ``--threads``: torch's intra-op threads (default: torch's).
 """
@@ -24,15 +27,12 @@ import sys
 CHILD = r"""
 import json, os, statistics, sys, time, torch
 from mstar.engine import Engine, SamplingParams
-from mstar.engine.loader import load
+from mstar.bench.roofline import linear_modules
 rows_list, steps, compile_ = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
-model, tokenizer = load("smollm2")
-engine = Engine(model, tokenizer, num_pages=max(rows_list) * 8 + 16, prefix_cache=False,
-                compile=compile_)
-linears, seen = [], set()
-for m in model.modules():
-    if isinstance(m, torch.nn.Linear) and id(m.weight) not in seen:
-        seen.add(id(m.weight)); linears.append(m)
+engine = Engine.from_pretrained("smollm2", dtype=sys.argv[4], quantization=sys.argv[5],
+                                num_pages=max(rows_list) * 8 + 16, prefix_cache=False,
+                                compile=compile_)
+linears = linear_modules(engine.model)
 out = {"compiled": engine.compiled}
 for rows in rows_list:
     params = SamplingParams(max_new_tokens=steps + 8, ignore_eos=True)
@@ -68,6 +68,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantization", default="none")
     args = parser.parse_args()
     best: dict[str, dict[int, list[float]]] = {t: {} for t in args.trees}
     for r in range(args.rounds):
@@ -78,7 +80,7 @@ def main() -> None:
             load = os.getloadavg()[0]
             proc = subprocess.run(
                 [sys.executable, "-c", CHILD, json.dumps(args.rows), str(args.steps),
-                 "1" if args.compile else "0"],
+                 "1" if args.compile else "0", args.dtype, args.quantization],
                 env=env, capture_output=True, text=True, check=True,
             )  # fmt: skip
             line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
