@@ -20,36 +20,24 @@ namespace {
 
 constexpr int64_t LAYER_TENSORS = 14;
 
-// One packed linear layer of the stack: its weights (checked as int4_linear's and
-// int8_linear's are) and whether its rows take int16 activations.
-struct StackLinear {
-  std::optional<Int4> int4;
-  std::optional<Int8> int8;
-  int64_t N, K;
-  bool int16_activations;
+// y = x @ W.T into `y` (made [T, N] when it is not), x [T, K] contiguous: packed_linear's
+// checks and kernels without a new tensor a call.
+template <typename W>
+void linear_into(const at::Tensor& x, const W& w, int64_t N, bool int16_activations, at::Tensor& y) {
+  check_linear(x, N, w.K);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected contiguous activations [T, K]");
+  const int64_t M = x.size(0);
+  if (!y.defined() || y.size(0) != M || y.size(1) != N) y = at::empty({M, N}, x.options());
+  linear_rows(w, x.data_ptr<float>(), M, N, w.K, int16_activations, y.data_ptr<float>());
+}
 
-  StackLinear(const at::Tensor* w, bool int16) : int16_activations(int16) {
-    if (w[0].scalar_type() == at::kByte) {
-      int4 = int4_weights(w[0], w[1], w[2]);
-      K = int4->K;
-    } else {
-      int8 = int8_weights(w[0], w[1]);
-      K = int8->K;
-    }
-    N = w[0].size(0);
-    TORCH_CHECK(N % 4 == 0 && K % 32 == 0, "expected N % 4 == 0 and K % 32 == 0, got ", N, ", ", K);
-  }
-
-  // y = x @ W.T into `y` (resized to [T, N] if it is not), x [T, K] contiguous float32.
-  void operator()(const at::Tensor& x, at::Tensor& y) const {
-    TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2 && x.size(1) == K,
-                "expected contiguous float32 activations of width ", K);
-    const int64_t M = x.size(0);
-    if (!y.defined() || y.size(0) != M || y.size(1) != N) y = at::empty({M, N}, x.options());
-    if (int4) linear_rows(*int4, x.data_ptr<float>(), M, N, K, int16_activations, y.data_ptr<float>());
-    else linear_rows(*int8, x.data_ptr<float>(), M, N, K, int16_activations, y.data_ptr<float>());
-  }
-};
+// One packed linear layer (qweight, scales, mins at w) of the stack into `y`.
+void packed_into(const at::Tensor& x, const at::Tensor* w, bool int16_activations, at::Tensor& y) {
+  if (w[0].scalar_type() == at::kByte)
+    linear_into(x, int4_weights(w[0], w[1], w[2]), w[0].size(0), int16_activations, y);
+  else
+    linear_into(x, int8_weights(w[0], w[1]), w[0].size(0), int16_activations, y);
+}
 
 at::Tensor decode_layers(at::Tensor h, at::TensorList weights, at::TensorList caches, double eps,
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_rows,
@@ -68,13 +56,13 @@ at::Tensor decode_layers(at::Tensor h, at::TensorList weights, at::TensorList ca
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* w = weights.data() + i * LAYER_TENSORS;
     const at::Tensor x = rms_norm(h, i == 0 ? std::nullopt : std::optional<at::Tensor>(mlp), w[0], eps);
-    StackLinear(w + 1, int16_activations)(x, qkv);
+    packed_into(x, w + 1, int16_activations, qkv);
     const at::Tensor out = attention(qkv, cos, sin, caches[i], k_rows, v_rows, q_index, q_lens,
                                      kv_indptr, kv_indices, kv_lens, heads, scale);
-    StackLinear(w + 4, int16_activations)(out, o);
+    packed_into(out, w + 4, int16_activations, o);
     const at::Tensor y = rms_norm(h, o, w[7], eps);
-    StackLinear(w + 8, int16_activations)(y, gate_up);
-    StackLinear(w + 11, int16_activations)(silu_mul(gate_up), mlp);
+    packed_into(y, w + 8, int16_activations, gate_up);
+    packed_into(silu_mul(gate_up), w + 11, int16_activations, mlp);
   }
   return mlp;
 }

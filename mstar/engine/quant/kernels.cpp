@@ -61,15 +61,21 @@ void linear_rows(const W& w, const float* x, int64_t M, int64_t N, int64_t K, bo
   else paneled(w, x, M, N, K, y);
 }
 
+// What a call of N x K packed weights takes: float32 activations x [..., K], N % 4 == 0
+// and K % 32 == 0.
+void check_linear(const at::Tensor& x, int64_t N, int64_t K) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "expected float32 activations, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.size(-1) == K, "expected activations of width ", K, ", got ", x.size(-1));
+  TORCH_CHECK(N % 4 == 0 && K % 32 == 0, "expected N % 4 == 0 and K % 32 == 0, got ", N, ", ", K);
+}
+
 // y = x @ W.T for float32 x [..., K] and the N x K weights `w`; up to `i16_rows<W>()`
 // rows of x rounded to int16 first when `int16_rows`.
 template <typename W>
 at::Tensor packed_linear(const at::Tensor& x_in, const W& w, int64_t N, int64_t K,
                          bool int16_rows = false) {
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "expected float32 activations, got ",
-              x_in.scalar_type());
-  TORCH_CHECK(x_in.size(-1) == K, "expected activations of width ", K, ", got ", x_in.size(-1));
-  TORCH_CHECK(N % 4 == 0 && K % 32 == 0, "expected N % 4 == 0 and K % 32 == 0, got ", N, ", ", K);
+  check_linear(x_in, N, K);
   const at::Tensor x = x_in.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
