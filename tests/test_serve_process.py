@@ -114,3 +114,35 @@ def test_bench_serve_sends_again_once_when_a_kept_alive_connection_drops(drops):
         assert sample.error is None and sample.ttft is not None and sample.tokens == 1
     else:
         assert sample.ttft is None and sample.error.startswith("RemoteProtocolError")
+
+
+def test_bench_serve_names_each_peer_as_it_names_itself():
+    """llama.cpp by its /props (slots: its one-user speed depends on them),
+    vLLM by /version, our server by /health; a server saying none of them is
+    named as such in the table, not guessed."""
+    from mstar.bench.serve import format_serve, peer_of
+
+    answers = {
+        "llama": {"/props": {"total_slots": 32, "model_ftype": "Q4_1", "build_info": "b1-0c1e570"}},
+        "vllm": {"/props": None, "/version": {"version": "0.32.0"}},
+        "ours": {"/health": {"status": "ok", "forward": "eager"}},
+        "other": {"/props": ["not", "an", "object"], "/version": "text"},
+    }
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = answers[request.url.host].get(request.url.path)
+        if body is None:
+            return httpx.Response(404, json={"error": "not found"})
+        if isinstance(body, str):
+            return httpx.Response(200, text=body)
+        return httpx.Response(200, json=body)
+
+    said = {host: peer_of(f"http://{host}/v1", httpx.MockTransport(answer)) for host in answers}
+    assert said == {
+        "llama": "llama.cpp server b1-0c1e570: 32 slots, Q4_1 weights",
+        "vllm": "vLLM 0.32.0",
+        "ours": "mstar-kv serve (eager forward)",
+        "other": None,
+    }
+    result = {"requests": 1, "max_tokens": 1, "rows": [], "peak_rss_bytes": {}, "peers": said}
+    assert "llama: llama.cpp server b1-0c1e570: 32 slots, Q4_1 weights" in format_serve(result)

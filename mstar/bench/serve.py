@@ -241,6 +241,39 @@ def model_of(url: str) -> str:
     return httpx.get(f"{url}/models", timeout=30).json()["data"][0]["id"]
 
 
+def peer_of(url: str, transport: httpx.BaseTransport | None = None) -> str | None:
+    """What the server at ``url`` (its ``/v1``) says it is, for the table:
+    llama.cpp's ``/props`` (its build, slots and weights' type: one user's
+    speed depends on its slots), vLLM's ``/version``, ``mstar-kv serve``'s
+    ``/health``; None when none of them answers."""
+    root = url.removesuffix("/v1")
+    with httpx.Client(timeout=10, transport=transport) as http:
+        props = _json_at(http, f"{root}/props")
+        if "total_slots" in props:
+            slots = props["total_slots"]
+            return (
+                f"llama.cpp server {props.get('build_info', '')}: {slots} slot"
+                f"{'' if slots == 1 else 's'}, {props.get('model_ftype', 'unnamed')} weights"
+            )
+        version = _json_at(http, f"{root}/version")
+        if "version" in version:
+            return f"vLLM {version['version']}"
+        health = _json_at(http, f"{root}/health")
+        if "forward" in health:
+            return f"mstar-kv serve ({health['forward']} forward)"
+    return None
+
+
+def _json_at(http: httpx.Client, url: str) -> dict:
+    """The JSON object a GET of ``url`` answers with 200 ({} for anything else)."""
+    try:
+        response = http.get(url)
+        body = response.json() if response.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
 STRUCTURED = "mstar-kv serve, json_schema"
 ANSWER_SCHEMA = {
     "type": "object",
@@ -277,13 +310,15 @@ def run_serve_bench(
     from mstar.engine.cpu import cpu_info
 
     targets = (["mstar-kv serve"] if self_server else []) + list(urls)
-    rows, memory, modes = [], {}, {}
+    rows, memory, modes, peers = [], {}, {}, {}
     with Progress(transient=True) as progress:
         for target in targets:
             own = OwnServer(server_args) if target == "mstar-kv serve" else None
             with own or contextlib.nullcontext():
                 url = own.url if own else target.rstrip("/")
                 model = model_of(url)
+                if own is None:
+                    peers[target] = peer_of(url) or "did not say what it is"
                 for rate in rates:
                     task = progress.add_task(f"{target} @ {rate}/s", total=requests)
                     samples, seconds = asyncio.run(
@@ -311,6 +346,7 @@ def run_serve_bench(
         "rows": rows,
         "peak_rss_bytes": memory,
         "modes": modes,
+        "peers": peers,
     }
 
 
@@ -348,6 +384,8 @@ def format_serve(result: dict) -> str:
     lines.insert(len(cpu) + 2, "  ".join("-" * w for w in widths))
     for target, mode in result.get("modes", {}).items():
         lines.append(f"{target}: {mode or 'no start-up line'}")
+    for target, peer in result.get("peers", {}).items():
+        lines.append(f"{target}: {peer}")
     for target, rss in result["peak_rss_bytes"].items():
         lines.append(f"{target}: peak resident memory {rss / 2**30:.2f} GiB")
     for r in rows:
