@@ -51,6 +51,7 @@ int main() {
       {"vpaddd ymm", per_op([](__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }, i16, i16)},
       {"vpsrlw ymm (+ vpaddw)",
        per_op([](__m256i a, __m256i b) { return _mm256_srli_epi16(_mm256_add_epi16(a, b), 1); }, i16, i16)},
+      {"vphaddd ymm", per_op([](__m256i a, __m256i b) { return _mm256_hadd_epi32(a, b); }, i16, i16)},
       {"vcvtdq2ps ymm",
        per_op([](__m256 a, __m256) { return _mm256_cvtepi32_ps(_mm256_castps_si256(a)); }, f, f)},
   };
