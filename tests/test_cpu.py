@@ -23,14 +23,24 @@ def test_family_of_flags(flags, family):
 def test_cpu_info_reads_the_model_and_flags(tmp_path):
     path = tmp_path / "cpuinfo"
     path.write_text(
-        f"processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: {ZEN3}\n\n"
+        f"processor\t: 0\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC 7B13\n"
+        f"flags\t\t: {ZEN3}\n\n"
         f"processor\t: 1\nmodel name\t: AMD EPYC 7B13\nflags\t\t: {ZEN3}\n"
     )
     info = cpu_info(path)
     assert info.model == "AMD EPYC 7B13"
     assert info.family == "AVX2"
     assert info.flags == ("avx", "avx2", "fma", "f16c")
-    assert "AMD EPYC 7B13 (AVX2; flags avx avx2 fma f16c" in info.describe()
+    assert info.cpuid == "family 25 model 1"
+    assert "AMD EPYC 7B13, family 25 model 1 (AVX2; flags avx avx2 fma f16c" in info.describe()
+
+
+def test_cpu_info_without_family_numbers_names_the_model_alone(tmp_path):
+    path = tmp_path / "cpuinfo"
+    path.write_text(f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {ZEN3}\n")
+    info = cpu_info(path)
+    assert info.cpuid == ""
+    assert info.describe().startswith("Some CPU (AVX2; flags avx avx2 fma f16c")
 
 
 def test_cpu_info_without_cpuinfo_falls_back_to_torch(tmp_path):

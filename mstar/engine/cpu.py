@@ -37,19 +37,23 @@ FLAGS_OF_INTEREST = (
 @dataclass(frozen=True)
 class CpuInfo:
     """The CPU's ``model`` name, its ``flags`` among ``FLAGS_OF_INTEREST``,
-    its ``family`` (``family_of``), torch's kernel ``capability`` and the
-    ``threads`` torch runs on."""
+    its ``family`` (``family_of``), torch's kernel ``capability``, the
+    ``threads`` torch runs on, and ``cpuid``: its family and model numbers
+    ("family 25 model 17"; "" when not read), which tell the core apart
+    where a VM names it only "AMD EPYC"."""
 
     model: str
     flags: tuple[str, ...]
     family: str
     capability: str
     threads: int
+    cpuid: str = ""
 
     def describe(self) -> str:
         """One line for a table's caption or a start-up line."""
+        model = f"{self.model}, {self.cpuid}" if self.cpuid else self.model
         return (
-            f"{self.model} ({self.family}; flags {' '.join(self.flags) or 'none'};"
+            f"{model} ({self.family}; flags {' '.join(self.flags) or 'none'};"
             f" torch {self.capability}, {self.threads} threads)"
         )
 
@@ -70,7 +74,7 @@ def family_of(flags: set[str] | frozenset[str]) -> str:
 
 def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuInfo:
     """The host CPU (``cpuinfo``: the file to read, for tests)."""
-    model, flags = _read_cpuinfo(cpuinfo)
+    model, cpuid, flags = _read_cpuinfo(cpuinfo)
     capability = torch.backends.cpu.get_cpu_capability()
     if not flags:  # no /proc/cpuinfo: what torch dispatches to
         flags = _flags_from_capability(capability)
@@ -81,26 +85,25 @@ def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuInfo:
         family_of(flags),
         capability,
         torch.get_num_threads(),
+        cpuid,
     )
 
 
-def _read_cpuinfo(path: Path) -> tuple[str, frozenset[str]]:
-    """The first processor's model name and flags ("" and none when unreadable)."""
+def _read_cpuinfo(path: Path) -> tuple[str, str, frozenset[str]]:
+    """The first processor's model name, "family F model M" and flags (""
+    and none when unreadable)."""
     try:
         text = path.read_text()
     except OSError:
-        return "", frozenset()
-    model, flags = "", frozenset()
-    for line in text.splitlines():
+        return "", "", frozenset()
+    first = text.split("\n\n", 1)[0]
+    fields = {}
+    for line in first.splitlines():
         key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and not model:
-            model = value.strip()
-        elif key == "flags" and not flags:
-            flags = frozenset(value.split())
-        if model and flags:
-            break
-    return model, flags
+        fields.setdefault(key.strip(), value.strip())
+    family, number = fields.get("cpu family", ""), fields.get("model", "")
+    cpuid = f"family {family} model {number}" if family and number else ""
+    return fields.get("model name", ""), cpuid, frozenset(fields.get("flags", "").split())
 
 
 def _flags_from_capability(capability: str) -> frozenset[str]:
