@@ -42,17 +42,18 @@ inline float rounded_group(const float* xg, int16_t* out, float& sum) {
 // Activation rows [M, K] rounded to int16 per group of 32 (scale = max |x| / 32767, to
 // nearest, ties to even), laid out as a chunk's weights come out of its 64 bytes (groups
 // 4c..4c+3, a 128-bit lane each) widened to 16 bits: 4 vectors, vector v's lane k holding
-// weights 8v..8v+7 of group 4c + k; zeros past the last group. Per chunk also 16 lanes of
-// each group's scale and of a quarter of its float32 sum, lane l for group 4c + l / 4, as
-// the 32-bit lanes of `vpdpwssd` see them.
+// weights 8v..8v+7 of group 4c + k; zeros past the last group. Each group's scale and
+// float32 sum plainly per row, in blocks of 16 groups (4 chunks), zeros past the last.
 struct Int16Rows {
   int64_t C;                  // chunks a row: ceil(G / 4)
+  int64_t S;                  // groups a row rounded up to 16: ceil(G / 16) * 16
   std::vector<int16_t> q;     // [M, C, 4, 4, 8]: vector v, group k, weight 8v + j
-  std::vector<float> scales;  // [M, C, 16]
-  std::vector<float> sums;    // [M, C, 16]: the group's sum of x / 4
+  std::vector<float> scales;  // [M, S]
+  std::vector<float> sums;    // [M, S]: the group's sum of x
 
   Int16Rows(const float* x, int64_t M, int64_t K)
-      : C((K / 32 + 3) / 4), q(M * C * 128, 0), scales(M * C * 16, 0.0f), sums(M * C * 16, 0.0f) {
+      : C((K / 32 + 3) / 4), S((K / 32 + 15) / 16 * 16), q(M * C * 128, 0), scales(M * S, 0.0f),
+        sums(M * S, 0.0f) {
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g = 0; g < K / 32; ++g) {
         const float* xg = x + m * K + g * 32;
@@ -60,74 +61,72 @@ struct Int16Rows {
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
         // a group under 1e-30 (zeros; 32767 / a denormal would be inf) is left at zero
         const __m512 inverse = _mm512_set1_ps(amax > 1e-30f ? 32767.0f / amax : 0.0f);
-        const int64_t c = g / 4, k = g % 4, lane = (m * C + c) * 16 + k * 4;
+        const int64_t c = g / 4, k = g % 4;
         int16_t v[32];
         for (int h = 0; h < 2; ++h)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + 16 * h),
                               _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(h ? b : a, inverse))));
         for (int u = 0; u < 4; ++u) std::copy_n(v + 8 * u, 8, &q[(m * C + c) * 128 + u * 32 + k * 8]);
-        std::fill_n(&scales[lane], 4, amax > 1e-30f ? amax / 32767.0f : 0.0f);
-        std::fill_n(&sums[lane], 4, _mm512_reduce_add_ps(_mm512_add_ps(a, b)) / 4.0f);
+        scales[m * S + g] = amax > 1e-30f ? amax / 32767.0f : 0.0f;
+        sums[m * S + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
       }
   }
 };
 
-// Row n's groups 4c.. (`groups` of them, < 4: the row's last chunk): the float16 scales
-// and minimums as float32 [s0 s1 s2 s3 m0 m1 m2 m3] (zeros after); the bytes: `chunk_bytes`.
-inline __m256 chunk_scales(const at::Half* scales, const at::Half* mins, int64_t groups) {
-  __m128i s, m;
-  if (groups >= 4) {
-    s = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales));
-    m = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins));
-  } else {
-    const __mmask8 keep = static_cast<__mmask8>((1u << groups) - 1);
-    s = _mm_maskz_loadu_epi16(keep, scales);
-    m = _mm_maskz_loadu_epi16(keep, mins);
-  }
-  return _mm256_cvtph_ps(_mm_unpacklo_epi64(s, m));
+// 16 float16 values from h as float32; `left` < 16 of them: zeros after.
+inline __m512 block16(const at::Half* h, int64_t left) {
+  if (left >= 16) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << left) - 1), h));
 }
 
-// y[:, n0:n1] for ROWS rows: per weight row, each chunk's nibbles (widened to 16 bits)
-// dotted with every activation row's integers in 32-bit lanes (4 per group), made float32
-// and scaled by weight scale x activation scale, plus the weights' minimums times the sums
-// of x; all of a row inside its chunks (a row of K = 576 is 5: no per-row pass over groups).
+// y[:, n0:n1] for ROWS rows: per weight row, 16 groups (4 chunks) at a time: their float16
+// scales and minimums made float32 once; the minimums times the activations' sums, and
+// weight scale x activation scale per row, 16 lanes; then each chunk's nibbles (widened
+// to 16 bits) dotted with every activation row's integers in 32-bit lanes (4 per group),
+// made float32 and scaled by the chunk's 4 scales, each to its 4 lanes (one `vpermps`).
 template <int ROWS>
 void gemv_i16(const Int4& w, const Int16Rows& xq, int64_t n0, int64_t n1, float* y, int64_t N) {
-  const int64_t G = w.G, C = xq.C;
+  const int64_t G = w.G, C = xq.C, S = xq.S;
   const __m512i low = _mm512_set1_epi16(0x0F), zero = _mm512_setzero_si512();
   const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  const __m512i quarter_min = _mm512_add_epi32(quarter, _mm512_set1_epi32(4));
+  const __m512i pick[4] = {quarter, _mm512_add_epi32(quarter, _mm512_set1_epi32(4)),
+                           _mm512_add_epi32(quarter, _mm512_set1_epi32(8)),
+                           _mm512_add_epi32(quarter, _mm512_set1_epi32(12))};  // chunk k's 4 groups
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* p = w.q + n * G * 16;
-    __m512 acc[ROWS], mins[ROWS];
-    for (int m = 0; m < ROWS; ++m) acc[m] = mins[m] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < C; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(p + c * 64 + AHEAD_BYTES), _MM_HINT_T0);
-      const int64_t groups = G - 4 * c;
-      const __m512i bytes = chunk_bytes(p + c * 64, groups);
-      const __m512i first = _mm512_unpacklo_epi8(bytes, zero);  // bytes 0-7 of each group
-      const __m512i second = _mm512_unpackhi_epi8(bytes, zero);  // bytes 8-15
-      const __m512i wv[4] = {_mm512_and_si512(first, low), _mm512_and_si512(second, low),
-                             _mm512_srli_epi16(first, 4), _mm512_srli_epi16(second, 4)};
-      const __m512 sm = _mm512_castps256_ps512(
-          chunk_scales(w.scales + n * G + 4 * c, w.mins + n * G + 4 * c, groups));
-      const __m512 ws = _mm512_permutexvar_ps(quarter, sm);
-      const __m512 wm = _mm512_permutexvar_ps(quarter_min, sm);
-#pragma GCC unroll 8
+    __m512 acc[ROWS];
+    for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < G; b += 16) {
+      const __m512 ws = block16(w.scales + n * G + b, G - b);
+      const __m512 wm = block16(w.mins + n * G + b, G - b);
+      __m512 scale[ROWS];
       for (int m = 0; m < ROWS; ++m) {
-        const int64_t at = m * C + c;
-        const int16_t* xc = &xq.q[at * 128];
-        __m512i dot = _mm512_dpwssd_epi32(zero, wv[0], _mm512_loadu_si512(xc));
-        dot = _mm512_dpwssd_epi32(dot, wv[1], _mm512_loadu_si512(xc + 32));
-        dot = _mm512_dpwssd_epi32(dot, wv[2], _mm512_loadu_si512(xc + 64));
-        dot = _mm512_dpwssd_epi32(dot, wv[3], _mm512_loadu_si512(xc + 96));
-        const __m512 scale = _mm512_mul_ps(ws, _mm512_loadu_ps(&xq.scales[at * 16]));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[m]);
-        mins[m] = _mm512_fmadd_ps(wm, _mm512_loadu_ps(&xq.sums[at * 16]), mins[m]);
+        acc[m] = _mm512_fmadd_ps(wm, _mm512_loadu_ps(&xq.sums[m * S + b]), acc[m]);
+        scale[m] = _mm512_mul_ps(ws, _mm512_loadu_ps(&xq.scales[m * S + b]));
+      }
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        const int64_t c = b / 4 + k;
+        if (c == C) break;
+        _mm_prefetch(reinterpret_cast<const char*>(p + c * 64 + AHEAD_BYTES), _MM_HINT_T0);
+        const __m512i bytes = chunk_bytes(p + c * 64, G - 4 * c);
+        const __m512i first = _mm512_unpacklo_epi8(bytes, zero);  // bytes 0-7 of each group
+        const __m512i second = _mm512_unpackhi_epi8(bytes, zero);  // bytes 8-15
+        const __m512i wv[4] = {_mm512_and_si512(first, low), _mm512_and_si512(second, low),
+                               _mm512_srli_epi16(first, 4), _mm512_srli_epi16(second, 4)};
+#pragma GCC unroll 8
+        for (int m = 0; m < ROWS; ++m) {
+          const int16_t* xc = &xq.q[(m * C + c) * 128];
+          __m512i dot = _mm512_dpwssd_epi32(zero, wv[0], _mm512_loadu_si512(xc));
+          dot = _mm512_dpwssd_epi32(dot, wv[1], _mm512_loadu_si512(xc + 32));
+          dot = _mm512_dpwssd_epi32(dot, wv[2], _mm512_loadu_si512(xc + 64));
+          dot = _mm512_dpwssd_epi32(dot, wv[3], _mm512_loadu_si512(xc + 96));
+          const __m512 s4 = _mm512_permutexvar_ps(pick[k], scale[m]);
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s4, acc[m]);
+        }
       }
     }
-    for (int m = 0; m < ROWS; ++m)
-      y[m * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], mins[m]));
+    for (int m = 0; m < ROWS; ++m) y[m * N + n] = _mm512_reduce_add_ps(acc[m]);
   }
 }
 
