@@ -90,17 +90,19 @@ def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuInfo:
 
 
 def _read_cpuinfo(path: Path) -> tuple[str, str, frozenset[str]]:
-    """The first processor's model name, "family F model M" and flags (""
+    """The first model name, "family F model M" and flags the file gives (""
     and none when unreadable)."""
     try:
         text = path.read_text()
     except OSError:
         return "", "", frozenset()
-    first = text.split("\n\n", 1)[0]
-    fields = {}
-    for line in first.splitlines():
+    wanted = ("model name", "cpu family", "model", "flags")
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
+        if all(k in fields for k in wanted):
+            break
     family, number = fields.get("cpu family", ""), fields.get("model", "")
     cpuid = f"family {family} model {number}" if family and number else ""
     return fields.get("model name", ""), cpuid, frozenset(fields.get("flags", "").split())
