@@ -3,10 +3,10 @@
 Stages, in an order that gives answers even when FlashInfer cannot build:
 wheels (install ``.whl/*.whl`` with ``--no-index``), probe (torch, CUDA,
 FlashInfer), paged_attention on CUDA against the CPU, the pinned index ring,
-the engine on CUDA against the CPU engine, FlashInfer against
-paged_attention, the compiled forward with CUDA graphs against the eager
-engine, tensor parallelism over 2 GPUs (skipped with fewer), then
-a timing table. Each stage runs in its own process
+the engine on CUDA against the CPU engine, the compiled forward with CUDA
+graphs against the eager engine, tensor parallelism over 2 GPUs (skipped
+with fewer), FlashInfer against paged_attention (last: its JIT compiles
+take the rest), then a timing table. Each stage runs in its own process
 group under its own timeout, all within one overall budget; a skipped stage
 says why in one line. The last line is "N passed, M failed". Everything is
 logged to ``$OUT/gpu_check.log`` (``/tmp/gpu_check`` without ``$OUT``), the
@@ -38,9 +38,11 @@ TEST_STAGES = (
     ("paged_attention", "tests/test_cuda_attention.py", 90),
     ("ring", "tests/test_cuda_ring.py", 60),
     ("engine", "tests/test_cuda_engine.py", 120),
-    ("flashinfer", "tests/test_flashinfer_cuda.py", 300),
     ("compiled", "tests/test_cuda_compiled.py", 240),  # torch.compile + CUDA graphs
     ("tensor_parallel", "tests/test_cuda_tp.py", 120),  # NCCL, TP=2: with 2 GPUs only
+    # last: its JIT compiles take the rest (on an H200 in 2026-12: 11 tests in 300 s,
+    # each prefill variant (window, softcap) about 2-3 min)
+    ("flashinfer", "tests/test_flashinfer_cuda.py", 360),
 )
 WHEELS_TIMEOUT_S, PROBE_TIMEOUT_S, TIMING_TIMEOUT_S = 120, 120, 90
 MAX_REASONS = 12  # per stage on stdout, so the summary stays in a short output tail
@@ -220,7 +222,7 @@ class Check:
 
     def tests(self, stage: str, path: str, limit: float) -> bool:
         """One test file under pytest. True when some of its tests passed
-        and it ended within its timeout."""
+        (also when it was cut at its timeout)."""
         base = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", path]
         outcome = self.stage(stage, [*base, "-v", "-rfEs", "--tb=short"], limit)
         if outcome is None:
@@ -244,7 +246,7 @@ class Check:
             self.fail(stage, f"cut at its timeout after {outcome.seconds:.0f} s")
         elif outcome.returncode not in (0, 1) or (outcome.returncode == 1 and not bad):
             self.fail(stage, f"pytest exited {outcome.returncode}: {_why(outcome)}")
-        return outcome.returncode is not None and bool(results.get("PASSED"))
+        return bool(results.get("PASSED"))
 
     def timing(self, device: str, flashinfer: bool) -> None:
         table = self.out_dir / "gpu_timing.txt"
@@ -272,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="only what needs no CUDA")
     parser.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="carried wheels")
-    parser.add_argument("--budget", type=float, default=450.0, help="seconds for the whole run")
+    parser.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run")
     args = parser.parse_args(argv)
     out_dir = Path(os.environ.get("OUT") or "/tmp/gpu_check")
     check = Check(out_dir, args.budget, args.dry_run)
@@ -305,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                 check.fail(stage, f"no tests collect from {path}")
             else:
                 check.skip(stage, reason)
-        if cuda and not args.dry_run:  # FlashInfer timed only where its kernels built
+        if cuda and not args.dry_run:  # FlashInfer timed where its (decode) kernels built
             check.timing("cuda", ok["flashinfer"])
         elif info:
             check.timing("cpu", False)

@@ -1,5 +1,5 @@
 """FlashInfer on plans from ``KVManager`` against ``paged_attention`` on the
-same CUDA cache (CUDA and flashinfer only; the GPU check's fourth stage).
+same CUDA cache (CUDA and flashinfer only; the GPU check's last CUDA stage).
 
 Head width 64 and bf16, as SmolLM2 (FlashInfer's kernels take 64, 128 or
 256). The tests run in the order their kernels are JIT-compiled, cheapest
@@ -126,6 +126,14 @@ def test_engine_forward_through_flashinfer(adapter):
         mgr.commit(step)
 
 
+def test_flashinfer_adapter_is_the_engines_default_on_cuda():
+    """``flashinfer_or_none("cuda")`` builds the adapter when flashinfer imports."""
+    pytest.importorskip("flashinfer")
+    from mstar.engine.device import flashinfer_or_none
+
+    assert isinstance(flashinfer_or_none("cuda"), FlashInferPagedAttention)
+
+
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
 def test_flashinfer_softcap(adapter, kind):
     cache, plan, q = _step(ROWS[kind], 16, seed=7)
@@ -136,11 +144,3 @@ def test_flashinfer_softcap(adapter, kind):
 def test_flashinfer_window(adapter, kind):
     cache, plan, q = _step(ROWS[kind], 16, seed=8)
     _compare(adapter, cache, plan, q, window_left=15)
-
-
-def test_flashinfer_adapter_is_the_engines_default_on_cuda():
-    """``flashinfer_or_none("cuda")`` builds the adapter when flashinfer imports."""
-    pytest.importorskip("flashinfer")
-    from mstar.engine.device import flashinfer_or_none
-
-    assert isinstance(flashinfer_or_none("cuda"), FlashInferPagedAttention)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CUDA_STAGES = ("paged_attention", "ring", "engine", "flashinfer", "compiled", "tensor_parallel")
+CUDA_STAGES = ("paged_attention", "ring", "engine", "compiled", "tensor_parallel", "flashinfer")
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_a_test_stage_counts_passes_failures_and_its_timeout(gpu_check, tmp_path
         "def test_hang(): time.sleep(120)\n"
     )
     check = gpu_check.Check(tmp_path / "out", budget_s=300, dry_run=False)
-    assert not check.tests("stage", str(path), limit=20)
+    assert check.tests("stage", str(path), limit=20)  # one passed: true though cut
     assert (check.passed, check.failed) == (1, 2)  # test_fail, and the cut
     log = (tmp_path / "out" / "gpu_check.log").read_text()
     assert "FAIL stage: cut at its timeout" in log

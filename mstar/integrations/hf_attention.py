@@ -100,7 +100,9 @@ def _paged_attention_forward(
         context = CONTEXT.get()
         if isinstance(context, Probe):
             return _record(context, module, query, key, value, attention_mask, kwargs)
-    unknown = kwargs.keys() - KNOWN_KEYWORDS
+    # a loop, not ``kwargs.keys() - KNOWN_KEYWORDS``: torch 2.11's dynamo fails on that
+    # difference (InternalTorchDynamoError, NotImplementedType not iterable)
+    unknown = [k for k in kwargs if k not in KNOWN_KEYWORDS]
     if unknown:
         raise ValueError(
             f"expected attention keywords among {sorted(KNOWN_KEYWORDS)}, got {sorted(unknown)}"
