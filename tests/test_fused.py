@@ -412,6 +412,9 @@ def test_layer_ops_silu_mul_matches_torch_over_the_float_range():
         ((*((n, 1) for n in (300, 1, 257, 64, 190, 299, 128)), (5, 1)), 8, 2, 64, 1e-5),
         (((1500, 1), (1201, 1)), 8, 2, 64, 1e-5),  # fewer rows than threads: KV heads apart
         (((100, 1),), 9, 3, 64, 1e-5),  # one decode row, SmolLM2's heads
+        (((700, 1),), 9, 3, 64, 1e-5),  # ... its keys in parts over the threads, merged
+        (((9, 1),), 64, 8, 128, 1e-5),  # too few pages to part; eight heads a KV head
+        (((30, 1), (0, 3)), 10, 2, 16, 1e-5),  # five heads a KV head, 16 floats each
         # prefill: fresh prompts and chunks after a history, each query causal in its row,
         # beside decode rows; a row of one query among them
         (((0, 5), (7, 1), (0, 1), (13, 9), (4, 64)), 4, 2, 8, 1e-6),

@@ -13,9 +13,11 @@
 //                pages, causal (a row's i-th of n queries sees all but its last n - 1 - i
 //                keys), softmax in float32; query heads h read KV head h / (H / H_kv).
 //                A query at a time: what a decode step or a short prefill needs (long
-//                prompts go to SDPA's blocked kernel instead: step_attention.py).
-// Rows (tokens, or rows x KV heads for attention) are spread over the packed-weight
-// kernels' threads (`Team`, quant/cpp/team.h: built into one extension with them, awake
+//                prompts go to SDPA's blocked kernel instead: step_attention.py); fewer
+//                queries than threads: each query's keys in parts, merged by their
+//                softmax sums.
+// Rows (tokens; for attention, queries or parts of their keys) are spread over the kernels'
+// threads (`Team`, quant/cpp/team.h: built into one extension with them, awake
 // through a step) where the work repays handing it out (`grain`); exponentials run eight
 // at a time (`exp8`, within 2 ulp of std::exp).
 #include <ATen/ATen.h>
@@ -32,23 +34,10 @@
 
 namespace {
 
-// a . b over n floats (AVX2 + FMA, two accumulators; n need not be a multiple of 8)
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-  }
-  for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-  __m256 s = _mm256_add_ps(s0, s1);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-  float total = _mm_cvtss_f32(h);
-  for (; i < n; ++i) total += a[i] * b[i];
-  return total;
-}
+// Keys in a block of `key_scores` (a vector of scores), and the rows of scores it fills: len
+// rounded up to whole blocks.
+constexpr int64_t BLOCK = 8;
+inline int64_t blocks(int64_t len) { return (len + BLOCK - 1) / BLOCK * BLOCK; }
 
 // e^x in each lane (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-5 polynomial
 // in r, times 2^n; within 2 ulp of std::exp); x clamped to [-87.3, 88.7] (below: ~0;
@@ -87,9 +76,9 @@ void spread(int64_t n, int64_t piece, const F& fn) {
   share(n, piece, n > piece, [&](int64_t begin, int64_t end, int) { fn(begin, end); });
 }
 
-// Keys (and values) ahead of the one being read that are asked of memory now: a row's
-// keys lie a slot apart in pages anywhere in the cache, read from DRAM once the caches
-// outgrow L3 (further ahead measured no faster).
+// Values ahead of the one being read that are asked of memory now (keys: the next eight
+// of `key_scores`'): a row's keys lie a slot apart in pages anywhere in the cache, read
+// from DRAM once the caches outgrow L3 (further ahead measured no faster).
 constexpr int64_t AHEAD = 4;
 
 // The cache lines of n floats at p, asked for (a hint: p may lie past a page's end).
@@ -97,25 +86,30 @@ inline void prefetch(const float* p, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
 }
 
-// The sums of four vectors' lanes, [sum(a), sum(b), sum(c), sum(d)].
-inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
-// The vector ops `key_scores` and `weighted_values` use: eight lanes (AVX2), or sixteen
-// (`Lanes16`, AVX-512 builds, for heads of a whole number of 16 floats: half the
-// instructions a key). `fold` halves a sum to eight lanes; `dot` is one key's q . key.
+// The vector ops of attention: eight lanes (AVX2), or sixteen (`Lanes16`, AVX-512 builds,
+// for heads of a whole number of 16 floats: half the instructions a key). `sums8`: eight
+// vectors' sums.
 struct Lanes8 {
   using V = __m256;
   static constexpr int N = 8;
   static V zero() { return _mm256_setzero_ps(); }
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static V fma(V a, const float* b, V c) { return _mm256_fmadd_ps(a, _mm256_loadu_ps(b), c); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  static __m256 fold(V v) { return v; }
-  static float dot(const float* a, const float* b, int64_t n) { return ::dot(a, b, n); }
+  // [sum(v[0]), ..., sum(v[7])]: pairs interleaved and added, then quads, then halves
+  static __m256 sums8(const V* v) {
+    V t[4], u[2];
+    for (int p = 0; p < 4; ++p)
+      t[p] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * p], v[2 * p + 1]),
+                           _mm256_unpackhi_ps(v[2 * p], v[2 * p + 1]));
+    for (int p = 0; p < 2; ++p)
+      u[p] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * p], t[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm256_shuffle_ps(t[2 * p], t[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20),
+                         _mm256_permute2f128_ps(u[0], u[1], 0x31));
+  }
 };
 
 #if defined(__AVX512F__)
@@ -125,15 +119,23 @@ struct Lanes16 {
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static V fma(V a, const float* b, V c) { return _mm512_fmadd_ps(a, _mm512_loadu_ps(b), c); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  static __m256 fold(V v) {
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  }
-  static float dot(const float* a, const float* b, int64_t n) {  // n a multiple of 16
-    V s = zero();
-    for (int64_t i = 0; i < n; i += N) s = fma(load(a + i), b + i, s);
-    return _mm512_reduce_add_ps(s);
+  // [sum(v[0]), ..., sum(v[7])]: as Lanes8's within each 128-bit lane, then the lanes
+  static __m256 sums8(const V* v) {
+    V t[4], u[2];
+    for (int p = 0; p < 4; ++p)
+      t[p] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]),
+                           _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]));
+    for (int p = 0; p < 2; ++p)
+      u[p] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * p], t[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_ps(t[2 * p], t[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // 128-bit lanes: keys 0-3 in u[0]'s, 4-7 in u[1]'s; w = [u0 L0+L2, u0 L1+L3, u1 .., u1 ..]
+    const V w = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm512_castps512_ps256(_mm512_shuffle_f32x4(w, w, _MM_SHUFFLE(2, 0, 2, 0))),
+                         _mm512_castps512_ps256(_mm512_shuffle_f32x4(w, w, _MM_SHUFFLE(3, 1, 3, 1))));
   }
 };
 using Wide = Lanes16;  // the widest lanes of this build
@@ -141,37 +143,66 @@ using Wide = Lanes16;  // the widest lanes of this build
 using Wide = Lanes8;
 #endif
 
-// out[l] = sc * (q . key l) for the keys at key[l] (dim floats each), four keys at a time
-// (one horizontal sum for four); the `ahead` floats at the key AHEAD on asked for too.
+// out[l] = sc * (q . key l) for the keys at key[l] (dim floats each), eight keys at a time
+// (their sums as one vector: `sums8`), -inf past len to blocks(len); the `ahead` floats at
+// the keys AHEAD on asked for too. (One query head a pass: reading each key once for the
+// heads that share it, two or three a pass, measured 5-10% slower on Zen 4.)
 template <typename L>
 void key_scores(const float* q, const float* const* key, int64_t len, int64_t dim, float sc,
                 int64_t ahead, float* out) {
-  int64_t l = 0;
-  for (; l + 4 <= len; l += 4) {
-    for (int64_t j = l + AHEAD; j < std::min(l + AHEAD + 4, len); ++j) prefetch(key[j], ahead);
-    typename L::V a0 = L::zero(), a1 = a0, a2 = a0, a3 = a0;
+  const __m256 scale = _mm256_set1_ps(sc);
+  for (int64_t l = 0; l < len; l += BLOCK) {
+    for (int64_t j = l + AHEAD; j < std::min(l + AHEAD + BLOCK, len); ++j) prefetch(key[j], ahead);
+    const float* k[BLOCK];  // the last block's missing keys: its last key again
+    for (int j = 0; j < BLOCK; ++j) k[j] = key[std::min(l + j, len - 1)];
+    typename L::V a[BLOCK];
+    for (auto& v : a) v = L::zero();
     int64_t i = 0;
     for (; i + L::N <= dim; i += L::N) {
       const typename L::V qv = L::load(q + i);
-      a0 = L::fma(qv, key[l] + i, a0);
-      a1 = L::fma(qv, key[l + 1] + i, a1);
-      a2 = L::fma(qv, key[l + 2] + i, a2);
-      a3 = L::fma(qv, key[l + 3] + i, a3);
+      for (int j = 0; j < BLOCK; ++j) a[j] = L::fma(qv, L::load(k[j] + i), a[j]);
     }
-    alignas(16) float t[4];
-    _mm_store_ps(t, sum4(L::fold(a0), L::fold(a1), L::fold(a2), L::fold(a3)));
-    for (; i < dim; ++i)
-      for (int j = 0; j < 4; ++j) t[j] += q[i] * key[l + j][i];
-    for (int j = 0; j < 4; ++j) out[l + j] = t[j] * sc;
+    alignas(32) float t[BLOCK];
+    _mm256_store_ps(t, _mm256_mul_ps(L::sums8(a), scale));
+    for (int64_t d = i; d < dim; ++d)  // a head width of no whole N floats: the rest one by one
+      for (int j = 0; j < BLOCK; ++j) t[j] += sc * q[d] * k[j][d];
+    for (int64_t j = len - l; j < BLOCK; ++j) t[j] = -INFINITY;
+    std::copy_n(t, BLOCK, out + l);
   }
-  for (; l < len; ++l) out[l] = L::dot(q, key[l], dim) * sc;
 }
 
-// o[0..dim) = sum_l p[l] * (value l at value[l] + off), 64 floats at a time in registers;
-// the `ahead` floats at the value AHEAD on asked for too.
+// A softmax's scale: the scores' largest and the sum of e^(score - largest).
+struct Softmax {
+  float peak, total;
+};
+
+// s[0..blocks(len)) = e^(s - max s), eight at a time, zeros past len (where s is -inf). A
+// NaN score is passed over by the max (as `s > peak ? s : peak` does) and stays NaN.
+Softmax exp_scores(float* s, int64_t len) {
+  __m256 top = _mm256_set1_ps(-INFINITY);
+  for (int64_t l = 0; l < len; l += BLOCK) top = _mm256_max_ps(_mm256_loadu_ps(s + l), top);
+  alignas(32) float tops[8];
+  _mm256_store_ps(tops, top);
+  float peak = -INFINITY;
+  for (const float t : tops) peak = t > peak ? t : peak;
+  const __m256 shift = _mm256_set1_ps(peak);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 sums = _mm256_setzero_ps();
+  for (int64_t l = 0; l < len; l += BLOCK) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), shift));
+    if (len - l < BLOCK)  // exp8 of -inf is ~1e-38, not 0
+      e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(len - l), lane)));
+    _mm256_storeu_ps(s + l, e);
+    sums = _mm256_add_ps(sums, e);
+  }
+  return {peak, hsum(sums)};
+}
+
+// o[0..dim) = inv * sum_l p[l] * (value l at value[l] + off), 64 floats at a time in
+// registers; the `ahead` floats at the value AHEAD on asked for too.
 template <typename L>
-void weighted_values(const float* p, const float* const* value, int64_t off, int64_t len,
-                     int64_t dim, int64_t ahead, float* o) {
+void weighted_values(const float* p, float inv, const float* const* value, int64_t off,
+                     int64_t len, int64_t dim, int64_t ahead, float* o) {
   constexpr int K = 64 / L::N;
   int64_t i = 0;
   for (; i + 64 <= dim; i += 64) {
@@ -181,40 +212,55 @@ void weighted_values(const float* p, const float* const* value, int64_t off, int
       if (ahead > 0 && l + AHEAD < len) prefetch(value[l + AHEAD] + off, ahead);
       const typename L::V pl = L::set1(p[l]);
       const float* v = value[l] + off + i;
-      for (int k = 0; k < K; ++k) a[k] = L::fma(pl, v + L::N * k, a[k]);
+      for (int k = 0; k < K; ++k) a[k] = L::fma(pl, L::load(v + L::N * k), a[k]);
     }
-    for (int k = 0; k < K; ++k) L::store(o + i + L::N * k, a[k]);
+    for (int k = 0; k < K; ++k) L::store(o + i + L::N * k, L::mul(a[k], L::set1(inv)));
     ahead = 0;
   }
   for (; i < dim; ++i) {
     float sum = 0.f;
     for (int64_t l = 0; l < len; ++l) sum += p[l] * value[l][off + i];
-    o[i] = sum;
+    o[i] = sum * inv;
   }
 }
 
-// s[0..len) = softmax(s), in float32.
-void softmax_(float* s, int64_t len) {
-  float peak = -INFINITY;
-  for (int64_t l = 0; l < len; ++l) peak = s[l] > peak ? s[l] : peak;
-  int64_t l = 0;
-  for (; l + 8 <= len; l += 8)
-    _mm256_storeu_ps(s + l, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), _mm256_set1_ps(peak))));
-  for (; l < len; ++l) s[l] = std::exp(s[l] - peak);
-  float total = 0.f;
-  for (l = 0; l < len; ++l) total += s[l];
-  const float inv = 1.f / total;
-  for (l = 0; l < len; ++l) s[l] *= inv;
+// The `group` query heads q + h * qs of one KV head over its len keys (`slots`; values
+// `off` floats after each key), a head at a time: scaled scores into `scores` [blocks(len)],
+// softmax, the weighted values into o + h * dim. With `part` (a part of the keys, to be
+// merged: `merge_parts`), the values are left unnormalized and head h's softmax scale is
+// part[h].
+template <typename L>
+void attend(const float* q, int64_t qs, int64_t group, const float* const* slots, int64_t len,
+            int64_t dim, float sc, int64_t off, int64_t ahead, float* scores, float* o,
+            Softmax* part) {
+  for (int64_t h = 0; h < group; ++h, ahead = 0) {
+    key_scores<L>(q + h * qs, slots, len, dim, sc, ahead, scores);
+    const Softmax m = exp_scores(scores, len);
+    if (part != nullptr) part[h] = m;
+    weighted_values<L>(scores, part != nullptr ? 1.f : 1.f / m.total, slots, off, len, dim, ahead,
+                       o + h * dim);
+  }
 }
 
-// One query head over its len keys (`slots`; values `off` floats after each key):
-// scaled scores, softmax, the weighted values into o[0..dim).
-template <typename L>
-void attend(const float* q, const float* const* slots, int64_t len, int64_t dim, float sc,
-            int64_t off, int64_t ahead, float* scores, float* o) {
-  key_scores<L>(q, slots, len, dim, sc, ahead, scores);
-  softmax_(scores, len);
-  weighted_values<L>(scores, slots, off, len, dim, ahead, o);
+// o[h] (dim floats) = the softmax over all n parts' keys for each of `heads` heads, from
+// each part's unnormalized values (values[i * heads + h]) and softmax scale (parts[i *
+// heads + h]): each part weighed by e^(its peak - the largest peak).
+void merge_parts(const float* values, const Softmax* parts, int64_t n, int64_t heads,
+                 int64_t dim, float* o) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float peak = -INFINITY, total = 0.f;
+    for (int64_t i = 0; i < n; ++i) peak = std::max(peak, parts[i * heads + h].peak);
+    float* out = o + h * dim;
+    std::fill_n(out, dim, 0.f);
+    for (int64_t i = 0; i < n; ++i) {
+      const Softmax& m = parts[i * heads + h];
+      const float w = std::exp(m.peak - peak);
+      total += w * m.total;
+      const float* v = values + (i * heads + h) * dim;
+      for (int64_t d = 0; d < dim; ++d) out[d] += w * v[d];
+    }
+    for (int64_t d = 0; d < dim; ++d) out[d] /= total;
+  }
 }
 
 void check_f32(const at::Tensor& t, const char* name) {
@@ -414,35 +460,64 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const auto head = dim % Wide::N == 0 ? &attend<Wide> : &attend<Lanes8>;
-  // a task per query and run of KV heads (all of them, each slot's keys read as one run,
-  // unless a few queries share the threads); threads only where the step's attention
-  // repays waking them (`grain`)
-  const int64_t work = keys * heads * dim * 2;  // multiply-adds: scores and values
-  const int64_t runs = threaded(work) && tokens < 2 * at::get_num_threads() ? kv_heads : 1;
-  const int64_t run = kv_heads / runs, tasks = tokens * runs;
-  spread(tasks, grain(tasks, work / std::max<int64_t>(tasks, 1)), [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;        // [len]
-    std::vector<const float*> slots;  // [len]: each key's slot at one KV head
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t k = task / runs, h0 = task % runs * run, r = q_row[k];
-      const int64_t t = qi[r] + q_at[k], len = lens[r] - ql[r] + q_at[k] + 1;
-      float* o = op + t * heads * dim + h0 * group * dim;
-      scores.resize(len);
-      slots.resize(len);
-      for (int64_t kh = 0; kh < run; ++kh) {
-        // the row's keys at KV head h0 + kh, page by page (no division a key)
-        for (int64_t l = 0, j = indptr[r]; l < len; ++j) {
-          const float* base = lp + indices[j] * page_stride + (h0 + kh) * dim;
-          for (const int64_t end = std::min(len, l + page); l < end; ++l, base += slot) slots[l] = base;
-        }
-        for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
-          const int64_t ahead = h == 0 ? run * dim : 0;  // the first pass asks for the run's slots
-          head(qp + t * qs0 + (h0 * group + h) * qs1, slots.data(), len, dim, sc, half_page,
-               ahead, scores.data(), o + h * dim);
-        }
+  // keys [l0, l1) of query k's row (l0 on a page's start), every KV head, into o (and its
+  // softmax scales into part)
+  auto keys_of = [&](int64_t k, int64_t l0, int64_t l1, float* o, Softmax* part,
+                     std::vector<float>& scores, std::vector<const float*>& slots) {
+    const int64_t r = q_row[k], t = qi[r] + q_at[k], len = l1 - l0;
+    scores.resize(blocks(len));
+    slots.resize(len);
+    for (int64_t kh = 0; kh < kv_heads; ++kh) {
+      // the keys at KV head kh, page by page (no division a key)
+      for (int64_t l = 0, j = indptr[r] + l0 / page; l < len; ++j) {
+        const float* base = lp + indices[j] * page_stride + kh * dim;
+        for (const int64_t end = std::min(len, l + page); l < end; ++l, base += slot) slots[l] = base;
       }
+      const int64_t ahead = kh == 0 ? slot : 0;  // the first pass asks for the whole slots
+      head(qp + t * qs0 + kh * group * qs1, qs1, group, slots.data(), len, dim, sc, half_page,
+           ahead, scores.data(), o + kh * group * dim, part == nullptr ? nullptr : part + kh * group);
+    }
+  };
+  auto len_of = [&](int64_t k) { return lens[q_row[k]] - ql[q_row[k]] + q_at[k] + 1; };
+  const int64_t work = keys * heads * dim * 2;  // multiply-adds: scores and values
+  if (!threaded(work) || tokens >= 2 * at::get_num_threads() || at::get_num_threads() == 1) {
+    // a task per query (threads only where the step's attention repays waking them: `grain`)
+    spread(tokens, grain(tokens, work / std::max<int64_t>(tokens, 1)), [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;        // [blocks(len)]
+      std::vector<const float*> slots;  // [len]: each key's slot at one KV head
+      for (int64_t k = begin; k < end; ++k) {
+        const int64_t t = qi[q_row[k]] + q_at[k];
+        keys_of(k, 0, len_of(k), op + t * heads * dim, nullptr, scores, slots);
+      }
+    });
+    return out;
+  }
+  // fewer queries than threads to keep busy: each query's pages in parts (up to four a
+  // thread, four pages or more each), a task each over every KV head, the parts merged by
+  // their softmax scales
+  const int64_t most = 4 * team_threads();
+  std::vector<int64_t> first(tokens + 1, 0);  // query k's parts: first[k] .. first[k + 1]
+  for (int64_t k = 0; k < tokens; ++k)
+    first[k + 1] = first[k] + std::clamp<int64_t>((len_of(k) + page - 1) / page / 4, 1, most);
+  const int64_t parts = first[tokens];
+  std::vector<float> values(parts * heads * dim);
+  std::vector<Softmax> scales(parts * heads);
+  spread(parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<const float*> slots;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t k = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
+      const int64_t n = first[k + 1] - first[k], at = i - first[k], len = len_of(k);
+      const int64_t pages = (len + page - 1) / page;
+      const int64_t l0 = pages * at / n * page, l1 = std::min(len, pages * (at + 1) / n * page);
+      keys_of(k, l0, l1, values.data() + i * heads * dim, scales.data() + i * heads, scores, slots);
     }
   });
+  for (int64_t k = 0; k < tokens; ++k) {
+    const int64_t t = qi[q_row[k]] + q_at[k];
+    merge_parts(values.data() + first[k] * heads * dim, scales.data() + first[k] * heads,
+                first[k + 1] - first[k], heads, dim, op + t * heads * dim);
+  }
   return out;
 }
 
