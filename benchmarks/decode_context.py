@@ -1,0 +1,65 @@
+"""One request's decode step against its context length, on SmolLM2.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/decode_context.py [--context 32 1024 2048]
+        [--steps 30]
+
+An ``Engine`` in the default serving mode (``--dtype auto``, the GGUF's own
+weights), one request at a time: a prompt of ``--context`` tokens, four
+decode steps to warm, then ``--steps`` timed ones; per context the median
+step and the layer stack's share of it (``LayerStack.__call__``: the 30
+layers in one C++ call, their attention included), so the growth over the
+first context is the attention's. Prints the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from mstar.engine import Engine, SamplingParams
+from mstar.engine.cpu import cpu_info
+from mstar.integrations.layer_stack import LayerStack
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, nargs="+", default=[32, 1024, 2048])
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    print(cpu_info().describe())
+    spent = [0.0]
+    call = LayerStack.__call__
+
+    def timed(self, *a, **k):
+        start = time.perf_counter()
+        try:
+            return call(self, *a, **k)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    LayerStack.__call__ = timed
+    pages = max(args.context) // 16 + args.steps // 16 + 8
+    engine = Engine.from_pretrained(
+        "smollm2", dtype="auto", quantization="auto", num_pages=pages, prefix_cache=False
+    )
+    print(f"{'context':>8} {'step ms':>8} {'layers ms':>10}")
+    for context in args.context:
+        prompt = [(7 * j) % 1000 + 5 for j in range(context)]
+        engine.add_request(prompt, SamplingParams(max_new_tokens=args.steps + 6, ignore_eos=True))
+        for _ in range(5):  # the prefill, four decode steps
+            engine.step()
+        steps, spent[0] = [], 0.0
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - start)
+        layers = spent[0] / args.steps
+        print(f"{context:>8} {statistics.median(steps) * 1e3:>8.2f} {layers * 1e3:>10.2f}")
+        while engine.has_unfinished():
+            engine.step()
+    LayerStack.__call__ = call
+
+
+if __name__ == "__main__":
+    main()
