@@ -87,8 +87,9 @@ inline void prefetch(const float* p, int64_t n) {
 }
 
 // The vector ops of attention: eight lanes (AVX2), or sixteen (`Lanes16`, AVX-512 builds,
-// for heads of a whole number of 16 floats: half the instructions a key). `sums8`: eight
-// vectors' sums.
+// for heads of a whole number of 16 floats: half the instructions a key). Within each
+// 128-bit lane, `pairs` adds two vectors' lanes pairwise, interleaved ([a0+a2, b0+b2, a1+a3,
+// b1+b3]), `quads` two such ([a, b, c, d] partial sums); `lanes` adds the 128-bit lanes.
 struct Lanes8 {
   using V = __m256;
   static constexpr int N = 8;
@@ -98,17 +99,14 @@ struct Lanes8 {
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  // [sum(v[0]), ..., sum(v[7])]: pairs interleaved and added, then quads, then halves
-  static __m256 sums8(const V* v) {
-    V t[4], u[2];
-    for (int p = 0; p < 4; ++p)
-      t[p] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * p], v[2 * p + 1]),
-                           _mm256_unpackhi_ps(v[2 * p], v[2 * p + 1]));
-    for (int p = 0; p < 2; ++p)
-      u[p] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * p], t[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                           _mm256_shuffle_ps(t[2 * p], t[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20),
-                         _mm256_permute2f128_ps(u[0], u[1], 0x31));
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V pairs(V a, V b) { return add(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b)); }
+  static V quads(V a, V b) {
+    return add(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+               _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  static __m256 lanes(V a, V b) {  // [a's two 128-bit lanes added, b's]
+    return add(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
   }
 };
 
@@ -122,18 +120,15 @@ struct Lanes16 {
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  // [sum(v[0]), ..., sum(v[7])]: as Lanes8's within each 128-bit lane, then the lanes
-  static __m256 sums8(const V* v) {
-    V t[4], u[2];
-    for (int p = 0; p < 4; ++p)
-      t[p] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]),
-                           _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]));
-    for (int p = 0; p < 2; ++p)
-      u[p] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * p], t[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                           _mm512_shuffle_ps(t[2 * p], t[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    // 128-bit lanes: keys 0-3 in u[0]'s, 4-7 in u[1]'s; w = [u0 L0+L2, u0 L1+L3, u1 .., u1 ..]
-    const V w = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                              _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V pairs(V a, V b) { return add(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); }
+  static V quads(V a, V b) {
+    return add(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+               _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  static __m256 lanes(V a, V b) {  // [a's four 128-bit lanes added, b's]
+    const V w = add(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                    _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));  // [a0+a2, a1+a3, b0+b2, b1+b3]
     return _mm256_add_ps(_mm512_castps512_ps256(_mm512_shuffle_f32x4(w, w, _MM_SHUFFLE(2, 0, 2, 0))),
                          _mm512_castps512_ps256(_mm512_shuffle_f32x4(w, w, _MM_SHUFFLE(3, 1, 3, 1))));
   }
@@ -142,6 +137,14 @@ using Wide = Lanes16;  // the widest lanes of this build
 #else
 using Wide = Lanes8;
 #endif
+
+// [sum(v[0]), ..., sum(v[7])]: pairs, then quads within each 128-bit lane (keys 0-3 in the
+// first vector's lanes, 4-7 in the second's), then the lanes.
+template <typename L>
+__m256 sums8(const typename L::V* v) {
+  return L::lanes(L::quads(L::pairs(v[0], v[1]), L::pairs(v[2], v[3])),
+                  L::quads(L::pairs(v[4], v[5]), L::pairs(v[6], v[7])));
+}
 
 // out[l] = sc * (q . key l) for the keys at key[l] (dim floats each), eight keys at a time
 // (their sums as one vector: `sums8`), -inf past len to blocks(len); the `ahead` floats at
@@ -163,7 +166,7 @@ void key_scores(const float* q, const float* const* key, int64_t len, int64_t di
       for (int j = 0; j < BLOCK; ++j) a[j] = L::fma(qv, L::load(k[j] + i), a[j]);
     }
     alignas(32) float t[BLOCK];
-    _mm256_store_ps(t, _mm256_mul_ps(L::sums8(a), scale));
+    _mm256_store_ps(t, _mm256_mul_ps(sums8<L>(a), scale));
     for (int64_t d = i; d < dim; ++d)  // a head width of no whole N floats: the rest one by one
       for (int j = 0; j < BLOCK; ++j) t[j] += sc * q[d] * k[j][d];
     for (int64_t j = len - l; j < BLOCK; ++j) t[j] = -INFINITY;
