@@ -413,6 +413,7 @@ def test_layer_ops_silu_mul_matches_torch_over_the_float_range():
         (((1500, 1), (1201, 1)), 8, 2, 64, 1e-5),  # fewer rows than threads: KV heads apart
         (((100, 1),), 9, 3, 64, 1e-5),  # one decode row, SmolLM2's heads
         (((700, 1),), 9, 3, 64, 1e-5),  # ... its keys in parts over the threads, merged
+        (((900, 3),), 8, 2, 64, 1e-5),  # a chunk's three queries, each its own keys in parts
         (((9, 1),), 64, 8, 128, 1e-5),  # too few pages to part; eight heads a KV head
         (((30, 1), (0, 3)), 10, 2, 16, 1e-5),  # five heads a KV head, 16 floats each
         # prefill: fresh prompts and chunks after a history, each query causal in its row,
