@@ -81,9 +81,10 @@ void spread(int64_t n, int64_t piece, const F& fn) {
 // from DRAM once the caches outgrow L3 (further ahead measured no faster).
 constexpr int64_t AHEAD = 4;
 
-// The cache lines of n floats at p, asked for (a hint: p may lie past a page's end).
+// The cache lines of n floats at p, asked for into L2 (a hint: p may lie past a page's end;
+// into L1 instead, attention from memory ran 1.14-1.22x slower on Zen 4 at 401-2049 keys).
 inline void prefetch(const float* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+  for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
 }
 
 // The vector ops of attention: eight lanes (AVX2), or sixteen (`Lanes16`, AVX-512 builds,
