@@ -4,11 +4,12 @@
         [--steps 30]
 
 An ``Engine`` in the default serving mode (``--dtype auto``, the GGUF's own
-weights), one request at a time: a prompt of ``--context`` tokens, four
-decode steps to warm, then ``--steps`` timed ones; per context the median
-step and the layer stack's share of it (``LayerStack.__call__``: the 30
-layers in one C++ call, their attention included), so the growth over the
-first context is the attention's. Prints the CPU.
+weights), one request at a time: a prompt of ``--context`` tokens, its
+prefill (in chunks) and four decode steps to warm, then ``--steps`` timed
+ones; per context the median step and the layer stack's share of it
+(``LayerStack.__call__``: the 30 layers in one C++ call, their attention
+included), so the growth over the first context is the attention's. Prints
+the CPU.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def main() -> None:
     for context in args.context:
         prompt = [(7 * j) % 1000 + 5 for j in range(context)]
         engine.add_request(prompt, SamplingParams(max_new_tokens=args.steps + 6, ignore_eos=True))
-        for _ in range(5):  # the prefill, four decode steps
+        warm = engine.stats.decode_steps + 4
+        while engine.stats.decode_steps < warm:  # the prefill (in chunks), four decode steps
             engine.step()
         steps, spent[0] = [], 0.0
         for _ in range(args.steps):
