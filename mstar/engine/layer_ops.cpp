@@ -76,9 +76,9 @@ void spread(int64_t n, int64_t piece, const F& fn) {
   share(n, piece, n > piece, [&](int64_t begin, int64_t end, int) { fn(begin, end); });
 }
 
-// Values ahead of the one being read that are asked of memory now (keys: the next eight
-// of `key_scores`'): a row's keys lie a slot apart in pages anywhere in the cache, read
-// from DRAM once the caches outgrow L3 (further ahead measured no faster).
+// Keys and values ahead of the one being read that are asked of memory now (`key_scores`
+// asks for a block's eight at once): a row's keys lie a slot apart in pages anywhere in
+// the cache, read from DRAM once the caches outgrow L3 (further ahead measured no faster).
 constexpr int64_t AHEAD = 4;
 
 // The cache lines of n floats at p, asked for into L2 (a hint: p may lie past a page's end;
