@@ -464,11 +464,14 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const auto head = dim % Wide::N == 0 ? &attend<Wide> : &attend<Lanes8>;
+  // query k's token in qkv and out, and the keys it sees (its row's, causal)
+  auto token_of = [&](int64_t k) { return qi[q_row[k]] + q_at[k]; };
+  auto len_of = [&](int64_t k) { return lens[q_row[k]] - ql[q_row[k]] + q_at[k] + 1; };
   // keys [l0, l1) of query k's row (l0 on a page's start), every KV head, into o (and its
   // softmax scales into part)
   auto keys_of = [&](int64_t k, int64_t l0, int64_t l1, float* o, Softmax* part,
                      std::vector<float>& scores, std::vector<const float*>& slots) {
-    const int64_t r = q_row[k], t = qi[r] + q_at[k], len = l1 - l0;
+    const int64_t r = q_row[k], t = token_of(k), len = l1 - l0;
     scores.resize(blocks(len));
     slots.resize(len);
     for (int64_t kh = 0; kh < kv_heads; ++kh) {
@@ -482,17 +485,14 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
            ahead, scores.data(), o + kh * group * dim, part == nullptr ? nullptr : part + kh * group);
     }
   };
-  auto len_of = [&](int64_t k) { return lens[q_row[k]] - ql[q_row[k]] + q_at[k] + 1; };
   const int64_t work = keys * heads * dim * 2;  // multiply-adds: scores and values
   if (!threaded(work) || tokens >= 2 * at::get_num_threads() || at::get_num_threads() == 1) {
     // a task per query (threads only where the step's attention repays waking them: `grain`)
     spread(tokens, grain(tokens, work / std::max<int64_t>(tokens, 1)), [&](int64_t begin, int64_t end) {
       std::vector<float> scores;        // [blocks(len)]
       std::vector<const float*> slots;  // [len]: each key's slot at one KV head
-      for (int64_t k = begin; k < end; ++k) {
-        const int64_t t = qi[q_row[k]] + q_at[k];
-        keys_of(k, 0, len_of(k), op + t * heads * dim, nullptr, scores, slots);
-      }
+      for (int64_t k = begin; k < end; ++k)
+        keys_of(k, 0, len_of(k), op + token_of(k) * heads * dim, nullptr, scores, slots);
     });
     return out;
   }
@@ -517,11 +517,9 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
       keys_of(k, l0, l1, values.data() + i * heads * dim, scales.data() + i * heads, scores, slots);
     }
   });
-  for (int64_t k = 0; k < tokens; ++k) {
-    const int64_t t = qi[q_row[k]] + q_at[k];
+  for (int64_t k = 0; k < tokens; ++k)
     merge_parts(values.data() + first[k] * heads * dim, scales.data() + first[k] * heads,
-                first[k + 1] - first[k], heads, dim, op + t * heads * dim);
-  }
+                first[k + 1] - first[k], heads, dim, op + token_of(k) * heads * dim);
   return out;
 }
 
