@@ -9,7 +9,7 @@ writes its keys and values where the plan says and attends over its pages.
 A step whose rows each have one query (decode) or at most ``KERNEL_PAIRS``
 query-key pairs (prefills up to a few hundred tokens: chat turns) attends
 through the layer ops' ``attention`` when they are built (``kernels``,
-``fused``): from the q/k/v GEMM's output, rotary applied, the layer's keys
+``fused``) and the cache holds float32 or bfloat16 (``KERNEL_DTYPES``): from the q/k/v GEMM's output, rotary applied, the layer's keys
 and values written at the cache's ``write_rows``, then each query over its
 row's pages read in place, no gather, no padding; the row arrays it reads
 are converted once per step.
@@ -36,6 +36,8 @@ __all__ = ["StepAttention"]
 # prompt of 511 tokens (SmolLM2's whole step: 278 ms against SDPA's 289 at 512 tokens,
 # 812 against 738 at 1024; measured on Zen 5)
 KERNEL_PAIRS = 1 << 17
+# the cache dtypes the layer ops' attention reads (a float16 cache: paged_attention)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class StepAttention:
@@ -55,7 +57,8 @@ class StepAttention:
         self.rows: tuple[torch.Tensor, ...] | None = None
         indptrs = plan.cpu_indptrs
         qo_indptr, kv_indptr, qo_lens, _, kv_lens = row_lengths(indptrs, cache.page_size)
-        dense = cache.v_head_dim == cache.head_dim  # one [P, 2, ...] tensor per layer
+        # one [P, 2, ...] tensor per layer, of a dtype the op reads
+        dense = cache.v_head_dim == cache.head_dim and cache.dtype in KERNEL_DTYPES
         if kernels and dense and device.type == "cpu" and _short(qo_lens, kv_lens):
             q_index = np.where(qo_lens > 0, qo_indptr[:-1], -1)
             self.rows = cache.write_rows(plan) + tuple(

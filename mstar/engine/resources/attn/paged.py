@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar.engine.resources.attn.options import AttentionOptions
-from mstar.engine.resources.kv.cache import indexed_device
+from mstar.engine.resources.kv.cache import HALVES, indexed_device
 from mstar.engine.resources.kv.lengths import row_lengths
 from mstar.engine.resources.kv.plan import PagedIndptrs
 
@@ -42,7 +42,8 @@ def paged_attention(
     ``q`` is ``[qo_indptr[-1], num_qo_heads, head_dim]`` in plan row order;
     ``kv_layer`` is one layer ``[num_pages, 2, page_size, num_kv_heads,
     head_dim]``, or a ``(k, v)`` pair ``[num_pages, page_size, num_kv_heads,
-    head_dim]`` and ``[..., v_head_dim]``, of q's dtype and device;
+    head_dim]`` and ``[..., v_head_dim]``, of q's dtype (or bfloat16 or
+    float16 under float32 ``q``: read as float32) and device;
     ``indptrs`` may live on any device (the work runs on q's). Returns
     ``[total_q, num_qo_heads, v_head_dim]`` in q's dtype.
 
@@ -73,6 +74,8 @@ def paged_attention(
     masks = schedule.masks(options.causal, options.window_left, options.chunk_size)
     for i, (batch, (visible, blind)) in enumerate(zip(schedule.batches, masks)):
         k, v = _gather(kv_layer, k_pages, v_pages, batch, schedule.scratch(i, kv_layer))
+        if k.dtype != q.dtype:  # a half-precision cache under float32 queries
+            k, v = k.to(q.dtype), v.to(q.dtype)
         if batch.span is None:
             rows_q = q[batch.tokens]
         else:
@@ -390,7 +393,7 @@ def _check_inputs(
         raise ValueError(
             f"expected num_qo_heads a multiple of num_kv_heads {num_kv_heads}, got {q.shape[1]}"
         )
-    if q.dtype != k_pages.dtype:
+    if q.dtype != k_pages.dtype and not (q.dtype == torch.float32 and k_pages.dtype in HALVES):
         raise ValueError(f"expected q of dtype {k_pages.dtype} (kv_layer's), got {q.dtype}")
     if q.device != k_pages.device:
         raise ValueError(f"expected q on {k_pages.device} (kv_layer's device), got {q.device}")

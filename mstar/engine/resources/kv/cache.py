@@ -15,10 +15,13 @@ import torch
 from mstar.engine.resources.kv.lengths import row_lengths
 from mstar.engine.resources.kv.plan import KVPlanOutput
 
-__all__ = ["KVCache", "KVLayer"]
+__all__ = ["HALVES", "KVCache", "KVLayer"]
 
 # One layer: FlashInfer's combined NHD tensor, or its (k, v) tuple form.
 KVLayer = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+# The half-precision dtypes a cache may hold under float32 activations (written rounded,
+# read back as float32 by attention).
+HALVES = (torch.bfloat16, torch.float16)
 
 
 class KVCache:
@@ -88,7 +91,8 @@ class KVCache:
         """Store the step's new keys and values of ``layer``.
 
         ``k`` is ``[plan.get_total_len(), num_kv_heads, head_dim]`` and ``v``
-        ``[..., v_head_dim]``, in the cache's dtype and on its device, rows in
+        ``[..., v_head_dim]``, in the cache's dtype (or float32 into a
+        bfloat16 or float16 cache: rounded to it) and on its device, rows in
         plan order. A row with ``n`` queries and ``kv_len`` keys (from its
         index arrays, as attention reads them) stores token ``j`` at key slot
         ``kv_len - n + j``, which for a plan built from views is ``start +
@@ -104,7 +108,7 @@ class KVCache:
             expected = (total, self.num_kv_heads, width)
             if tuple(t.shape) != expected:
                 raise ValueError(f"expected {name} of shape {expected}, got {tuple(t.shape)}")
-            if t.dtype != self.dtype:
+            if t.dtype != self.dtype and not (t.dtype == torch.float32 and self.dtype in HALVES):
                 raise ValueError(f"expected {name} of dtype {self.dtype}, got {t.dtype}")
             if t.device != self.device:
                 raise ValueError(f"expected {name} on {self.device}, got {t.device}")
@@ -112,6 +116,7 @@ class KVCache:
         cache = self._layers[layer]
         k_width, v_width = self.num_kv_heads * self.head_dim, self.num_kv_heads * self.v_head_dim
         k_cache, v_cache = cache if isinstance(cache, tuple) else (cache, cache)
+        k, v = k.to(self.dtype), v.to(self.dtype)  # rounded into a half-precision cache
         k_cache.view(-1, k_width).index_copy_(0, k_rows, k.reshape(total, k_width))
         v_cache.view(-1, v_width).index_copy_(0, v_rows, v.reshape(total, v_width))
 
