@@ -233,12 +233,14 @@ def test_storage_check_joins_checks_and_sees_new_or_absent_tensors():
         StorageCheck([(layers[1]._parameters, "weight")])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("int16", [False, True], ids=["float32", "int16 activations"])
-def test_layer_stack_is_the_layers_bit_for_bit(int16):
+def test_layer_stack_is_the_layers_bit_for_bit(int16, kv_dtype):
     """Steps of fewer than ``BF16_ROWS`` tokens on packed layers (decode
     rows, a short prefill chunk beside one) run as one ``decode_layers``
     call: the same logits, bit for bit, as layer by layer, the int4 layers
-    on float32 or int16 activations; a long prefill, and ``BF16_ROWS`` rows
+    on float32 or int16 activations, over a float32 or a bfloat16 KV cache; a
+    long prefill, and ``BF16_ROWS`` rows
     (the bfloat16 panels' count), run layer by layer; float32 layers, and
     int4 ones with and without int16 activations, never stack."""
     if layer_ops_or_why() is not None:
@@ -270,7 +272,7 @@ def test_layer_stack_is_the_layers_bit_for_bit(int16):
         if use:
             fused.stack = counted
         streams, spec = Streams(64, 4, seed=3), hf.kv_spec(paged).cache_kwargs()
-        cache = KVCache(num_pages=64, page_size=4, **spec)
+        cache = KVCache(num_pages=64, page_size=4, dtype=kv_dtype, **spec)
         prompts = [_prompt(3 + i, 20 + i) for i in range(len(names))]
         plan = streams.plan([(n, len(p)) for n, p in zip(names, prompts)])
         ids = torch.tensor([t for p in prompts for t in p])
@@ -424,10 +426,13 @@ def test_layer_ops_silu_mul_matches_torch_over_the_float_range():
         (((6, 1), (0, 7), (3, 2)), 4, 2, 80, 1e-5),
     ],
 )
-def test_layer_ops_attention_matches_paged_attention(rows, heads, kv_heads, dim, atol):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_layer_ops_attention_matches_paged_attention(rows, heads, kv_heads, dim, atol, kv_dtype):
     """The layer ops' attention, from the q/k/v GEMM's output: rotary
     applied, keys and values written where ``KVCache.write`` puts them,
-    each row's queries causal over its pages as ``paged_attention``'s."""
+    each row's queries causal over its pages as ``paged_attention``'s; over
+    a bfloat16 cache too (the new keys and values rounded into it alike,
+    every key read back as float32)."""
     if layer_ops_or_why() is not None:
         pytest.skip(f"layer ops: {layer_ops_or_why()}")
     from mstar.integrations.rotary import StepRotary
@@ -448,7 +453,7 @@ def test_layer_ops_attention_matches_paged_attention(rows, heads, kv_heads, dim,
     pages = sum(-(-(old + new) // 4) for old, new in rows) + 4
     streams = Streams(pages, 4, seed=5)
     caches = [KVCache(num_layers=1, num_pages=pages, page_size=4, num_kv_heads=kv_heads,
-                      head_dim=dim) for _ in range(2)]  # fmt: skip
+                      head_dim=dim, dtype=kv_dtype) for _ in range(2)]  # fmt: skip
     names = [f"r{i}" for i in range(len(rows))]
     history = [(name, old) for name, (old, _) in zip(names, rows) if old]
     plan = streams.plan(history)
@@ -470,7 +475,12 @@ def test_layer_ops_attention_matches_paged_attention(rows, heads, kv_heads, dim,
     want = slow(
         0, qk[:, :heads], qk[:, heads:], qkv[:, q_and_k * dim :].view(tokens, kv_heads, dim)
     )
-    assert torch.allclose(caches[0].layer(0), caches[1].layer(0), atol=1e-6)
+    written = caches[0].layer(0), caches[1].layer(0)
+    if kv_dtype == torch.bfloat16:  # the same rounding (to nearest even) of the same keys
+        rotated_apart = (written[0].float() - written[1].float()).abs().max()
+        assert rotated_apart <= 2**-7 * written[1].float().abs().max()
+    else:
+        assert torch.allclose(*written, atol=1e-6)
     assert torch.allclose(got, want.reshape(tokens, -1), atol=atol)
 
 

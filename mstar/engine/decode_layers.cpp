@@ -12,7 +12,8 @@
 // post-attention norm weight, gate/up, down, each linear as (qweight, scales, mins):
 // qweight uint8 for int4 (mins its float16 minimums), int8 for int8 (mins empty);
 // int16_activations: they take their activations rounded to int16 (int4/int8_linear_i16).
-// caches: per layer its KV tensor [P, 2, S, H_kv, D]; the rest as layer_ops' attention's.
+// caches: per layer its KV tensor [P, 2, S, H_kv, D] (float32 or bfloat16); the rest as
+// layer_ops' attention's.
 // h [T, hidden] gets every layer's attention and all but the last layer's MLP output
 // added in place; returns the last layer's MLP output, for the caller's final norm to add.
 

@@ -7,7 +7,8 @@
 //                sin' = sin with its first half negated (see rotary.py).
 // silu_mul:      silu(g) * u for x = [g | u] [T, 2I].
 // attention:    from the q/k/v GEMM's output, rotary applied to q and k, the step's
-//                new keys and values written into the layer's pages (rows k_rows /
+//                new keys and values written into the layer's pages (float32, or
+//                bfloat16: rounded to nearest even there, read back exactly; rows k_rows /
 //                v_rows of the layer seen as [P * 2 * S, H_kv * D], what
 //                KVCache.write_rows gives), then each row's queries over that row's
 //                pages, causal (a row's i-th of n queries sees all but its last n - 1 - i
@@ -30,6 +31,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -38,6 +41,22 @@ namespace {
 // rounded up to whole blocks.
 constexpr int64_t BLOCK = 8;
 inline int64_t blocks(int64_t len) { return (len + BLOCK - 1) / BLOCK * BLOCK; }
+
+// A KV cache's element: float32, or bfloat16 held as its bits (`Bf16`): the float32 value
+// of one (exact), and a float32 value made one (bfloat16: rounded to nearest even).
+using Bf16 = uint16_t;
+inline float f32(float x) { return x; }
+inline float f32(Bf16 b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+template <typename T>
+inline T cached(float x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return c10::BFloat16(x).x;
+}
 
 // e^x in each lane (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-5 polynomial
 // in r, times 2^n; within 2 ulp of std::exp); x clamped to [-87.3, 88.7] (below: ~0;
@@ -81,10 +100,12 @@ void spread(int64_t n, int64_t piece, const F& fn) {
 // the cache, read from DRAM once the caches outgrow L3 (further ahead measured no faster).
 constexpr int64_t AHEAD = 4;
 
-// The cache lines of n floats at p, asked for into L2 (a hint: p may lie past a page's end;
+// The cache lines of n elements at p, asked for into L2 (a hint: p may lie past a page's end;
 // into L1 instead, attention from memory ran 1.14-1.22x slower on Zen 4 at 401-2049 keys).
-inline void prefetch(const float* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
+template <typename T>
+inline void prefetch(const T* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64 / sizeof(T))
+    _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
 }
 
 // The vector ops of attention: eight lanes (AVX2), or sixteen (`Lanes16`, AVX-512 builds,
@@ -97,6 +118,10 @@ struct Lanes8 {
   static V zero() { return _mm256_setzero_ps(); }
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const Bf16* p) {  // eight bfloat16 as float32 (exact: the bits shifted up)
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+  }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
@@ -118,6 +143,10 @@ struct Lanes16 {
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const Bf16* p) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+  }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
@@ -148,16 +177,16 @@ __m256 sums8(const typename L::V* v) {
 }
 
 // out[l] = sc * (q . key l) for the keys at key[l] (dim floats each), eight keys at a time
-// (their sums as one vector: `sums8`), -inf past len to blocks(len); the `ahead` floats at
+// (their sums as one vector: `sums8`), -inf past len to blocks(len); the `ahead` elements at
 // the keys AHEAD on asked for too. (One query head a pass: reading each key once for the
 // heads that share it, two or three a pass, measured 5-10% slower on Zen 4.)
-template <typename L>
-void key_scores(const float* q, const float* const* key, int64_t len, int64_t dim, float sc,
+template <typename L, typename T>
+void key_scores(const float* q, const T* const* key, int64_t len, int64_t dim, float sc,
                 int64_t ahead, float* out) {
   const __m256 scale = _mm256_set1_ps(sc);
   for (int64_t l = 0; l < len; l += BLOCK) {
     for (int64_t j = l + AHEAD; j < std::min(l + AHEAD + BLOCK, len); ++j) prefetch(key[j], ahead);
-    const float* k[BLOCK];  // the last block's missing keys: its last key again
+    const T* k[BLOCK];  // the last block's missing keys: its last key again
     for (int j = 0; j < BLOCK; ++j) k[j] = key[std::min(l + j, len - 1)];
     typename L::V a[BLOCK];
     for (auto& v : a) v = L::zero();
@@ -169,7 +198,7 @@ void key_scores(const float* q, const float* const* key, int64_t len, int64_t di
     alignas(32) float t[BLOCK];
     _mm256_store_ps(t, _mm256_mul_ps(sums8<L>(a), scale));
     for (int64_t d = i; d < dim; ++d)  // a head width of no whole N floats: the rest one by one
-      for (int j = 0; j < BLOCK; ++j) t[j] += sc * q[d] * k[j][d];
+      for (int j = 0; j < BLOCK; ++j) t[j] += sc * q[d] * f32(k[j][d]);
     for (int64_t j = len - l; j < BLOCK; ++j) t[j] = -INFINITY;
     std::copy_n(t, BLOCK, out + l);
   }
@@ -203,9 +232,9 @@ Softmax exp_scores(float* s, int64_t len) {
 }
 
 // o[0..dim) = inv * sum_l p[l] * (value l at value[l] + off), 64 floats at a time in
-// registers; the `ahead` floats at the value AHEAD on asked for too.
-template <typename L>
-void weighted_values(const float* p, float inv, const float* const* value, int64_t off,
+// registers; the `ahead` elements at the value AHEAD on asked for too.
+template <typename L, typename T>
+void weighted_values(const float* p, float inv, const T* const* value, int64_t off,
                      int64_t len, int64_t dim, int64_t ahead, float* o) {
   constexpr int K = 64 / L::N;
   int64_t i = 0;
@@ -215,7 +244,7 @@ void weighted_values(const float* p, float inv, const float* const* value, int64
     for (int64_t l = 0; l < len; ++l) {
       if (ahead > 0 && l + AHEAD < len) prefetch(value[l + AHEAD] + off, ahead);
       const typename L::V pl = L::set1(p[l]);
-      const float* v = value[l] + off + i;
+      const T* v = value[l] + off + i;
       for (int k = 0; k < K; ++k) a[k] = L::fma(pl, L::load(v + L::N * k), a[k]);
     }
     for (int k = 0; k < K; ++k) L::store(o + i + L::N * k, L::mul(a[k], L::set1(inv)));
@@ -223,7 +252,7 @@ void weighted_values(const float* p, float inv, const float* const* value, int64
   }
   for (; i < dim; ++i) {
     float sum = 0.f;
-    for (int64_t l = 0; l < len; ++l) sum += p[l] * value[l][off + i];
+    for (int64_t l = 0; l < len; ++l) sum += p[l] * f32(value[l][off + i]);
     o[i] = sum * inv;
   }
 }
@@ -233,16 +262,16 @@ void weighted_values(const float* p, float inv, const float* const* value, int64
 // softmax, the weighted values into o + h * dim. With `part` (a part of the keys, to be
 // merged: `merge_parts`), the values are left unnormalized and head h's softmax scale is
 // part[h].
-template <typename L>
-void attend(const float* q, int64_t qs, int64_t group, const float* const* slots, int64_t len,
+template <typename L, typename T>
+void attend(const float* q, int64_t qs, int64_t group, const T* const* slots, int64_t len,
             int64_t dim, float sc, int64_t off, int64_t ahead, float* scores, float* o,
             Softmax* part) {
   for (int64_t h = 0; h < group; ++h, ahead = 0) {
-    key_scores<L>(q + h * qs, slots, len, dim, sc, ahead, scores);
+    key_scores<L, T>(q + h * qs, slots, len, dim, sc, ahead, scores);
     const Softmax m = exp_scores(scores, len);
     if (part != nullptr) part[h] = m;
-    weighted_values<L>(scores, part != nullptr ? 1.f : 1.f / m.total, slots, off, len, dim, ahead,
-                       o + h * dim);
+    weighted_values<L, T>(scores, part != nullptr ? 1.f : 1.f / m.total, slots, off, len, dim,
+                          ahead, o + h * dim);
   }
 }
 
@@ -363,8 +392,9 @@ at::Tensor silu_mul(const at::Tensor& x) {
 }
 
 // Row t of qkv [T, (H + 2 H_kv) D]: its K heads rotated into row k_rows[t] of the layer
-// seen as [P * 2 * S, H_kv * D], its V heads into row v_rows[t], its Q heads rotated
-// into q[t] ([T, H, D]).
+// seen as [P * 2 * S, H_kv * D], its V heads into row v_rows[t] (both as the layer's
+// elements T: `cached`), its Q heads rotated into q[t] ([T, H, D]).
+template <typename T>
 void rotate_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                   at::Tensor& layer, const at::Tensor& k_rows, const at::Tensor& v_rows,
                   at::Tensor& q, int64_t heads) {
@@ -377,9 +407,10 @@ void rotate_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
   TORCH_CHECK(k_rows.numel() == tokens && v_rows.numel() == tokens &&
                   k_rows.scalar_type() == at::kLong && v_rows.scalar_type() == at::kLong,
               "expected int64 write rows, one per token");
-  float* lp = layer.data_ptr<float>();
+  T* lp = static_cast<T*>(layer.data_ptr());
   float* qp = q.data_ptr<float>();
   const float* xp = qkv.data_ptr<float>();
+  std::vector<float> key(dim);  // a K head rotated, before it is stored
   const int64_t* kr = k_rows.data_ptr<int64_t>();
   const int64_t* vr = v_rows.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {
@@ -390,14 +421,15 @@ void rotate_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
     const float* s = sin.data_ptr<float>() + t * dim;
     for (int64_t h = 0; h < heads + kv_heads; ++h) {
       const float* x = row + h * dim;
-      float* out = h < heads ? qp + (t * heads + h) * dim : lp + kr[t] * slot + (h - heads) * dim;
+      float* out = h < heads ? qp + (t * heads + h) * dim : key.data();
       for (int64_t i = 0; i < half; ++i) {
         out[i] = x[i] * c[i] + x[i + half] * s[i];
         out[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
       }
+      if (h >= heads) std::transform(out, out + dim, lp + kr[t] * slot + (h - heads) * dim, cached<T>);
     }
     const float* v = row + (heads + kv_heads) * dim;
-    std::copy(v, v + slot, lp + vr[t] * slot);
+    std::transform(v, v + slot, lp + vr[t] * slot, cached<T>);
   }
 }
 
@@ -405,13 +437,13 @@ void rotate_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
 // [P, 2, S, H_kv, D]; per row r: its q_lens[r] query tokens from q_index[r] on (none: 0,
 // q_index -1), its pages kv_indices[kv_indptr[r]:kv_indptr[r+1]] holding kv_lens[r] keys
 // in order, the step's own (written here) last. Every token is one row's query. Returns
-// [T, H * D].
-at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                     at::Tensor layer, const at::Tensor& k_rows, const at::Tensor& v_rows,
-                     const at::Tensor& q_index, const at::Tensor& q_lens,
-                     const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-                     const at::Tensor& kv_lens, int64_t heads, double scale) {
-  check_f32(layer, "layer");
+// [T, H * D]. T: the layer's elements (float32, or bfloat16's bits).
+template <typename T>
+at::Tensor attention_over(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                          at::Tensor layer, const at::Tensor& k_rows, const at::Tensor& v_rows,
+                          const at::Tensor& q_index, const at::Tensor& q_lens,
+                          const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                          const at::Tensor& kv_lens, int64_t heads, double scale) {
   check_f32(qkv, "qkv");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
@@ -424,7 +456,7 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   TORCH_CHECK(q_index.numel() == rows && q_lens.numel() == rows && kv_indptr.numel() == rows + 1,
               "expected q_index, q_lens [R], kv_indptr [R + 1] for kv_lens [R]");
   auto q = at::empty({tokens, heads, layer.size(4)}, qkv.options());
-  rotate_write(qkv, cos, sin, layer, k_rows, v_rows, q, heads);
+  rotate_write<T>(qkv, cos, sin, layer, k_rows, v_rows, q, heads);
   for (int64_t i = 0; i < kv_indices.numel(); ++i) {
     const int64_t p = kv_indices.data_ptr<int64_t>()[i];
     TORCH_CHECK(p >= 0 && p < layer.size(0), "page id ", p, " out of the layer");
@@ -457,27 +489,27 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   auto out = at::empty({tokens, heads * dim}, q.options());
   const float* qp = q.data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  const float* lp = layer.data_ptr<float>();
+  const T* lp = static_cast<const T*>(layer.data_ptr());
   const int64_t slot = kv_heads * dim, half_page = page * slot, page_stride = 2 * half_page;
   const int64_t* indptr = kv_indptr.data_ptr<int64_t>();
   const int64_t* indices = kv_indices.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  const auto head = dim % Wide::N == 0 ? &attend<Wide> : &attend<Lanes8>;
+  const auto head = dim % Wide::N == 0 ? &attend<Wide, T> : &attend<Lanes8, T>;
   // query k's token in qkv and out, and the keys it sees (its row's, causal)
   auto token_of = [&](int64_t k) { return qi[q_row[k]] + q_at[k]; };
   auto len_of = [&](int64_t k) { return lens[q_row[k]] - ql[q_row[k]] + q_at[k] + 1; };
   // keys [l0, l1) of query k's row (l0 on a page's start), every KV head, into o (and its
   // softmax scales into part)
   auto keys_of = [&](int64_t k, int64_t l0, int64_t l1, float* o, Softmax* part,
-                     std::vector<float>& scores, std::vector<const float*>& slots) {
+                     std::vector<float>& scores, std::vector<const T*>& slots) {
     const int64_t r = q_row[k], t = token_of(k), len = l1 - l0;
     scores.resize(blocks(len));
     slots.resize(len);
     for (int64_t kh = 0; kh < kv_heads; ++kh) {
       // the keys at KV head kh, page by page (no division a key)
       for (int64_t l = 0, j = indptr[r] + l0 / page; l < len; ++j) {
-        const float* base = lp + indices[j] * page_stride + kh * dim;
+        const T* base = lp + indices[j] * page_stride + kh * dim;
         for (const int64_t end = std::min(len, l + page); l < end; ++l, base += slot) slots[l] = base;
       }
       const int64_t ahead = kh == 0 ? slot : 0;  // the first pass asks for the whole slots
@@ -490,7 +522,7 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
     // a task per query (threads only where the step's attention repays waking them: `grain`)
     spread(tokens, grain(tokens, work / std::max<int64_t>(tokens, 1)), [&](int64_t begin, int64_t end) {
       std::vector<float> scores;        // [blocks(len)]
-      std::vector<const float*> slots;  // [len]: each key's slot at one KV head
+      std::vector<const T*> slots;  // [len]: each key's slot at one KV head
       for (int64_t k = begin; k < end; ++k)
         keys_of(k, 0, len_of(k), op + token_of(k) * heads * dim, nullptr, scores, slots);
     });
@@ -508,7 +540,7 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   std::vector<Softmax> scales(parts * heads);
   spread(parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<const float*> slots;
+    std::vector<const T*> slots;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t k = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
       const int64_t n = first[k + 1] - first[k], at = i - first[k], len = len_of(k);
@@ -521,6 +553,22 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
     merge_parts(values.data() + first[k] * heads * dim, scales.data() + first[k] * heads,
                 first[k + 1] - first[k], heads, dim, op + token_of(k) * heads * dim);
   return out;
+}
+
+// attention_over for the layer's elements: float32 or bfloat16.
+at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                     at::Tensor layer, const at::Tensor& k_rows, const at::Tensor& v_rows,
+                     const at::Tensor& q_index, const at::Tensor& q_lens,
+                     const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                     const at::Tensor& kv_lens, int64_t heads, double scale) {
+  const bool bf16 = layer.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16 || layer.scalar_type() == at::kFloat) && layer.device().is_cpu(),
+              "layer: expected a float32 or bfloat16 CPU tensor, got ", layer.scalar_type(),
+              " on ", layer.device());
+  TORCH_CHECK(layer.is_contiguous(), "layer: expected a contiguous tensor");
+  const auto over = bf16 ? &attention_over<Bf16> : &attention_over<float>;
+  return over(qkv, cos, sin, layer, k_rows, v_rows, q_index, q_lens, kv_indptr, kv_indices,
+              kv_lens, heads, scale);
 }
 
 }  // namespace
