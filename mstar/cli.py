@@ -179,7 +179,7 @@ def run_demo(args: argparse.Namespace) -> int:
         model, tokenizer, args.device,
         num_pages=args.pages, page_size=args.page_size, token_budget=args.budget,
         prefix_cache=False if args.no_prefix_cache else None, tensor_parallel_size=args.tensor_parallel_size,
-        **speculative_options(args),
+        kv_cache_dtype=args.kv_cache_dtype, **speculative_options(args),
         enforce_eager=args.enforce_eager,
     )  # fmt: skip
     need = {
@@ -243,7 +243,7 @@ def run_generate(args: argparse.Namespace) -> int:
         model, tokenizer = load_model(args.model, args.device, size, dtype, quantization)
         return make_engine(
             model, tokenizer, args.device, page_size=16, tensor_parallel_size=size,
-            **speculative_options(args),
+            kv_cache_dtype=args.kv_cache_dtype, **speculative_options(args),
         )  # fmt: skip
 
     choice = resolved_dtype(

@@ -155,7 +155,7 @@ def test_serve_compiles_in_the_background_only_an_unfused_forward(fused, monkeyp
     args = argparse.Namespace(
         model="random", seed=0, device="cpu", dtype="float32", pages=48, page_size=8,
         budget=64, no_prefix_cache=False, tensor_parallel_size=1, enforce_eager=False,
-        speculative=None, num_speculative_tokens=4, quantization="none",
+        speculative=None, num_speculative_tokens=4, quantization="none", kv_cache_dtype="auto",
     )  # fmt: skip
     engine, line = build_engine(args, enforce_eager=True, compiling_later=True)
     assert engine.fused == fused and engine.compiled is None

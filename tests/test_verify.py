@@ -94,7 +94,7 @@ def _serve_args(**overrides):
     args = dict(
         model="random", seed=0, device="cpu", dtype="bfloat16", pages=64, page_size=8,
         budget=32, no_prefix_cache=False, tensor_parallel_size=1, enforce_eager=True,
-        speculative=None, num_speculative_tokens=4, quantization="none",
+        speculative=None, num_speculative_tokens=4, quantization="none", kv_cache_dtype="auto",
     )  # fmt: skip
     return argparse.Namespace(**{**args, **overrides})
 
@@ -126,6 +126,17 @@ def test_the_start_up_line_names_the_check_and_speculation():
     assert engine.dtype == torch.bfloat16
     assert "checked: agrees with eager float32 (24 greedy tokens" in line, line
     assert line.endswith("speculative ngram (up to 3 draft tokens)"), line
+
+
+def test_a_half_kv_cache_is_checked_and_named_on_the_start_up_line():
+    """``--kv-cache-dtype bfloat16`` under float32 weights: not exact, so
+    checked against eager float32; the line names the cache."""
+    from mstar.options import build_engine
+
+    engine, line = build_engine(_serve_args(dtype="float32", kv_cache_dtype="bfloat16"))
+    assert engine.dtype == torch.float32 and engine.cache.dtype == torch.bfloat16
+    assert "checked: agrees with eager float32 (24 greedy tokens" in line, line
+    assert line.endswith(", bfloat16 KV cache"), line
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from mstar.engine.device import checked_device, flashinfer_or_none
 from mstar.engine.dtypes import resolve_dtype
 from mstar.engine.loader import asks_packed
 from mstar.engine.resources.groups import KVGroups, group_size
-from mstar.engine.resources.kv.cache import KVCache
+from mstar.engine.resources.kv.cache import HALVES, KVCache
 from mstar.engine.resources.kv.manager import KVManager
 from mstar.engine.resources.kv.ring import PinnedIndexRing
 from mstar.engine.tp import TensorParallel, check_size, load_sharded, shard
@@ -59,6 +59,43 @@ def check_options(
             "expected tokenizer a Hugging Face fast tokenizer (with .backend_tokenizer)"
             f" or None, got {type(tokenizer).__name__}"
         )
+
+
+def kv_cache_dtype_of(
+    value: object, param: torch.Tensor, tp: TensorParallel | None, flashinfer: Any
+) -> torch.dtype:
+    """``Engine``'s ``kv_cache_dtype`` resolved: ``"auto"`` (the model's
+    dtype), or a dtype (a torch dtype or its name) that is the model's or,
+    under float32 activations on the CPU, bfloat16 or float16 (keys and
+    values rounded into the cache, read back as float32: half the bytes a
+    key); anything else a ``ValueError`` (``TypeError`` for no dtype)."""
+    if value == "auto":
+        return param.dtype
+    if isinstance(value, str):
+        dtype = getattr(torch, value, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"expected kv_cache_dtype 'auto' or a dtype's name, got {value!r}")
+    elif isinstance(value, torch.dtype):
+        dtype = value
+    else:
+        raise TypeError(f"expected kv_cache_dtype 'auto' or a dtype, got {value!r}")
+    if dtype == param.dtype:
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if param.dtype != torch.float32 or dtype not in HALVES:
+        raise ValueError(
+            f"expected kv_cache_dtype 'auto', the model's {param.dtype} or, under float32, bfloat16"
+            f" or float16, got {name}"
+        )
+    where = {
+        "on CUDA": param.device.type == "cuda",
+        "with FlashInfer": flashinfer is not None,
+        "under tensor parallelism": tp is not None,
+    }
+    for what, refused in where.items():
+        if refused:
+            raise ValueError(f"expected kv_cache_dtype 'auto' {what}, got {name}")
+    return dtype
 
 
 def stops_workers_on_error(init: Callable[..., None]) -> Callable[..., None]:
@@ -165,14 +202,16 @@ def kv_managers(
     prefix_cache: bool,
     tp: TensorParallel | None,
     flashinfer: Any,
+    dtype: torch.dtype,
 ) -> tuple[KVManager | KVGroups, KVCache]:
     """The engine's pages and cache. A windowed model's streams release the
     pages behind its windows, unless the prefix cache keeps them (the two do
     not combine yet); a hybrid one's (windowed and full layers) then has a
     manager per KV group of ``k`` layers, on one pool of the memory of
     ``num_pages`` pages over every layer (not under tensor parallelism: its
-    workers hold one cache over every layer). On CUDA the plan's index arrays
-    leave from pinned memory, so their copies are asynchronous."""
+    workers hold one cache over every layer). The cache holds ``dtype``
+    (``kv_cache_dtype``). On CUDA the plan's index arrays leave from pinned
+    memory, so their copies are asynchronous."""
     cuda = param.device.type == "cuda"
     if not prefix_cache and len(spec.groups) > 1 and tp is None:
         groups = KVGroups(
@@ -180,7 +219,7 @@ def kv_managers(
             num_pages * spec.num_layers // group_size(spec.groups),
             page_size,
             cache=spec.cache_kwargs(),
-            dtype=param.dtype,
+            dtype=dtype,
             device=param.device,
             rings=cuda,
         )
@@ -188,7 +227,7 @@ def kv_managers(
     cache = KVCache(
         num_pages=num_pages,
         page_size=page_size,
-        dtype=param.dtype,
+        dtype=dtype,
         device=param.device,
         **spec.cache_kwargs(),
     )
@@ -218,10 +257,14 @@ def checked_forward(engine: Any, compile: bool) -> tuple[str | None, ModeCheck |
     ``Engine.compiled`` and ``Engine.mode_check`` hold them. A compiled
     forward that disagrees falls back to eager (``compiled`` says why); an
     eager one that disagrees raises ``ModeMismatch`` (the caller serves
-    float32 instead). Eager float32 weights are the reference itself, and
-    tensor parallel shards are not checked: ``check`` None."""
+    float32 instead). Eager float32 weights over a float32 KV cache are the
+    reference itself, and tensor parallel shards are not checked: ``check``
+    None. A half-precision KV cache is part of the mode (not exact)."""
     weights = weights_mode(engine.model)
     exact = float32_arithmetic(engine.model)
+    if engine.cache.dtype != next(engine.model.parameters()).dtype:
+        kv = f"{str(engine.cache.dtype).removeprefix('torch.')} KV cache"
+        weights, exact = ", ".join(filter(None, (weights, kv))), False
     if engine.tp is not None or (weights is None and not compile):
         return (compiled_or_why(engine) if compile else None), None
     reference = float32_reference(engine.model)

@@ -29,6 +29,7 @@ from mstar.engine.build import (
     checked_forward,
     eos_ids,
     from_pretrained,
+    kv_cache_dtype_of,
     kv_managers,
     stops_workers_on_error,
 )
@@ -86,6 +87,12 @@ class Engine:
     ``engine.mode_check`` holds the result): a compiled forward that
     disagrees falls back to eager, an eager one raises ``ModeMismatch``.
 
+    ``kv_cache_dtype`` (``"auto"``: the model's dtype) may be ``"bfloat16"``
+    or ``"float16"`` (or the torch dtype) under float32 activations on the
+    CPU: keys and values rounded into a cache of half the bytes, read back as
+    float32 (``build.kv_cache_dtype_of`` says what is refused); a mode the
+    start-up check compares with eager float32.
+
     ``fused`` (the default) runs an eager Llama-family model on the CPU
     through fused decoder layers (``mstar.integrations.llama_step``: the same
     logits up to float32 rounding, a fraction of the host work);
@@ -112,6 +119,7 @@ class Engine:
         num_speculative_tokens: int = 4,
         compile: bool = False,
         fused: bool = True,
+        kv_cache_dtype: str | torch.dtype = "auto",
     ) -> None:
         check_options(tokenizer, num_pages, page_size, token_budget, prefix_cache, compile)
         if not isinstance(fused, bool):
@@ -128,14 +136,15 @@ class Engine:
         if prefix_cache is None:  # windows release pages, which a prefix cache would keep
             prefix_cache = all(window is None for window, _ in spec.groups)
         param = next(model.parameters())
+        kv_dtype = kv_cache_dtype_of(kv_cache_dtype, param, self.tp, flashinfer)
         if num_pages is None:
-            num_pages = pool_pages(spec, page_size, param.dtype, param.device)
-        check_pool_fits(spec, num_pages, page_size, param.dtype, param.device)
+            num_pages = pool_pages(spec, page_size, kv_dtype, param.device)
+        check_pool_fits(spec, num_pages, page_size, kv_dtype, param.device)
         model.set_attn_implementation(register())
         self.model, self.tokenizer, self.flashinfer = model, tokenizer, flashinfer
         self.device, self.budget = param.device, token_budget
         self.mgr, self.cache = kv_managers(
-            spec, num_pages, page_size, param, prefix_cache, self.tp, flashinfer
+            spec, num_pages, page_size, param, prefix_cache, self.tp, flashinfer, kv_dtype
         )
         windows = self.mgr.windows if isinstance(self.mgr, KVGroups) else (self.mgr.window,)
         self.prefix_cache = prefix_cache
@@ -197,8 +206,10 @@ class Engine:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype of the model's weights and of the KV cache (a half-precision
-        mode that disagreed with float32 at start-up never gets here: see ``mode_check``)."""
+        """The dtype of the model's weights (and of the KV cache, unless
+        ``kv_cache_dtype`` made it half precision: ``cache.dtype``; a
+        half-precision mode that disagreed with float32 at start-up never
+        gets here: see ``mode_check``)."""
         return next(self.model.parameters()).dtype
 
     # --- requests ------------------------------------------------------------------------

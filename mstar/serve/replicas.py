@@ -66,6 +66,7 @@ class ReplicaConfig:
     dtype: str = "float32"
     enforce_eager: bool = True
     quantization: str = "none"
+    kv_cache_dtype: str = "auto"
     speculative: str | None = None
     num_speculative_tokens: int = 4
     kv_disk: str | None = None  # replica i keeps its pages under kv_disk/replica-i
