@@ -1,7 +1,7 @@
 """The layer ops' attention of this tree against a git ref's, in one process.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/ab_layer_attention.py REF [--rows 1 32]
-        [--keys 61 401] [--rounds 30] [--engine]
+        [--keys 61 401] [--rounds 30] [--engine] [--kv-cache-dtype bfloat16]
 
 The ref's ``layer_ops.cpp`` is built beside this tree's under another op
 namespace (a ref whose ops share the kernels' threads gets a team of its
@@ -13,6 +13,8 @@ at each ``--rows`` (in ``--dtype auto``'s arithmetic for packed weights),
 the step's attention through either build on alternating steps; ms a step (the median
 of 60 each). Decode rows (one query each): a ref from before the op served prefill
 calls it ``decode_attention``, without the rows' query counts.
+``--kv-cache-dtype bfloat16``: the caches held in bfloat16 (a ref from
+before 91c62d2 reads float32 only); GB/s counts their bytes.
 """
 
 from __future__ import annotations
@@ -59,12 +61,15 @@ def attend(ops: object, cache: torch.Tensor, args: tuple, rest: tuple) -> torch.
     return ops.decode_attention(*args, cache, *rest[:3], *rest[4:])
 
 
-def op_turns(ops: dict[str, object], rows: int, keys: int, rounds: int) -> dict[str, float]:
-    """Seconds a layer call of each op takes (the median of ``rounds``)."""
+def op_turns(
+    ops: dict[str, object], rows: int, keys: int, rounds: int, dtype: torch.dtype
+) -> dict[str, float]:
+    """Seconds a layer call of each op takes (the median of ``rounds``), over
+    caches of ``dtype``."""
     per_row = -(-keys // PAGE)
     pages = rows * per_row + 8
     perm = np.random.default_rng(0).permutation(pages)
-    caches = [torch.randn(pages, 2, PAGE, KV_HEADS, DIM) for _ in range(LAYERS)]
+    caches = [torch.randn(pages, 2, PAGE, KV_HEADS, DIM).to(dtype) for _ in range(LAYERS)]
     indices = torch.from_numpy(perm[: rows * per_row].astype(np.int64))
     last = indices.view(rows, per_row)[:, (keys - 1) // PAGE] * 2 * PAGE + (keys - 1) % PAGE
     args = (
@@ -134,7 +139,9 @@ def main() -> None:
     parser.add_argument("--keys", type=int, nargs="+", default=[61, 401])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--engine", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
+    dtype = getattr(torch, args.kv_cache_dtype)
     if (why := layer_ops_or_why()) is not None:
         raise SystemExit(f"layer ops: {why}")
     ref_ops = build_ref(args.ref)
@@ -142,8 +149,8 @@ def main() -> None:
     print(f"{'rows':>5} {'keys':>5}  " + "  ".join(f"{n:>22}" for n in ops) + "   ratio")
     for rows in args.rows:
         for keys in args.keys:
-            t = op_turns(ops, rows, keys, args.rounds)
-            gbs = rows * keys * KV_HEADS * DIM * 4 * 2 / 1e9
+            t = op_turns(ops, rows, keys, args.rounds, dtype)
+            gbs = rows * keys * KV_HEADS * DIM * dtype.itemsize * 2 / 1e9
             cells = "  ".join(f"{s * 1e6:9.1f} us {gbs / s:5.1f} GB/s" for s in t.values())
             print(f"{rows:>5} {keys:>5}  {cells}   {t[args.ref] / t['this tree']:.2f}x")
     if args.engine:

@@ -122,6 +122,16 @@ struct Lanes8 {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
   }
+  static void halves(const Bf16* p, V& even, V& odd) {  // 16 bfloat16: 0, 2, ... and 1, 3, ...
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32(-65536)));
+  }
+  static void store_pairs(float* p, V even, V odd) {  // halves' order undone
+    const V lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
+    _mm256_storeu_ps(p, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(p + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
@@ -146,6 +156,17 @@ struct Lanes16 {
   static V load(const Bf16* p) {
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+  }
+  static void halves(const Bf16* p, V& even, V& odd) {
+    const __m512i b = _mm512_loadu_si512(p);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(-65536)));
+  }
+  static void store_pairs(float* p, V even, V odd) {
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    _mm512_storeu_ps(p, _mm512_permutex2var_ps(even, lo, odd));
+    _mm512_storeu_ps(p + 16, _mm512_permutex2var_ps(even, hi, odd));
   }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
@@ -176,10 +197,25 @@ __m256 sums8(const typename L::V* v) {
                   L::quads(L::pairs(v[4], v[5]), L::pairs(v[6], v[7])));
 }
 
+// A bfloat16 head is read 2N elements at a time as two float32 vectors, its even elements and
+// its odd ones (`halves`: a shift and a mask, no widening shuffle); q [dim] made to match:
+// each whole run of 2N floats in that order into `split` (the rest as it is).
+template <typename L>
+const float* in_halves(const float* q, int64_t dim, std::vector<float>& split) {
+  split.assign(q, q + dim);
+  for (int64_t c = 0; c + 2 * L::N <= dim; c += 2 * L::N)
+    for (int j = 0; j < L::N; ++j) {
+      split[c + j] = q[c + 2 * j];
+      split[c + L::N + j] = q[c + 2 * j + 1];
+    }
+  return split.data();
+}
+
 // out[l] = sc * (q . key l) for the keys at key[l] (dim floats each), eight keys at a time
 // (their sums as one vector: `sums8`), -inf past len to blocks(len); the `ahead` elements at
-// the keys AHEAD on asked for too. (One query head a pass: reading each key once for the
-// heads that share it, two or three a pass, measured 5-10% slower on Zen 4.)
+// the keys AHEAD on asked for too. Bfloat16 keys: q `in_halves`' order. (One query head a
+// pass: reading each key once for the heads that share it, two or three a pass, measured
+// 5-10% slower on Zen 4.)
 template <typename L, typename T>
 void key_scores(const float* q, const T* const* key, int64_t len, int64_t dim, float sc,
                 int64_t ahead, float* out) {
@@ -191,6 +227,16 @@ void key_scores(const float* q, const T* const* key, int64_t len, int64_t dim, f
     typename L::V a[BLOCK];
     for (auto& v : a) v = L::zero();
     int64_t i = 0;
+    if constexpr (std::is_same_v<T, Bf16>) {
+      for (; i + 2 * L::N <= dim; i += 2 * L::N) {
+        const typename L::V even = L::load(q + i), odd = L::load(q + i + L::N);
+        for (int j = 0; j < BLOCK; ++j) {
+          typename L::V ke, ko;
+          L::halves(k[j] + i, ke, ko);
+          a[j] = L::fma(even, ke, L::fma(odd, ko, a[j]));
+        }
+      }
+    }
     for (; i + L::N <= dim; i += L::N) {
       const typename L::V qv = L::load(q + i);
       for (int j = 0; j < BLOCK; ++j) a[j] = L::fma(qv, L::load(k[j] + i), a[j]);
@@ -232,7 +278,8 @@ Softmax exp_scores(float* s, int64_t len) {
 }
 
 // o[0..dim) = inv * sum_l p[l] * (value l at value[l] + off), 64 floats at a time in
-// registers; the `ahead` elements at the value AHEAD on asked for too.
+// registers (bfloat16 values: as `halves` reads them, put back in order as stored); the
+// `ahead` elements at the value AHEAD on asked for too.
 template <typename L, typename T>
 void weighted_values(const float* p, float inv, const T* const* value, int64_t off,
                      int64_t len, int64_t dim, int64_t ahead, float* o) {
@@ -245,9 +292,24 @@ void weighted_values(const float* p, float inv, const T* const* value, int64_t o
       if (ahead > 0 && l + AHEAD < len) prefetch(value[l + AHEAD] + off, ahead);
       const typename L::V pl = L::set1(p[l]);
       const T* v = value[l] + off + i;
-      for (int k = 0; k < K; ++k) a[k] = L::fma(pl, L::load(v + L::N * k), a[k]);
+      if constexpr (std::is_same_v<T, Bf16>) {
+        for (int k = 0; k < K; k += 2) {
+          typename L::V even, odd;
+          L::halves(v + L::N * k, even, odd);
+          a[k] = L::fma(pl, even, a[k]);
+          a[k + 1] = L::fma(pl, odd, a[k + 1]);
+        }
+      } else {
+        for (int k = 0; k < K; ++k) a[k] = L::fma(pl, L::load(v + L::N * k), a[k]);
+      }
     }
-    for (int k = 0; k < K; ++k) L::store(o + i + L::N * k, L::mul(a[k], L::set1(inv)));
+    const typename L::V scale = L::set1(inv);
+    if constexpr (std::is_same_v<T, Bf16>) {
+      for (int k = 0; k < K; k += 2)
+        L::store_pairs(o + i + L::N * k, L::mul(a[k], scale), L::mul(a[k + 1], scale));
+    } else {
+      for (int k = 0; k < K; ++k) L::store(o + i + L::N * k, L::mul(a[k], scale));
+    }
     ahead = 0;
   }
   for (; i < dim; ++i) {
@@ -266,8 +328,11 @@ template <typename L, typename T>
 void attend(const float* q, int64_t qs, int64_t group, const T* const* slots, int64_t len,
             int64_t dim, float sc, int64_t off, int64_t ahead, float* scores, float* o,
             Softmax* part) {
+  std::vector<float> split;  // a head's query in `in_halves`' order, for bfloat16 keys
   for (int64_t h = 0; h < group; ++h, ahead = 0) {
-    key_scores<L, T>(q + h * qs, slots, len, dim, sc, ahead, scores);
+    const float* qh = q + h * qs;
+    if constexpr (std::is_same_v<T, Bf16>) qh = in_halves<L>(qh, dim, split);
+    key_scores<L, T>(qh, slots, len, dim, sc, ahead, scores);
     const Softmax m = exp_scores(scores, len);
     if (part != nullptr) part[h] = m;
     weighted_values<L, T>(scores, part != nullptr ? 1.f : 1.f / m.total, slots, off, len, dim,
