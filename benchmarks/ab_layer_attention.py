@@ -61,15 +61,13 @@ def attend(ops: object, cache: torch.Tensor, args: tuple, rest: tuple) -> torch.
     return ops.decode_attention(*args, cache, *rest[:3], *rest[4:])
 
 
-def op_turns(
-    ops: dict[str, object], rows: int, keys: int, rounds: int, dtype: torch.dtype
-) -> dict[str, float]:
-    """Seconds a layer call of each op takes (the median of ``rounds``), over
-    caches of ``dtype``."""
+def decode_call(rows: int, keys: int) -> tuple[int, tuple, tuple]:
+    """A layer call of ``rows`` decode rows of ``keys`` keys each, their
+    pages shuffled: the pages a cache needs, the op's arguments before the
+    layer (qkv, cos, sin) and after it."""
     per_row = -(-keys // PAGE)
     pages = rows * per_row + 8
     perm = np.random.default_rng(0).permutation(pages)
-    caches = [torch.randn(pages, 2, PAGE, KV_HEADS, DIM).to(dtype) for _ in range(LAYERS)]
     indices = torch.from_numpy(perm[: rows * per_row].astype(np.int64))
     last = indices.view(rows, per_row)[:, (keys - 1) // PAGE] * 2 * PAGE + (keys - 1) % PAGE
     args = (
@@ -86,6 +84,16 @@ def op_turns(
         torch.full((rows,), keys, dtype=torch.int64),  # kv_lens
         HEADS, DIM**-0.5,
     )  # fmt: skip
+    return pages, args, rest
+
+
+def op_turns(
+    ops: dict[str, object], rows: int, keys: int, rounds: int, dtype: torch.dtype
+) -> dict[str, float]:
+    """Seconds a layer call of each op takes (the median of ``rounds``), over
+    caches of ``dtype``."""
+    pages, args, rest = decode_call(rows, keys)
+    caches = [torch.randn(pages, 2, PAGE, KV_HEADS, DIM).to(dtype) for _ in range(LAYERS)]
     outs = [attend(op, caches[0], args, rest) for op in ops.values()]
     assert all(torch.allclose(outs[0], o, atol=1e-5) for o in outs[1:]), "the builds disagree"
     times: dict[str, list[float]] = {name: [] for name in ops}

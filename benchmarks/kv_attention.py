@@ -17,9 +17,8 @@ import argparse
 import statistics
 import time
 
-import numpy as np
 import torch
-from ab_layer_attention import DIM, HEADS, KV_HEADS, LAYERS, PAGE
+from ab_layer_attention import DIM, KV_HEADS, LAYERS, PAGE, decode_call
 
 from mstar.engine.cpu import cpu_info
 from mstar.engine.layer_ops import layer_ops_or_why
@@ -27,24 +26,9 @@ from mstar.engine.layer_ops import layer_ops_or_why
 
 def turns(rows: int, keys: int, rounds: int) -> dict[str, float]:
     """Seconds a layer call takes over each cache dtype (the median of ``rounds``)."""
-    per_row = -(-keys // PAGE)
-    pages = rows * per_row + 8
-    perm = np.random.default_rng(0).permutation(pages)
+    pages, (qkv, cos, sin), rest = decode_call(rows, keys)
     floats = [torch.randn(pages, 2, PAGE, KV_HEADS, DIM) for _ in range(LAYERS)]
     caches = {"float32": floats, "bfloat16": [c.bfloat16() for c in floats]}
-    indices = torch.from_numpy(perm[: rows * per_row].astype(np.int64))
-    last = indices.view(rows, per_row)[:, (keys - 1) // PAGE] * 2 * PAGE + (keys - 1) % PAGE
-    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * DIM)
-    cos, sin = torch.randn(rows, DIM), torch.randn(rows, DIM)
-    rest = (
-        last, last + PAGE,  # k_rows, v_rows
-        torch.arange(rows, dtype=torch.int64),  # q_index
-        torch.ones(rows, dtype=torch.int64),  # q_lens
-        torch.arange(0, rows * per_row + 1, per_row, dtype=torch.int64),  # kv_indptr
-        indices,
-        torch.full((rows,), keys, dtype=torch.int64),  # kv_lens
-        HEADS, DIM**-0.5,
-    )  # fmt: skip
     times: dict[str, list[float]] = {name: [] for name in caches}
     for turn in range(rounds):
         for name in list(caches)[:: 1 if turn % 2 else -1]:
