@@ -239,11 +239,11 @@ def run_generate(args: argparse.Namespace) -> int:
     check_model_exists(args.model)
 
     # eager: the request is checked before any compile
-    def build(dtype: Any, quantization: str) -> Any:
+    def build(dtype: Any, quantization: str, kv_cache_dtype: str | None) -> Any:
         model, tokenizer = load_model(args.model, args.device, size, dtype, quantization)
         return make_engine(
             model, tokenizer, args.device, page_size=16, tensor_parallel_size=size,
-            kv_cache_dtype=args.kv_cache_dtype, **speculative_options(args),
+            kv_cache_dtype=kv_cache_dtype or args.kv_cache_dtype, **speculative_options(args),
         )  # fmt: skip
 
     choice = resolved_dtype(

@@ -225,7 +225,7 @@ def build_engine(
     )
     eager = args.enforce_eager if enforce_eager is None else enforce_eager
 
-    def build(dtype: Any, quantization: str) -> Any:
+    def build(dtype: Any, quantization: str, kv_cache_dtype: str | None) -> Any:
         if args.model == "random":
             from mstar.demo import build_model
 
@@ -239,7 +239,7 @@ def build_engine(
             model, tokenizer, args.device, num_pages=args.pages, page_size=args.page_size,
             token_budget=args.budget, prefix_cache=False if args.no_prefix_cache else None,
             tensor_parallel_size=args.tensor_parallel_size, enforce_eager=eager,
-            kv_cache_dtype=args.kv_cache_dtype, **speculative_options(args),
+            kv_cache_dtype=kv_cache_dtype or args.kv_cache_dtype, **speculative_options(args),
         )  # fmt: skip
 
     engine, choice = float32_unless_checked(build, choice, args.quantization, args.model)
@@ -252,7 +252,7 @@ def build_engine(
 def float32_unless_checked(
     build: Any, choice: Any, quantization: str, model: str
 ) -> tuple[Any, Any]:
-    """``(build(choice.dtype, quantization), choice)``, or, when that mode
+    """``(build(choice.dtype, quantization, None), choice)``, or, when that mode
     disagrees with eager float32 (``ModeMismatch``), float32 as
     ``mstar.engine.build.float32_unless_checked`` picks it and a choice whose
     reason says why (``model``: its name, to tell packed weights)."""

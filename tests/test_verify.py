@@ -128,6 +128,29 @@ def test_the_start_up_line_names_the_check_and_speculation():
     assert line.endswith("speculative ngram (up to 3 draft tokens)"), line
 
 
+def test_a_half_kv_cache_that_disagrees_falls_back_to_float32_throughout(monkeypatch):
+    """A bfloat16 KV cache under float32 weights whose check fails: served
+    over a float32 cache (the exact mode), the line saying why."""
+    from mstar.engine import build
+    from mstar.engine.verify import ModeCheck
+    from mstar.options import build_engine
+
+    real = build.check_mode
+
+    def made_up(engine, reference, tolerance):
+        if engine.cache.dtype == torch.bfloat16:
+            return ModeCheck(2.0, 1, 0, "made up")
+        return real(engine, reference, tolerance)
+
+    monkeypatch.setattr(build, "check_mode", made_up)
+    engine, line = build_engine(_serve_args(dtype="float32", kv_cache_dtype="bfloat16"))
+    assert engine.cache.dtype == torch.float32 and engine.mode_check is None
+    assert line.startswith(
+        "float32 (float32 refused: bfloat16 KV cache disagrees with eager float32: made up) weights"
+    ), line
+    assert not line.endswith("KV cache"), line
+
+
 def test_a_half_kv_cache_is_checked_and_named_on_the_start_up_line():
     """``--kv-cache-dtype bfloat16`` under float32 weights: not exact, so
     checked against eager float32; the line names the cache."""
@@ -204,18 +227,19 @@ def test_a_refused_mode_falls_back_to_float32_arithmetic_on_packed_weights_first
     calls = []
 
     def load(refuse):
-        def run(dtype, quantization):
+        def run(dtype, quantization, kv_cache_dtype):
             calls.append((dtype, quantization))
             if refuse(dtype, quantization):
                 raise ModeMismatch(f"{dtype} {quantization} made up")
-            return (dtype, quantization)
+            return (dtype, quantization, kv_cache_dtype)
 
         return run
 
     half = load(lambda d, q: d != torch.float32)
     built, (err, instead) = float32_unless_checked(half, torch.bfloat16, "gguf", packed=True)
     assert (
-        built == (torch.float32, "gguf") and instead == "float32 arithmetic on the packed weights"
+        built == (torch.float32, "gguf", None)
+        and instead == "float32 arithmetic on the packed weights"
     )
     assert str(err) == "torch.bfloat16 gguf made up"
     calls.clear()
@@ -226,8 +250,8 @@ def test_a_refused_mode_falls_back_to_float32_arithmetic_on_packed_weights_first
     packed_too = load(lambda d, q: q != "none")
     built, (_, instead) = float32_unless_checked(packed_too, torch.bfloat16, "int4", packed=True)
     assert calls == [(torch.bfloat16, "int4"), (torch.float32, "int4"), (torch.float32, "none")]
-    assert built == (torch.float32, "none") and instead == "float32 weights"
+    assert built == (torch.float32, "none", "auto") and instead == "float32 weights"
     assert float32_unless_checked(half, torch.float32, "int4", packed=True) == (
-        (torch.float32, "int4"),
+        (torch.float32, "int4", None),
         None,
     )

@@ -135,10 +135,12 @@ def from_pretrained(
     device = checked_device(device)
     packed = asks_packed(os.fspath(name), quantization)
     dtype = resolve_dtype(dtype, device, packed).dtype
-    built, refused = float32_unless_checked(
-        lambda d, q: _loaded(make, os.fspath(name), device, d, dict(kwargs), q),
-        dtype, quantization, packed,
-    )  # fmt: skip
+
+    def load(d: torch.dtype, q: str, kv: str | None) -> Built:
+        asked = dict(kwargs) if kv is None else {**kwargs, "kv_cache_dtype": kv}
+        return _loaded(make, os.fspath(name), device, d, asked, q)
+
+    built, refused = float32_unless_checked(load, dtype, quantization, packed)
     if refused is not None:
         warnings.warn(f"{refused[0]}; serving {refused[1]} instead", stacklevel=3)
     return built
@@ -148,25 +150,30 @@ T = TypeVar("T")
 
 
 def float32_unless_checked(
-    load: Callable[[torch.dtype, str], T], dtype: torch.dtype, quantization: str, packed: bool
+    load: Callable[[torch.dtype, str, str | None], T],
+    dtype: torch.dtype,
+    quantization: str,
+    packed: bool,
 ) -> tuple[T, tuple[ModeMismatch, str] | None]:
-    """``(load(dtype, quantization), None)``, or, when that mode disagrees
-    with eager float32 (``ModeMismatch``), float32 instead and ``(the
-    mismatch, what is served)``: the same packed weights in float32
+    """``(load(dtype, quantization, None), None)``, or, when that mode
+    disagrees with eager float32 (``ModeMismatch``), float32 instead and
+    ``(the mismatch, what is served)``: the same packed weights in float32
     arithmetic where a half-precision dtype multiplied them (``packed``;
-    checked at the exact bound), else float32 float weights."""
+    checked at the exact bound), else float32 float weights over a float32
+    KV cache. ``load``'s third argument: the KV cache's dtype, None as
+    asked (``"auto"``: the weights', for that last, exact mode)."""
     try:
-        return load(dtype, quantization), None
+        return load(dtype, quantization, None), None
     except ModeMismatch as err:
         if packed and dtype != torch.float32:
             try:
-                return load(torch.float32, quantization), (
+                return load(torch.float32, quantization, None), (
                     err,
                     "float32 arithmetic on the packed weights",
                 )
             except ModeMismatch:
                 pass
-        return load(torch.float32, "none"), (err, "float32 weights")
+        return load(torch.float32, "none", "auto"), (err, "float32 weights")
 
 
 def _loaded(
