@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -356,6 +358,23 @@ def test_low_precision_returns_q_dtype():
     assert out.dtype == torch.bfloat16
     expected = dense_attention(q.float(), layer[0, 0].float(), layer[0, 1].float())
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_paged_attention_reads_a_half_cache_as_float32(half):
+    """float32 queries over a half-precision layer: the same output, bit for
+    bit, as over that layer made float32 (the upcast is exact)."""
+    torch.manual_seed(0)
+    layer = torch.randn(3, 2, 4, 2, 8).to(half)
+    indptrs = _indptrs([0, 1, 4], [0, 2, 3], [0, 2, 1], [3, 4])
+    q = torch.randn(4, 4, 8)
+    got = paged_attention(q, layer, indptrs)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, paged_attention(q, layer.float(), indptrs))
+    with pytest.raises(ValueError, match=r"expected q of dtype torch\.float32"):
+        paged_attention(q.to(half), layer.float(), indptrs)  # half queries, float32 cache
+    with pytest.raises(ValueError, match=re.escape(f"expected q of dtype {half}")):
+        paged_attention(q.double(), layer, indptrs)
 
 
 def _bad(**overrides):

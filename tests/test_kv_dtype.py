@@ -5,7 +5,6 @@ every attention path; refused where it is not served."""
 from __future__ import annotations
 
 import copy
-import re
 
 import pytest
 import torch
@@ -13,9 +12,7 @@ from oracles import Streams
 
 from mstar.demo import build_model
 from mstar.engine import Engine, SamplingParams
-from mstar.engine.resources.attn.paged import paged_attention
 from mstar.engine.resources.kv.cache import KVCache
-from mstar.engine.resources.kv.plan import PagedIndptrs
 
 OPTIONS = {"num_pages": 48, "page_size": 8, "token_budget": 32}
 
@@ -23,28 +20,6 @@ OPTIONS = {"num_pages": 48, "page_size": 8, "token_budget": 32}
 @pytest.fixture(scope="module")
 def models():
     return build_model(seed=3)
-
-
-def _indptrs(qo, kv, indices, last):
-    ints = [torch.tensor(x, dtype=torch.int32) for x in (qo, kv, indices, last)]
-    return PagedIndptrs(*ints)
-
-
-@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
-def test_paged_attention_reads_a_half_cache_as_float32(half):
-    """float32 queries over a half-precision layer: the same output, bit for
-    bit, as over that layer made float32 (the upcast is exact)."""
-    torch.manual_seed(0)
-    layer = torch.randn(3, 2, 4, 2, 8).to(half)
-    indptrs = _indptrs([0, 1, 4], [0, 2, 3], [0, 2, 1], [3, 4])
-    q = torch.randn(4, 4, 8)
-    got = paged_attention(q, layer, indptrs)
-    assert got.dtype == torch.float32
-    assert torch.equal(got, paged_attention(q, layer.float(), indptrs))
-    with pytest.raises(ValueError, match=r"expected q of dtype torch\.float32"):
-        paged_attention(q.to(half), layer.float(), indptrs)  # half queries, float32 cache
-    with pytest.raises(ValueError, match=re.escape(f"expected q of dtype {half}")):
-        paged_attention(q.double(), layer, indptrs)
 
 
 def test_write_rounds_float32_into_a_half_cache():

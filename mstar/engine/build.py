@@ -16,7 +16,7 @@ from mstar.engine.device import checked_device, flashinfer_or_none
 from mstar.engine.dtypes import resolve_dtype
 from mstar.engine.loader import asks_packed
 from mstar.engine.resources.groups import KVGroups, group_size
-from mstar.engine.resources.kv.cache import HALVES, KVCache
+from mstar.engine.resources.kv.cache import KVCache, cache_serves
 from mstar.engine.resources.kv.manager import KVManager
 from mstar.engine.resources.kv.ring import PinnedIndexRing
 from mstar.engine.tp import TensorParallel, check_size, load_sharded, shard
@@ -82,7 +82,7 @@ def kv_cache_dtype_of(
     if dtype == param.dtype:
         return dtype
     name = str(dtype).removeprefix("torch.")
-    if param.dtype != torch.float32 or dtype not in HALVES:
+    if not cache_serves(dtype, param.dtype):
         raise ValueError(
             f"expected kv_cache_dtype 'auto', the model's {param.dtype} or, under float32, bfloat16"
             f" or float16, got {name}"
@@ -269,7 +269,7 @@ def checked_forward(engine: Any, compile: bool) -> tuple[str | None, ModeCheck |
     None. A half-precision KV cache is part of the mode (not exact)."""
     weights = weights_mode(engine.model)
     exact = float32_arithmetic(engine.model)
-    if engine.cache.dtype != next(engine.model.parameters()).dtype:
+    if engine.cache.dtype != engine.dtype:
         kv = f"{str(engine.cache.dtype).removeprefix('torch.')} KV cache"
         weights, exact = ", ".join(filter(None, (weights, kv))), False
     if engine.tp is not None or (weights is None and not compile):

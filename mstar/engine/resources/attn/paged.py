@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar.engine.resources.attn.options import AttentionOptions
-from mstar.engine.resources.kv.cache import HALVES, indexed_device
+from mstar.engine.resources.kv.cache import cache_serves, indexed_device
 from mstar.engine.resources.kv.lengths import row_lengths
 from mstar.engine.resources.kv.plan import PagedIndptrs
 
@@ -393,7 +393,7 @@ def _check_inputs(
         raise ValueError(
             f"expected num_qo_heads a multiple of num_kv_heads {num_kv_heads}, got {q.shape[1]}"
         )
-    if q.dtype != k_pages.dtype and not (q.dtype == torch.float32 and k_pages.dtype in HALVES):
+    if not cache_serves(k_pages.dtype, q.dtype):
         raise ValueError(f"expected q of dtype {k_pages.dtype} (kv_layer's), got {q.dtype}")
     if q.device != k_pages.device:
         raise ValueError(f"expected q on {k_pages.device} (kv_layer's device), got {q.device}")

@@ -15,13 +15,20 @@ import torch
 from mstar.engine.resources.kv.lengths import row_lengths
 from mstar.engine.resources.kv.plan import KVPlanOutput
 
-__all__ = ["HALVES", "KVCache", "KVLayer"]
+__all__ = ["KVCache", "KVLayer", "cache_serves"]
 
 # One layer: FlashInfer's combined NHD tensor, or its (k, v) tuple form.
 KVLayer = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 # The half-precision dtypes a cache may hold under float32 activations (written rounded,
 # read back as float32 by attention).
 HALVES = (torch.bfloat16, torch.float16)
+
+
+def cache_serves(cache: torch.dtype, activations: torch.dtype) -> bool:
+    """Whether a KV cache of dtype ``cache`` serves keys, values and queries
+    of dtype ``activations``: the same dtype, or a half-precision cache
+    (``HALVES``) under float32."""
+    return cache == activations or (activations == torch.float32 and cache in HALVES)
 
 
 class KVCache:
@@ -108,7 +115,7 @@ class KVCache:
             expected = (total, self.num_kv_heads, width)
             if tuple(t.shape) != expected:
                 raise ValueError(f"expected {name} of shape {expected}, got {tuple(t.shape)}")
-            if t.dtype != self.dtype and not (t.dtype == torch.float32 and self.dtype in HALVES):
+            if not cache_serves(self.dtype, t.dtype):
                 raise ValueError(f"expected {name} of dtype {self.dtype}, got {t.dtype}")
             if t.device != self.device:
                 raise ValueError(f"expected {name} on {self.device}, got {t.device}")
