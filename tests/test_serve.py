@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -152,6 +153,45 @@ def test_32_concurrent_streaming_clients_each_get_their_offline_output(server, o
     assert pages_used(server) == 0
     assert metric(server, "mstar_requests_running") == 0
     assert metric(server, "mstar_requests_waiting") == 0
+
+
+def test_32_concurrent_clients_over_a_bfloat16_kv_cache_get_its_offline_output(models):
+    """``serve --kv-cache-dtype bfloat16``: 32 streamed clients at once, each
+    answered as the same engine answers offline, every page given back; a
+    request's logprobs are the bfloat16 cache's, not a float32 one's."""
+    engine = engine_of(models, kv_cache_dtype="bfloat16")
+    offline = {d: engine_of(models, kv_cache_dtype=d) for d in ("bfloat16", "auto")}
+    want = [
+        c.outputs[0].token_ids
+        for c in offline["bfloat16"].generate(PROMPTS, SamplingParams(max_new_tokens=5))
+    ]
+    one = SamplingParams(max_new_tokens=8, logprobs=1, ignore_eos=True)
+    logprobs = {
+        d: [r.chosen.logprob for r in e.generate(PROMPTS[5:6], one)[0].outputs[0].logprobs]
+        for d, e in offline.items()
+    }
+    assert max(map(abs, np.subtract(logprobs["bfloat16"], logprobs["auto"]))) > 1e-4
+
+    async def all_of_them(srv: ServerThread) -> list[list[int]]:
+        api = openai.AsyncOpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*(
+                stream_token_ids(api, p, model=MODEL, max_tokens=5, temperature=0, extra_body=TOKENS)
+                for p in PROMPTS
+            ))  # fmt: skip
+        finally:
+            await api.close()
+
+    with ServerThread(create_app(engine, model_name=MODEL)) as srv:
+        assert asyncio.run(all_of_them(srv)) == want
+        got = client(srv).completions.create(
+            model=MODEL, prompt=PROMPTS[5], max_tokens=8, temperature=0, logprobs=1,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert got.choices[0].logprobs.token_logprobs == pytest.approx(
+            logprobs["bfloat16"], abs=1e-6
+        )
+        assert pages_used(srv) == 0
 
 
 @pytest.fixture(scope="module")
