@@ -3,10 +3,12 @@ reads and the floor it cannot beat (no timing here)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mstar.bench.roofline import (
     floor_s,
+    format_roofline,
     linear_alone_s,
     linear_bytes,
     linear_modules,
@@ -69,3 +71,21 @@ def test_linear_bytes_of_packed_layers_are_what_their_rows_read():
     assert linear_bytes(model, rows=BF16_ROWS - 1) == stored
     assert linear_bytes(model, rows=BF16_ROWS) == 64 * 96 * 2  # the bfloat16 panels
     assert linear_bytes(torch.nn.Sequential(PackedLinear(packed)), rows=32) == stored
+
+
+def test_the_title_names_the_cpu_and_both_read_probes():
+    pytest.importorskip("rich")
+    from rich.console import Console
+
+    result = {
+        "rates": {"read_bytes_s": 52e9, "gemm_flop_s_float32": 190e9},
+        "read_probes": (41e9, 52e9),
+        "cpu": "Some CPU (flags avx2)",
+        "linear_parameters": 134e6,
+        "rows": [],
+    }
+    console = Console(width=200, record=True)
+    console.print(format_roofline(result))
+    text = " ".join(console.export_text().split())  # the title wraps at the table's width
+    assert "read 52 GB/s (the better of 41 and 52)" in text
+    assert "CPU: Some CPU (flags avx2)" in text
