@@ -35,7 +35,8 @@ HEADS, KV_HEADS, DIM, PAGE, LAYERS = 9, 3, 64, 16, 30
 
 
 def build_ref(ref: str) -> object:
-    """``ref``'s layer ops (where that version kept them), registered as
+    """``ref``'s layer ops (where that version kept them, with their
+    attention's header where it had one), registered as
     ``torch.ops.mstar_layer_ref``, with this tree's kernel headers beside
     them (a version that shares the kernels' threads gets a team of its
     own: the two teams' waiting threads then share the cores)."""
@@ -48,7 +49,15 @@ def build_ref(ref: str) -> object:
     text = shown.stdout
     for macro in ("TORCH_LIBRARY(", "TORCH_LIBRARY_IMPL("):
         text = text.replace(f"{macro}mstar_layer,", f"{macro}mstar_layer_ref,")
-    build("mstar_layer_ref", text, "layer_ops", headers=headers())
+    # its attention, where the version kept it in a header of its own
+    attention = subprocess.run(
+        ["git", "show", f"{ref}:{path.rsplit('/', 1)[0]}/layer_attention.h"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    parts = headers() | (
+        {"layer_attention.h": attention.stdout} if attention.returncode == 0 else {}
+    )
+    build("mstar_layer_ref", text, "layer_ops", headers=parts)
     return torch.ops.mstar_layer_ref
 
 

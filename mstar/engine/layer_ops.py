@@ -1,6 +1,7 @@
 """The small ops of a fused decoder layer (``layer_ops.cpp``): RMSNorm (with
 the residual add before it), rotary in place, SiLU times up, and a decode
-step's rotary + KV write + attention over each row's pages, each one call
+step's rotary + KV write + attention over each row's pages
+(``layer_attention.h``), each one call
 where aten takes several (a decode step makes thousands of such calls, and
 each aten call costs microseconds).
 

@@ -30,6 +30,7 @@ __all__ = ["bf16_or_why", "build_under", "kernel_or_why"]
 SOURCE = Path(__file__).with_name("kernels.cpp")
 PARTS = Path(__file__).with_name("cpp")  # the headers kernels.cpp includes
 LAYER_OPS = Path(__file__).parents[1] / "layer_ops.cpp"
+LAYER_ATTENTION = LAYER_OPS.with_name("layer_attention.h")  # layer_ops.cpp's attention
 DECODE_LAYERS = Path(__file__).parents[1] / "decode_layers.cpp"  # calls both of them
 # the one extension's source: all three files in one unit, so one Team (team.h) for all
 BOTH = '#include "kernels.cpp"\n#include "layer_ops.cpp"\n#include "decode_layers.cpp"\n'
@@ -45,7 +46,10 @@ def kernel_or_why() -> str | None:
     """None when the kernels are loaded (built first if need be), else why not."""
     files = {
         **headers(),
-        **{path.name: path.read_text() for path in (SOURCE, LAYER_OPS, DECODE_LAYERS)},
+        **{
+            path.name: path.read_text()
+            for path in (SOURCE, LAYER_OPS, LAYER_ATTENTION, DECODE_LAYERS)
+        },
     }
     why = build_or_why("mstar_cpu_ops", BOTH, "kernels", "the C++ ops", files)
     if why is None:
