@@ -98,6 +98,14 @@ def kv_cache_dtype_of(
     return dtype
 
 
+def half_kv_cache(engine: Any) -> str | None:
+    """``"bfloat16 KV cache"`` (or float16) when ``engine``'s cache holds
+    another dtype than its activations (``kv_cache_dtype``), else None."""
+    if engine.cache.dtype == engine.dtype:
+        return None
+    return f"{str(engine.cache.dtype).removeprefix('torch.')} KV cache"
+
+
 def stops_workers_on_error(init: Callable[..., None]) -> Callable[..., None]:
     """A constructor that, when it raises, first stops the tensor-parallel
     workers it started (``self.tp``)."""
@@ -269,8 +277,7 @@ def checked_forward(engine: Any, compile: bool) -> tuple[str | None, ModeCheck |
     None. A half-precision KV cache is part of the mode (not exact)."""
     weights = weights_mode(engine.model)
     exact = float32_arithmetic(engine.model)
-    if engine.cache.dtype != engine.dtype:
-        kv = f"{str(engine.cache.dtype).removeprefix('torch.')} KV cache"
+    if (kv := half_kv_cache(engine)) is not None:
         weights, exact = ", ".join(filter(None, (weights, kv))), False
     if engine.tp is not None or (weights is None and not compile):
         return (compiled_or_why(engine) if compile else None), None

@@ -9,8 +9,9 @@ writes its keys and values where the plan says and attends over its pages.
 A step whose rows each have one query (decode) or at most ``KERNEL_PAIRS``
 query-key pairs (prefills up to a few hundred tokens: chat turns) attends
 through the layer ops' ``attention`` when they are built (``kernels``,
-``fused``) and the cache holds float32 or bfloat16 (``KERNEL_DTYPES``): from the q/k/v GEMM's output, rotary applied, the layer's keys
-and values written at the cache's ``write_rows``, then each query over its
+``fused``) and the cache holds float32 or bfloat16 (``KERNEL_DTYPES``):
+from the q/k/v GEMM's output, rotary applied, the layer's keys and values
+written at the cache's ``write_rows``, then each query over its
 row's pages read in place, no gather, no padding; the row arrays it reads
 are converted once per step.
 Longer rows (a long prompt's prefill) go to SDPA's blocked kernel over
