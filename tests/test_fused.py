@@ -239,9 +239,9 @@ def test_layer_stack_is_the_layers_bit_for_bit(int16, kv_dtype):
     """Steps of fewer than ``BF16_ROWS`` tokens on packed layers (decode
     rows, a short prefill chunk beside one) run as one ``decode_layers``
     call: the same logits, bit for bit, as layer by layer, the int4 layers
-    on float32 or int16 activations, over a float32 or a bfloat16 KV cache; a
-    long prefill, and ``BF16_ROWS`` rows
-    (the bfloat16 panels' count), run layer by layer; float32 layers, and
+    on float32 or int16 activations, over a float32 or a bfloat16 KV cache;
+    a long prefill, and ``BF16_ROWS`` rows (the bfloat16 panels' count), run
+    layer by layer; float32 layers, and
     int4 ones with and without int16 activations, never stack."""
     if layer_ops_or_why() is not None:
         pytest.skip(f"layer ops: {layer_ops_or_why()}")
