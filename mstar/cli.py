@@ -379,7 +379,7 @@ def run_bench_roofline(args: argparse.Namespace) -> int:
             stage=status.update,
             **options,
         )
-    Console(width=120).print(format_roofline(result))
+    Console(width=130).print(format_roofline(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -7,6 +7,9 @@ import pytest
 import torch
 
 from mstar.bench.roofline import (
+    _Config,
+    _time_forward,
+    _turn,
     floor_s,
     format_roofline,
     linear_alone_s,
@@ -73,19 +76,56 @@ def test_linear_bytes_of_packed_layers_are_what_their_rows_read():
     assert linear_bytes(torch.nn.Sequential(PackedLinear(packed)), rows=32) == stored
 
 
-def test_the_title_names_the_cpu_and_both_read_probes():
+def test_the_table_names_the_cpu_both_read_probes_and_the_cold_step():
     pytest.importorskip("rich")
     from rich.console import Console
 
+    row = dict(batch=1, config="bfloat16 gguf eager", step_s=4.84e-3, cold_step_s=5.86e-3,
+               linear_s=4.5e-3, x_linear=1.08, floor_s=2.7e-3, x_own_floor=1.8,
+               machine_floor_s=7.6e-3, x_floor=0.6, host_share=0.1)  # fmt: skip
     result = {
         "rates": {"read_bytes_s": 52e9, "gemm_flop_s_float32": 190e9},
         "read_probes": (41e9, 52e9),
         "cpu": "Some CPU (flags avx2)",
         "linear_parameters": 134e6,
-        "rows": [],
+        "rows": [row],
     }
     console = Console(width=200, record=True)
     console.print(format_roofline(result))
     text = " ".join(console.export_text().split())  # the title wraps at the table's width
     assert "read 52 GB/s (the better of 41 and 52)" in text
     assert "CPU: Some CPU (flags avx2)" in text
+    assert "step ms ┃ cold ms" in text
+    assert "│ 4.8 │ 5.9 │ 4.5 │ 1.08x │" in text  # the step, the cold step, the linear layers
+
+
+class _Engine:
+    """An engine's step, its forward on ``_forward_step``: a forward's wall
+    time reads as the step's number (the forward sets the clock it is timed by)."""
+
+    def __init__(self, clock: list[float]) -> None:
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, 4))
+        self.steps, self.clock = 0, clock
+        self._forward_step = self._forward
+
+    def _forward(self) -> None:
+        self.steps += 1
+        self.clock[0] += self.steps  # seconds "taken" by this forward
+
+    def step(self) -> None:
+        self._forward_step()
+
+
+def test_a_turn_times_a_step_after_its_own_and_the_cold_one_apart(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr("mstar.bench.roofline.time.perf_counter", lambda: clock[0])
+    engine = _Engine(clock)
+    config = _Config(torch.float32, "none", False, engine)
+    _time_forward(config)
+    for _ in range(2):
+        _turn(config, rows=2)
+    assert engine.steps == 12  # six steps a turn
+    assert config.cold_s == [1.0, 7.0]  # each turn's first step: after the others'
+    assert config.step_s == [5.0, 6.0, 11.0, 12.0]  # its last two: settled after its own
+    assert config.forward_s == config.step_s  # the host's share from the timed steps
+    assert len(config.linear_s) == 2

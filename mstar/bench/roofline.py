@@ -11,7 +11,12 @@ batch 32 takes minutes a step), rated as float32; the machine's floor is
 the lower of the dtypes'. Each (dtype, eager
 or compiled) engine serves ``B`` decoding requests of SmolLM2 and steps in
 turns with the others, so a busy moment of the machine falls on all of
-them alike. ``host`` is the share of a step spent outside the model's
+them alike. A turn is six steps: the first timed as ``cold`` (it follows
+the other engines' steps), three more untimed, then two timed as ``step``:
+a serving loop's steps follow steps of their own engine, and a step after
+another engine's is slower for a few (on Zen 4 at batch 1: 5.8, 5.4, 5.2,
+then 4.9-5.1 ms from the fourth on, medians of 15 turns after a float32
+engine's step). ``host`` is the share of a step spent outside the model's
 forward (planning, sampling, detokenizing, completions). ``linear`` is the model's linear layers alone at the step's
 rows (``linear_alone_s``: each ``linear_modules`` module called in turn on
 ``B`` rows, eager, timed in turns with the steps), so ``step / linear`` says
@@ -37,6 +42,8 @@ from mstar.engine.loader import load
 
 PROMPT_TOKENS = 32
 READ_BYTES = 1 << 29
+SETTLE_STEPS = 3  # untimed steps a turn between the cold step and the timed ones
+TIMED_STEPS = 2  # timed steps a turn
 
 
 @dataclass
@@ -45,7 +52,10 @@ class _Config:
     quantization: str  # the mode the load resolved to: none, gguf, int8, int4
     compiled: bool
     engine: Engine
-    forward_s: list[float] = field(default_factory=list)
+    last_forward_s: float = 0.0  # the last step's forward
+    step_s: list[float] = field(default_factory=list)  # steps after its own (``_turn``)
+    cold_s: list[float] = field(default_factory=list)  # steps after the other configs'
+    forward_s: list[float] = field(default_factory=list)  # the forwards of step_s's steps
     linear_s: list[float] = field(default_factory=list)
 
     @property
@@ -186,7 +196,9 @@ def run_roofline(
     rated = (torch.float32,) if emulated else dtypes
     stage("measuring the machine's read bandwidth and peak GEMM")
     first = machine_rates(dtypes=rated)
-    new_tokens = steps + 8  # a decoding request's budget: it outlives the timed steps
+    turns = -(-steps // TIMED_STEPS)
+    # a decoding request's budget: it outlives the turns' steps
+    new_tokens = turns * (1 + SETTLE_STEPS + TIMED_STEPS) + 8
     pages = max(batches) * -(-(PROMPT_TOKENS + new_tokens) // 16) + 64
     configs, params = [], 0
     for dtype in dtypes:
@@ -221,18 +233,14 @@ def run_roofline(
         for c in configs:
             _start(c.engine, batch, new_tokens)
         stage(f"batch {batch}: {steps} decode steps per config, in turns")
-        times: dict[str, list[float]] = {c.name: [] for c in configs}
         for c in configs:
-            c.forward_s.clear()
-            c.linear_s.clear()
-        for _ in range(steps):
+            for times in (c.step_s, c.cold_s, c.forward_s, c.linear_s):
+                times.clear()
+        for _ in range(turns):
             for c in configs:
-                start = time.perf_counter()
-                c.engine.step()
-                times[c.name].append(time.perf_counter() - start)
-                c.linear_s.append(linear_alone_s(c.engine.model, batch, repeats=1))
+                _turn(c, batch)
         for c in configs:
-            step = statistics.median(times[c.name])
+            step = statistics.median(c.step_s)
             forward = statistics.median(c.forward_s)
             linear = statistics.median(c.linear_s)
             arithmetic = torch.float32 if emulated else c.dtype
@@ -244,6 +252,7 @@ def run_roofline(
                     "batch": batch,
                     "config": c.name,
                     "step_s": step,
+                    "cold_step_s": statistics.median(c.cold_s),
                     "linear_s": linear,
                     "x_linear": step / linear,
                     "host_share": max(step - forward, 0.0) / step,
@@ -268,14 +277,36 @@ def run_roofline(
     }
 
 
+def _turn(config: _Config, rows: int) -> None:
+    """One turn of ``config`` (its forward timed by ``_time_forward``): a
+    step after the other configs' work (``cold_s``), ``SETTLE_STEPS``
+    untimed, ``TIMED_STEPS`` timed (``step_s``, their forwards in
+    ``forward_s``), then its linear layers alone at ``rows`` rows
+    (``linear_s``)."""
+    config.cold_s.append(_timed_step(config.engine))
+    for _ in range(SETTLE_STEPS):
+        config.engine.step()
+    for _ in range(TIMED_STEPS):
+        config.step_s.append(_timed_step(config.engine))
+        config.forward_s.append(config.last_forward_s)
+    config.linear_s.append(linear_alone_s(config.engine.model, rows, repeats=1))
+
+
+def _timed_step(engine: Engine) -> float:
+    """Seconds one ``engine.step()`` takes."""
+    start = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - start
+
+
 def _time_forward(config: _Config) -> None:
-    """Record each forward's wall time (to tell the host's share of a step)."""
+    """Keep each forward's wall time (to tell the host's share of a step)."""
     forward = config.engine._forward_step
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         out = forward(*args, **kwargs)
-        config.forward_s.append(time.perf_counter() - start)
+        config.last_forward_s = time.perf_counter() - start
         return out
 
     config.engine._forward_step = timed
@@ -312,13 +343,14 @@ def format_roofline(result: dict) -> Any:
     title += f"\nCPU: {result['cpu']}"
     table = Table(title=title, min_width=100)
     # floor: of this config's own weight bytes; machine: the best dtype's (see the module)
-    for col in ("batch", "config", "step ms", "linear ms", "step/linear", "floor ms",
-                "x floor", "machine ms", "x machine", "host %"):  # fmt: skip
+    for col in ("batch", "config", "step ms", "cold ms", "linear ms", "x linear",
+                "floor ms", "x floor", "mach. ms", "x mach.", "host %"):  # fmt: skip
         table.add_column(col, justify="left" if col == "config" else "right", no_wrap=True)
     for row in result["rows"]:
         table.add_row(
             str(row["batch"]), row["config"], f"{row['step_s'] * 1e3:.1f}",
-            f"{row['linear_s'] * 1e3:.1f}", f"{row['x_linear']:.2f}x",
+            f"{row['cold_step_s'] * 1e3:.1f}", f"{row['linear_s'] * 1e3:.1f}",
+            f"{row['x_linear']:.2f}x",
             f"{row['floor_s'] * 1e3:.1f}", f"{row['x_own_floor']:.1f}x",
             f"{row['machine_floor_s'] * 1e3:.1f}", f"{row['x_floor']:.1f}x",
             f"{row['host_share'] * 100:.0f}",
