@@ -418,6 +418,8 @@ def test_layer_ops_silu_mul_matches_torch_over_the_float_range():
         (((900, 3),), 8, 2, 64, 1e-5),  # a chunk's three queries, each its own keys in parts
         (((9, 1),), 64, 8, 128, 1e-5),  # too few pages to part; eight heads a KV head
         (((30, 1), (0, 3)), 10, 2, 16, 1e-5),  # five heads a KV head, 16 floats each
+        # a KV head each; four rows, the next row's pages asked for during each
+        (((200, 1), (37, 1), (3, 1), (150, 1)), 4, 4, 64, 1e-5),
         # prefill: fresh prompts and chunks after a history, each query causal in its row,
         # beside decode rows; a row of one query among them
         (((0, 5), (7, 1), (0, 1), (13, 9), (4, 64)), 4, 2, 8, 1e-6),

@@ -46,6 +46,26 @@ inline void prefetch(const T* p, int64_t n) {
     _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
 }
 
+// The pages of the task a thread likely takes next (its keys' and values' blocks), asked for
+// into L2 a few cache lines at a time (`drip`, from the passes over the keys and values of
+// the task at hand): a layer's pages are in DRAM by the next step (the weights streamed in
+// between evict them), and a task's first pass over them would otherwise wait on them.
+struct NextPages {
+  std::vector<const char*> blocks;
+  int64_t bytes = 0;        // of each block
+  int64_t rate = 0;         // lines a `drip`
+  size_t block = 0;         // the next line asked for: blocks[block] + at
+  int64_t at = 0;
+
+  int64_t lines() const { return static_cast<int64_t>(blocks.size()) * ((bytes + 63) / 64); }
+  void drip() {
+    for (int64_t n = 0; n < rate && block < blocks.size(); ++n) {
+      _mm_prefetch(blocks[block] + at, _MM_HINT_T1);
+      if ((at += 64) >= bytes) at = 0, ++block;
+    }
+  }
+};
+
 // The vector ops of attention: eight lanes (AVX2), or sixteen (`Lanes16`, AVX-512 builds,
 // for heads of a whole number of 16 floats: half the instructions a key). Within each
 // 128-bit lane, `pairs` adds two vectors' lanes pairwise, interleaved ([a0+a2, b0+b2, a1+a3,
@@ -156,9 +176,10 @@ const float* in_halves(const float* q, int64_t dim, std::vector<float>& split) {
 // 5-10% slower on Zen 4.)
 template <typename L, typename T>
 void key_scores(const float* q, const T* const* key, int64_t len, int64_t dim, float sc,
-                int64_t ahead, float* out) {
+                int64_t ahead, float* out, NextPages* next) {
   const __m256 scale = _mm256_set1_ps(sc);
   for (int64_t l = 0; l < len; l += BLOCK) {
+    if (next != nullptr) next->drip();
     for (int64_t j = l + AHEAD; j < std::min(l + AHEAD + BLOCK, len); ++j) prefetch(key[j], ahead);
     const T* k[BLOCK];  // the last block's missing keys: its last key again
     for (int j = 0; j < BLOCK; ++j) k[j] = key[std::min(l + j, len - 1)];
@@ -215,66 +236,104 @@ Softmax exp_scores(float* s, int64_t len) {
   return {peak, hsum(sums)};
 }
 
-// o[0..dim) = inv * sum_l p[l] * (value l at value[l] + off), 64 floats at a time in
-// registers (bfloat16 values: as `halves` reads them, put back in order as stored); the
-// `ahead` elements at the value AHEAD on asked for too.
-template <typename L, typename T>
-void weighted_values(const float* p, float inv, const T* const* value, int64_t off,
-                     int64_t len, int64_t dim, int64_t ahead, float* o) {
+// Query heads whose weighted values one pass of `weighted_values` sums: as many as keep
+// their 64 floats of sums in registers (four heads of four AVX-512 vectors; one of eight
+// AVX2 vectors: AVX2 has 16 registers).
+template <typename L>
+constexpr int VALUE_HEADS = L::N == 16 ? 4 : 1;
+
+// For G query heads g (their scores p + g * ps, e^(score - peak) over len keys):
+// o[g * dim .. (g + 1) * dim) = inv[g] * sum_l p[l] * (value l at value[l] + off), 64 floats
+// at a time in registers, each value read once for the G heads (bfloat16 values: as
+// `halves` reads them, put back in order as stored); the `ahead` elements at the value
+// AHEAD on asked for too.
+template <typename L, typename T, int G>
+void weighted_values(const float* p, int64_t ps, const float* inv, const T* const* value,
+                     int64_t off, int64_t len, int64_t dim, int64_t ahead, float* o,
+                     NextPages* next) {
   constexpr int K = 64 / L::N;
+  using V = typename L::V;
   int64_t i = 0;
   for (; i + 64 <= dim; i += 64) {
-    typename L::V a[K];
-    for (auto& v : a) v = L::zero();
+    V a[G][K];
+    for (auto& head : a)
+      for (auto& v : head) v = L::zero();
     for (int64_t l = 0; l < len; ++l) {
       if (ahead > 0 && l + AHEAD < len) prefetch(value[l + AHEAD] + off, ahead);
-      const typename L::V pl = L::set1(p[l]);
+      if (next != nullptr && l % BLOCK == 0) next->drip();
+      V pl[G];
+      for (int g = 0; g < G; ++g) pl[g] = L::set1(p[g * ps + l]);
       const T* v = value[l] + off + i;
       if constexpr (std::is_same_v<T, Bf16>) {
         for (int k = 0; k < K; k += 2) {
-          typename L::V even, odd;
+          V even, odd;
           L::halves(v + L::N * k, even, odd);
-          a[k] = L::fma(pl, even, a[k]);
-          a[k + 1] = L::fma(pl, odd, a[k + 1]);
+          for (int g = 0; g < G; ++g) {
+            a[g][k] = L::fma(pl[g], even, a[g][k]);
+            a[g][k + 1] = L::fma(pl[g], odd, a[g][k + 1]);
+          }
         }
       } else {
-        for (int k = 0; k < K; ++k) a[k] = L::fma(pl, L::load(v + L::N * k), a[k]);
+        for (int k = 0; k < K; ++k) {
+          const V x = L::load(v + L::N * k);
+          for (int g = 0; g < G; ++g) a[g][k] = L::fma(pl[g], x, a[g][k]);
+        }
       }
     }
-    const typename L::V scale = L::set1(inv);
-    if constexpr (std::is_same_v<T, Bf16>) {
-      for (int k = 0; k < K; k += 2)
-        L::store_pairs(o + i + L::N * k, L::mul(a[k], scale), L::mul(a[k + 1], scale));
-    } else {
-      for (int k = 0; k < K; ++k) L::store(o + i + L::N * k, L::mul(a[k], scale));
+    for (int g = 0; g < G; ++g) {
+      const V scale = L::set1(inv[g]);
+      float* out = o + g * dim + i;
+      if constexpr (std::is_same_v<T, Bf16>) {
+        for (int k = 0; k < K; k += 2)
+          L::store_pairs(out + L::N * k, L::mul(a[g][k], scale), L::mul(a[g][k + 1], scale));
+      } else {
+        for (int k = 0; k < K; ++k) L::store(out + L::N * k, L::mul(a[g][k], scale));
+      }
     }
     ahead = 0;
   }
-  for (; i < dim; ++i) {
-    float sum = 0.f;
-    for (int64_t l = 0; l < len; ++l) sum += p[l] * f32(value[l][off + i]);
-    o[i] = sum * inv;
-  }
+  for (; i < dim; ++i)
+    for (int g = 0; g < G; ++g) {
+      float sum = 0.f;
+      for (int64_t l = 0; l < len; ++l) sum += p[g * ps + l] * f32(value[l][off + i]);
+      o[g * dim + i] = sum * inv[g];
+    }
 }
 
 // The `group` query heads q + h * qs of one KV head over its len keys (`slots`; values
-// `off` floats after each key), a head at a time: scaled scores into `scores` [blocks(len)],
-// softmax, the weighted values into o + h * dim. With `part` (a part of the keys, to be
-// merged: `merge_parts`), the values are left unnormalized and head h's softmax scale is
-// part[h].
+// `off` floats after each key): each head's scaled scores into its row of `scores` [group,
+// blocks(len)] and their softmax, then the weighted values into o + h * dim,
+// `VALUE_HEADS` heads a pass. With `part` (a part of the keys, to be merged:
+// `merge_parts`), the values are left unnormalized and head h's softmax scale is part[h].
 template <typename L, typename T>
 void attend(const float* q, int64_t qs, int64_t group, const T* const* slots, int64_t len,
             int64_t dim, float sc, int64_t off, int64_t ahead, float* scores, float* o,
-            Softmax* part) {
+            Softmax* part, NextPages* next) {
   std::vector<float> split;  // a head's query in `in_halves`' order, for bfloat16 keys
-  for (int64_t h = 0; h < group; ++h, ahead = 0) {
+  std::vector<float> inv(group);  // each head's values' scale
+  const int64_t ps = blocks(len);
+  for (int64_t h = 0; h < group; ++h) {
     const float* qh = q + h * qs;
     if constexpr (std::is_same_v<T, Bf16>) qh = in_halves<L>(qh, dim, split);
-    key_scores<L, T>(qh, slots, len, dim, sc, ahead, scores);
-    const Softmax m = exp_scores(scores, len);
+    key_scores<L, T>(qh, slots, len, dim, sc, h == 0 ? ahead : 0, scores + h * ps, next);
+    const Softmax m = exp_scores(scores + h * ps, len);
     if (part != nullptr) part[h] = m;
-    weighted_values<L, T>(scores, part != nullptr ? 1.f : 1.f / m.total, slots, off, len, dim,
-                          ahead, o + h * dim);
+    inv[h] = part != nullptr ? 1.f : 1.f / m.total;
+  }
+  for (int64_t h = 0; h < group; h += VALUE_HEADS<L>, ahead = 0) {
+    const float* p = scores + h * ps;
+    const float* i = inv.data() + h;
+    float* out = o + h * dim;
+    if constexpr (VALUE_HEADS<L> == 1) {
+      weighted_values<L, T, 1>(p, ps, i, slots, off, len, dim, ahead, out, next);
+    } else {
+      switch (std::min<int64_t>(VALUE_HEADS<L>, group - h)) {
+        case 1: weighted_values<L, T, 1>(p, ps, i, slots, off, len, dim, ahead, out, next); break;
+        case 2: weighted_values<L, T, 2>(p, ps, i, slots, off, len, dim, ahead, out, next); break;
+        case 3: weighted_values<L, T, 3>(p, ps, i, slots, off, len, dim, ahead, out, next); break;
+        default: weighted_values<L, T, 4>(p, ps, i, slots, off, len, dim, ahead, out, next);
+      }
+    }
   }
 }
 
@@ -407,12 +466,38 @@ at::Tensor attention_over(const at::Tensor& qkv, const at::Tensor& cos, const at
   // query k's token in qkv and out, and the keys it sees (its row's, causal)
   auto token_of = [&](int64_t k) { return qi[q_row[k]] + q_at[k]; };
   auto len_of = [&](int64_t k) { return lens[q_row[k]] - ql[q_row[k]] + q_at[k] + 1; };
+  // the blocks of query k's pages holding keys [l0, l1) into next, to be asked for over
+  // the `calls` drips of a task
+  auto pages_of = [&](int64_t k, int64_t l0, int64_t l1, int64_t calls, NextPages& next) {
+    next.blocks.clear();
+    next.block = 0;
+    next.at = 0;
+    next.bytes = half_page * static_cast<int64_t>(sizeof(T));
+    const int64_t row = indptr[q_row[k]];
+    for (int64_t j = row + l0 / page; j < row + (l1 + page - 1) / page; ++j) {
+      const char* base = reinterpret_cast<const char*>(lp + indices[j] * page_stride);
+      next.blocks.push_back(base);
+      next.blocks.push_back(base + next.bytes);
+    }
+    next.rate = (next.lines() + calls - 1) / std::max<int64_t>(calls, 1);
+  };
+  // the drips of a task over keys [l0, l1), a block of keys' each query head's scores and
+  // each KV head's values (a pass for its query heads where VALUE_HEADS holds them)
+  auto drips = [&](int64_t l0, int64_t l1) {
+    return (heads + kv_heads) * (blocks(l1 - l0) / BLOCK);
+  };
+  // the task a thread likely takes after task i of its piece [begin, end): the next in the
+  // piece, or the first of its next piece (the threads take pieces of one size in turn)
+  const int64_t threads = team_threads();
+  auto likely_next = [&](int64_t i, int64_t begin, int64_t end) {
+    return i + 1 < end ? i + 1 : end + (end - begin) * (threads - 1);
+  };
   // keys [l0, l1) of query k's row (l0 on a page's start), every KV head, into o (and its
-  // softmax scales into part)
+  // softmax scales into part), the next task's pages asked for meanwhile
   auto keys_of = [&](int64_t k, int64_t l0, int64_t l1, float* o, Softmax* part,
-                     std::vector<float>& scores, std::vector<const T*>& slots) {
+                     std::vector<float>& scores, std::vector<const T*>& slots, NextPages* next) {
     const int64_t r = q_row[k], t = token_of(k), len = l1 - l0;
-    scores.resize(blocks(len));
+    scores.resize(group * blocks(len));
     slots.resize(len);
     for (int64_t kh = 0; kh < kv_heads; ++kh) {
       // the keys at KV head kh, page by page (no division a key)
@@ -422,44 +507,56 @@ at::Tensor attention_over(const at::Tensor& qkv, const at::Tensor& cos, const at
       }
       const int64_t ahead = kh == 0 ? slot : 0;  // the first pass asks for the whole slots
       head(qp + t * qs0 + kh * group * qs1, qs1, group, slots.data(), len, dim, sc, half_page,
-           ahead, scores.data(), o + kh * group * dim, part == nullptr ? nullptr : part + kh * group);
+           ahead, scores.data(), o + kh * group * dim,
+           part == nullptr ? nullptr : part + kh * group, next);
     }
   };
   const int64_t work = keys * heads * dim * 2;  // multiply-adds: scores and values
-  if (!threaded(work) || tokens >= 2 * at::get_num_threads() || at::get_num_threads() == 1) {
-    // a task per query (threads only where the step's attention repays waking them: `grain`)
-    spread(tokens, grain(tokens, work / std::max<int64_t>(tokens, 1)), [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;        // [blocks(len)]
-      std::vector<const T*> slots;  // [len]: each key's slot at one KV head
-      for (int64_t k = begin; k < end; ++k)
-        keys_of(k, 0, len_of(k), op + token_of(k) * heads * dim, nullptr, scores, slots);
-    });
-    return out;
-  }
-  // fewer queries than threads to keep busy: each query's pages in parts (up to four a
-  // thread, four pages or more each), a task each over every KV head, the parts merged by
-  // their softmax scales
-  const int64_t most = 4 * team_threads();
+  // The tasks: a query each or, when there are fewer queries than threads to keep busy,
+  // each query's keys in parts (up to four a thread, four pages or more each), merged by
+  // their softmax scales (a query of one part is written out at once).
+  const int64_t torch_threads = at::get_num_threads();
+  const bool few = threaded(work) && tokens < 2 * torch_threads && torch_threads > 1;
   std::vector<int64_t> first(tokens + 1, 0);  // query k's parts: first[k] .. first[k + 1]
-  for (int64_t k = 0; k < tokens; ++k)
-    first[k + 1] = first[k] + std::clamp<int64_t>((len_of(k) + page - 1) / page / 4, 1, most);
+  for (int64_t k = 0; k < tokens; ++k) {
+    const int64_t pages = (len_of(k) + page - 1) / page;
+    first[k + 1] = first[k] + (few ? std::clamp<int64_t>(pages / 4, 1, 4 * threads) : 1);
+  }
   const int64_t parts = first[tokens];
-  std::vector<float> values(parts * heads * dim);
-  std::vector<Softmax> scales(parts * heads);
-  spread(parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<const T*> slots;
+  std::vector<float> values(few ? parts * heads * dim : 0);
+  std::vector<Softmax> scales(few ? parts * heads : 0);
+  auto parts_of = [&](int64_t k) { return first[k + 1] - first[k]; };
+  // part i: its query and keys [l0, l1)
+  auto part_of = [&](int64_t i, int64_t& k, int64_t& l0, int64_t& l1) {
+    k = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
+    const int64_t n = parts_of(k), at = i - first[k], len = len_of(k);
+    const int64_t pages = (len + page - 1) / page;
+    l0 = pages * at / n * page;
+    l1 = std::min(len, pages * (at + 1) / n * page);
+  };
+  // threads only where the step's attention repays waking them (`grain`)
+  spread(parts, grain(parts, work / std::max<int64_t>(parts, 1)), [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;    // [group, blocks(len)]
+    std::vector<const T*> slots;  // [len]: each key's slot at one KV head
+    NextPages next;
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t k = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
-      const int64_t n = first[k + 1] - first[k], at = i - first[k], len = len_of(k);
-      const int64_t pages = (len + page - 1) / page;
-      const int64_t l0 = pages * at / n * page, l1 = std::min(len, pages * (at + 1) / n * page);
-      keys_of(k, l0, l1, values.data() + i * heads * dim, scales.data() + i * heads, scores, slots);
+      int64_t k, l0, l1, nk, n0, n1;
+      part_of(i, k, l0, l1);
+      const int64_t ni = likely_next(i, begin, end);
+      if (ni < parts) {
+        part_of(ni, nk, n0, n1);
+        pages_of(nk, n0, n1, drips(l0, l1), next);
+      }
+      const bool whole = parts_of(k) == 1;
+      float* o = whole ? op + token_of(k) * heads * dim : values.data() + i * heads * dim;
+      keys_of(k, l0, l1, o, whole ? nullptr : scales.data() + i * heads, scores, slots,
+              ni < parts ? &next : nullptr);
     }
   });
   for (int64_t k = 0; k < tokens; ++k)
-    merge_parts(values.data() + first[k] * heads * dim, scales.data() + first[k] * heads,
-                first[k + 1] - first[k], heads, dim, op + token_of(k) * heads * dim);
+    if (parts_of(k) > 1)
+      merge_parts(values.data() + first[k] * heads * dim, scales.data() + first[k] * heads,
+                  parts_of(k), heads, dim, op + token_of(k) * heads * dim);
   return out;
 }
 
