@@ -486,9 +486,12 @@ at::Tensor attention_over(const at::Tensor& qkv, const at::Tensor& cos, const at
   auto drips = [&](int64_t l0, int64_t l1) {
     return (heads + kv_heads) * (blocks(l1 - l0) / BLOCK);
   };
+  const int64_t work = keys * heads * dim * 2;  // multiply-adds: scores and values
+  // the threads the tasks are spread over: the kernels' team where the work repays waking
+  // it (`grain`; asked of the team only then), else the caller alone
+  const int64_t threads = threaded(work) ? team_threads() : 1;
   // the task a thread likely takes after task i of its piece [begin, end): the next in the
   // piece, or the first of its next piece (the threads take pieces of one size in turn)
-  const int64_t threads = team_threads();
   auto likely_next = [&](int64_t i, int64_t begin, int64_t end) {
     return i + 1 < end ? i + 1 : end + (end - begin) * (threads - 1);
   };
@@ -511,7 +514,6 @@ at::Tensor attention_over(const at::Tensor& qkv, const at::Tensor& cos, const at
            part == nullptr ? nullptr : part + kh * group, next);
     }
   };
-  const int64_t work = keys * heads * dim * 2;  // multiply-adds: scores and values
   // The tasks: a query each or, when there are fewer queries than threads to keep busy,
   // each query's keys in parts (up to four a thread, four pages or more each), merged by
   // their softmax scales (a query of one part is written out at once).
