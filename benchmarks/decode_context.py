@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1)
     args = parser.parse_args()
     print(cpu_info().describe())
-    spent = {"layers": 0.0, "attention": 0.0}  # this step's seconds in each
+    spent = {"layers": 0.0, "attention": 0.0}  # the timed steps' seconds in each
     patched = [(LayerStack, "__call__", "layers"), (StepAttention, "fused", "attention")]
     originals = [getattr(cls, name) for cls, name, _ in patched]
     for (cls, name, part), call in zip(patched, originals):
@@ -68,15 +68,14 @@ def main() -> None:
             warm = engine.stats.decode_steps + 4
             while engine.stats.decode_steps < warm:  # the prefill (in chunks), four decode steps
                 engine.step()
-            steps, parts = [], {part: 0.0 for part in spent}
+            steps = []
+            spent.update(dict.fromkeys(spent, 0.0))
             for _ in range(args.steps):
-                spent.update(dict.fromkeys(spent, 0.0))
                 start = time.perf_counter()
                 engine.step()
                 steps.append(time.perf_counter() - start)
-                parts = {part: parts[part] + spent[part] for part in spent}
             step = statistics.median(steps)
-            layers, attention = (parts[part] / args.steps for part in ("layers", "attention"))
+            layers, attention = (spent[part] / args.steps for part in ("layers", "attention"))
             first = first or step
             kv = str(engine.cache.dtype).removeprefix("torch.")
             print(f"{context:>8} {kv:>9} {step * 1e3:>8.2f} {layers * 1e3:>10.2f}"
