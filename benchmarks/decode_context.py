@@ -36,6 +36,11 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto", "bfloat16"])
     parser.add_argument("--rows", type=int, default=1)
     args = parser.parse_args()
+    for name in ("rows", "steps"):  # none would leave the warm-up waiting on no decode step
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}: expected at least 1, got {getattr(args, name)}")
+    if min(args.context) < 1:
+        parser.error(f"--context: expected at least 1 token, got {min(args.context)}")
     print(cpu_info().describe())
     spent = {"layers": 0.0, "attention": 0.0}  # the timed steps' seconds in each
     patched = [(LayerStack, "__call__", "layers"), (StepAttention, "fused", "attention")]
