@@ -287,6 +287,10 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     if args.serve:
         return serve_cli.run_bench(args)
+    if args.startup:
+        from mstar.bench.startup import run_startup
+
+        return run_startup(args)
     if args.window:
         from mstar.bench.window import format_window, run_window
 

@@ -77,6 +77,7 @@ def test_serve_exits_0_on_a_signal_and_ends_in_flight_streams(sig):
         (["serve", "--model", "/no/such/model"], "--model /no/such/model"),
         (["bench", "--serve", "--rates", "burst,0"], "--rates"),
         (["bench", "--serve", "--no-self"], "--no-self needs at least one --url"),
+        (["bench", "--startup", "--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
     ],
 )
 def test_serve_and_bench_serve_reject_impossible_options_in_one_line(capsys, args, message):

@@ -1,11 +1,13 @@
 """``serve`` from its first seconds (``mstar.serve.startup``): a port in use
 refused before anything loads, ``503 starting`` while the engine is built,
-the compiled forward swapped in behind a serving engine, and a POST body
-that is not JSON refused with a 400 that says so."""
+the compiled forward swapped in behind a serving engine, a POST body
+that is not JSON refused with a 400 that says so; and ``bench --startup``,
+which times all that on real processes."""
 
 from __future__ import annotations
 
 import copy
+import json
 import socket
 import threading
 
@@ -161,3 +163,24 @@ def test_serve_compiles_in_the_background_only_an_unfused_forward(fused, monkeyp
     assert engine.fused == fused and engine.compiled is None
     assert ("forward eager, fused layers (faster than compiled)" in line) == fused
     assert ("forward eager, compiling in the background" in line) == (not fused)
+
+
+def test_bench_startup_times_two_starts_to_a_chat_and_a_port_in_use(smollm2, tmp_path, capsys):
+    """Two SmolLM2 servers, one after the other, each from its first answer
+    (503) to ready to a chat answered; a third on the second's port exits 2
+    saying so; the table prints it all with the CPU. (Run on the current
+    cache: a first start on an empty one converts the model and builds the
+    kernels, the same path with more to do.)"""
+    out = tmp_path / "startup.json"
+    argv = ["bench", "--startup", "--startup-cache", "current", "--max-tokens", "4"]
+    assert main([*argv, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["start"] for row in rows] == [
+        "first (the current cache)", "second (the same cache)", "port in use"
+    ]  # fmt: skip
+    for row in rows[:2]:
+        assert 0 < row["health_s"] <= row["ready_s"] < row["chat_s"]
+        assert row["answer"].strip() and row["mode"].startswith("mstar-kv serve: smollm2 on ")
+    assert rows[2]["exit_code"] == 2 and rows[2]["said"].endswith("is in use")
+    table = capsys.readouterr().out
+    assert "CPU: " in table and "exit 2 at" in table and rows[0]["mode"] in table

@@ -180,20 +180,32 @@ def summarize(target: str, rate: float, samples: list[Sample], seconds: float) -
 
 class OwnServer:
     """``mstar-kv serve --model smollm2 [ARGS]`` as a child process on a free
-    port; its output (stdout and stderr) read as it comes (``lines``), so a
-    chatty server never blocks on a full pipe."""
+    port (or ``port``), with ``env`` added to this process's environment; its
+    output (stdout and stderr) read as it comes (``lines``), so a chatty
+    server never blocks on a full pipe. Entering waits until ``/health``
+    says 200, polling every ``POLL_S``, and notes when it first answered
+    (``answered_s``, 503 while starting) and when it was ready (``ready_s``),
+    seconds from the process's start."""
 
-    def __init__(self, args: Sequence[str] = ()) -> None:
+    POLL_S = 0.25
+
+    def __init__(
+        self, args: Sequence[str] = (), env: dict[str, str] | None = None, port: int | None = None
+    ) -> None:
         from mstar.serve import free_port
 
-        self.port = free_port()
+        self.port = free_port() if port is None else port
         self.url = f"http://127.0.0.1:{self.port}/v1"
         cmd = [sys.executable, "-m", "mstar.cli", "serve", "--model", "smollm2",
                "--port", str(self.port), *args]  # fmt: skip
+        self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=None if env is None else {**os.environ, **env},
+        )  # fmt: skip
         self.lines: list[str] = []
+        self.answered_s: float | None = None
+        self.ready_s: float | None = None
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -207,17 +219,30 @@ class OwnServer:
         return next((x for x in self.lines if x.startswith("mstar-kv serve: ")), None)
 
     def __enter__(self) -> OwnServer:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = self.started + START_TIMEOUT_S
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
-                if httpx.get(f"{self.url[:-3]}/health", timeout=2).status_code == 200:
-                    return self
+                status = httpx.get(f"{self.url[:-3]}/health", timeout=2).status_code
             except httpx.TransportError:
-                time.sleep(0.5)
+                status = None
+            now = time.monotonic() - self.started
+            if status is not None and self.answered_s is None:
+                self.answered_s = now
+            if status == 200:
+                self.ready_s = now
+                return self
+            time.sleep(self.POLL_S)  # a starting server's two cores are busy enough
         self.__exit__()
         self._reader.join(timeout=5)
         output = "\n".join(self.lines)[-2000:]
         raise RuntimeError(f"mstar-kv serve did not start: {output}")
+
+    def exited(self, timeout: float) -> int:
+        """Wait for the process to exit by itself, its output read to the end;
+        its exit code (``TimeoutExpired`` after ``timeout`` seconds)."""
+        code = self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=5)
+        return code
 
     def peak_rss_bytes(self) -> int:
         """The process's peak resident memory (VmHWM)."""

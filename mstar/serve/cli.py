@@ -104,9 +104,19 @@ def add_bench_options(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--systems", type=int, default=4, help="--workload shared-prefix: system prompts"
     )  # fmt: skip
-    bench.add_argument("--bench-model", default="smollm2", help="--workload shared-prefix")
+    bench.add_argument(
+        "--bench-model", default="smollm2", help="--workload shared-prefix, --startup"
+    )  # fmt: skip
     bench.add_argument(
         "--bench-pages", type=int, default=512, help="--workload shared-prefix: pages a replica"
+    )  # fmt: skip
+    bench.add_argument(
+        "--startup", action="store_true", help="how soon serve answers a chat: a first start"
+        " on an empty cache, a second, and a third on a port in use",
+    )  # fmt: skip
+    bench.add_argument(
+        "--startup-cache", choices=("empty", "current"), default="empty",
+        help="--startup: the first start on an empty $MSTAR_KV_CACHE (default) or the current",
     )  # fmt: skip
     from mstar.serve.kv_tiers import add_restart_options
 
