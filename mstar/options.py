@@ -44,10 +44,11 @@ def add_speed_options(parser: argparse.ArgumentParser, dtype: str | None = "auto
         + (f"; default {dtype}" if dtype else "; default: bench --roofline both, --serve auto"),
     )  # fmt: skip
     parser.add_argument(
-        "--quantization", default="auto", choices=("auto", "none", "gguf", "int8", "int4"),
-        help="auto (a GGUF's own 4/8-bit weights where the CPU kernels serve them, else none),"
-        " none (float weights), gguf, int8 (per channel) or int4 (groups of 32) quantized at load;"
-        " default auto (docs/quantization.md)",
+        "--quantization", default="auto", choices=("auto", "none", "gguf", "int8", "int4", "bf16"),
+        help="auto (a GGUF's own 4/8-bit weights where the CPU kernels serve them; float weights"
+        " in bfloat16 arithmetic as bf16 where the CPU has AVX512-BF16; else none), none (float"
+        " weights), gguf, int8 (per channel) or int4 (groups of 32) quantized at load, bf16"
+        " (bfloat16 panels); default auto (docs/quantization.md)",
     )  # fmt: skip
     parser.add_argument(
         "--enforce-eager", action="store_true", default=bool(os.environ.get(EAGER_ENV)),

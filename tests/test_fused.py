@@ -17,7 +17,7 @@ from mstar.engine.layer_ops import layer_ops_or_why  # noqa: E402
 from mstar.engine.quant.at_load import quantize_int4, quantize_int8  # noqa: E402
 from mstar.engine.quant.kernels import bf16_or_why, kernel_or_why  # noqa: E402
 from mstar.engine.quant.linear import BF16_ROWS, PackedLinear  # noqa: E402
-from mstar.engine.quant.packed import bf16_panels  # noqa: E402
+from mstar.engine.quant.packed import bf16_panels, pack_bf16  # noqa: E402
 from mstar.engine.resources.kv.cache import KVCache  # noqa: E402
 from mstar.integrations import hf, llama_step  # noqa: E402
 from mstar.integrations.fused_linear import RowConcat, StorageCheck, concat_refusal  # noqa: E402
@@ -40,21 +40,25 @@ TOL = 1e-4
 
 
 def _llama(
-    packed: bool = False, int16: bool = False, **settings
+    packed: bool = False, int16: bool = False, bf16: bool = False, **settings
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
     """A seeded tiny Llama (the reference: its own forward, SDPA attention)
     and its twin on the plan; ``packed``: both with int4 layers and an int8
     head (the reference dequantized, as the mode check's), the int4 ones on
-    int16 activations with ``int16``."""
+    int16 activations with ``int16``; or with ``bf16`` every layer as
+    bfloat16 panels."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES, **settings)).eval()
     if packed:
-        if kernel_or_why() is not None:
-            pytest.skip(f"packed kernels: {kernel_or_why()}")
+        if (why := kernel_or_why() or (bf16_or_why() if bf16 else None)) is not None:
+            pytest.skip(f"packed kernels: {why}")
         for name, module in list(model.named_modules()):
             if isinstance(module, torch.nn.Linear):
                 head = name == "lm_head"
-                weights = (quantize_int8 if head else quantize_int4)(module.weight)
+                if bf16:
+                    weights = pack_bf16(module.weight)
+                else:
+                    weights = (quantize_int8 if head else quantize_int4)(module.weight)
                 layer = PackedLinear(weights, module.bias, None, int16 and not head)
                 model.set_submodule(name, layer)
     paged = copy.deepcopy(model)
@@ -234,19 +238,23 @@ def test_storage_check_joins_checks_and_sees_new_or_absent_tensors():
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("int16", [False, True], ids=["float32", "int16 activations"])
-def test_layer_stack_is_the_layers_bit_for_bit(int16, kv_dtype):
+@pytest.mark.parametrize(
+    "weights", ["float32", "int16", "bf16"], ids=["float32", "int16 activations", "bf16 panels"]
+)
+def test_layer_stack_is_the_layers_bit_for_bit(weights, kv_dtype):
     """Steps of fewer than ``BF16_ROWS`` tokens on packed layers (decode
     rows, a short prefill chunk beside one) run as one ``decode_layers``
     call: the same logits, bit for bit, as layer by layer, the int4 layers
-    on float32 or int16 activations, over a float32 or a bfloat16 KV cache;
+    on float32 or int16 activations, or bf16 layers (bfloat16 panels), over
+    a float32 or a bfloat16 KV cache;
     a long prefill, and ``BF16_ROWS`` rows (the bfloat16 panels' count), run
     layer by layer; float32 layers, and
     int4 ones with and without int16 activations, never stack."""
     if layer_ops_or_why() is not None:
         pytest.skip(f"layer ops: {layer_ops_or_why()}")
     assert "not packed" in LayerStack.refusal(fused_step(_llama()[1]).layers)
-    _, paged = _llama(packed=True, int16=int16)
+    int16 = weights == "int16"
+    _, paged = _llama(packed=True, int16=int16, bf16=weights == "bf16")
     if int16:
         _, mixed = _llama(packed=True, int16=True)
         mlp = mixed.model.layers[1].mlp
@@ -329,6 +337,24 @@ def test_row_concat_joins_bfloat16_panels_as_views():
     assert layers[2].panels.data_ptr() == joined.module.panels[3:].data_ptr()
     assert torch.equal(layers[2].panels, bf16_panels(packed[2]))
     assert "different formats or arithmetic" in concat_refusal([layers[0], PackedLinear(packed[1])])
+
+
+def test_row_concat_joins_bf16_layers_panels_as_views():
+    """bf16 layers (their qweight the panels, 32 rows an entry) join along
+    their panels: the layers' own outputs at any row count, each layer's
+    panels a view of the joined ones, checked as the packed ones are."""
+    if (why := kernel_or_why() or bf16_or_why()) is not None:
+        pytest.skip(why)
+    torch.manual_seed(3)
+    layers = [PackedLinear(pack_bf16(torch.randn(n, 64))) for n in (64, 32, 96)]
+    joined = RowConcat(layers)
+    for rows in (1, BF16_ROWS):
+        x = torch.randn(rows, 64)
+        assert torch.equal(joined(x), torch.cat([m(x) for m in layers], dim=1))
+    assert layers[2].qweight.data_ptr() == joined.module.qweight[3:].data_ptr()
+    assert layers[2].qweight.shape == (3, 32, 32, 2) and joined.current()
+    layers[1].qweight = layers[1].qweight.clone()
+    assert not joined.current()
 
 
 def test_step_rotary_tables_are_hf_s_bit_for_bit():

@@ -1,6 +1,7 @@
 """Quantized weights (mstar.engine.quant): GGUF blocks decoded bit for bit,
 the packed linear kernels against F.linear on the dequantized weights, the
-float32 fallback, the engine on SmolLM2's own Q4_1/Q8_0 weights, refusals."""
+float32 fallback, the engine on SmolLM2's own Q4_1/Q8_0 weights, float
+weights held as bfloat16 panels (bf16), refusals."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from mstar.engine.quant.at_load import quantize_int4, quantize_int8
 from mstar.engine.quant.gguf import BLOCK_BYTES, PACKED_FILE, decode_blocks
 from mstar.engine.quant.kernels import SOURCE, bf16_or_why, build_under, kernel_or_why
 from mstar.engine.quant.linear import BF16_ROWS, PackedLinear
-from mstar.engine.quant.packed import Packed, bf16_panels, pack_int4
+from mstar.engine.quant.packed import Packed, bf16_panels, pack_bf16, pack_int4
 
 gguf = pytest.importorskip("gguf")
 
@@ -425,3 +426,104 @@ def test_packed_linear_refuses_panels_of_other_weights():
     with pytest.raises(ValueError, match="got float32"):
         PackedLinear(packed, None, bf16_panels(packed).float())
     assert PackedLinear(packed, None, bf16_panels(packed)).arithmetic == "bfloat16"
+
+
+def test_auto_holds_float_weights_in_bfloat16_arithmetic_as_panels(monkeypatch):
+    """Float weights (not a GGUF file) in bfloat16 arithmetic: bf16 panels
+    where the kernels have them; float32 stays exact (none), and ``none``,
+    tensor parallelism or a CPU without AVX512-BF16 keep the float weights,
+    the reason saying why; ``bf16`` asked is that or refused."""
+    import mstar.engine.quant as quant
+
+    monkeypatch.setattr(quant, "kernel_or_why", lambda: None)
+    monkeypatch.setattr(quant, "bf16_or_why", lambda: None)
+    choice = resolve_quantization("auto", gguf=False, dtype=torch.bfloat16)
+    assert (choice.mode, choice.arithmetic) == ("bf16", "bfloat16")
+    assert resolve_quantization("auto", gguf=False).mode == "none"
+    assert resolve_quantization("none", gguf=False, dtype=torch.bfloat16).mode == "none"
+    parallel = resolve_quantization(
+        "auto", gguf=False, dtype=torch.bfloat16, tensor_parallel_size=2
+    )
+    assert parallel.reason.endswith("no bfloat16 panels: tensor parallelism shards float weights")
+    for gguf_file in (True, False):  # asked: bf16 arithmetic whatever the dtype
+        assert resolve_quantization("bf16", gguf=gguf_file) == QuantChoice(
+            "bf16", "as asked", "bfloat16"
+        )
+    monkeypatch.setattr(quant, "bf16_or_why", lambda: "the CPU lacks AVX512-BF16")
+    assert resolve_quantization("auto", gguf=False, dtype=torch.bfloat16) == QuantChoice(
+        "none", "auto: not a GGUF file, no bfloat16 panels: the CPU lacks AVX512-BF16"
+    )
+    with pytest.raises(ValueError, match="'bf16' cannot apply: the CPU lacks AVX512-BF16"):
+        resolve_quantization("bf16", gguf=False)
+
+
+def test_bf16_layers_multiply_every_row_count_on_their_panels(bf16):
+    """A bf16 layer is its weights rounded to bfloat16, as panels: 1 row to
+    many, the products of the bfloat16-rounded activations and weights summed
+    in float32, the bias added; nothing else held, nor allowed beside them."""
+    g = torch.Generator().manual_seed(8)
+    weight, bias = torch.randn(64, 576, generator=g), torch.randn(64)
+    packed = pack_bf16(weight)
+    layer = PackedLinear(packed, bias)
+    assert (layer.kind, layer.arithmetic, packed.shape) == ("bf16", "bfloat16", (64, 576))
+    assert torch.equal(packed.dequantize(), weight.bfloat16().float())
+    assert packed.qweight[1, 3, 5, 0] == weight[32 + 5, 6].bfloat16()  # panels [N/32, K/2, 32, 2]
+    assert [t.data_ptr() for t in layer.read_tensors(1)] == [
+        packed.qweight.data_ptr(),
+        layer.bias.data_ptr(),
+    ]
+    for rows in (1, 5, BF16_ROWS, 33):
+        x = torch.randn(rows, 2 * 576, generator=g)[:, ::2]
+        expected = F.linear(x.bfloat16().double(), weight.bfloat16().double()) + bias.double()
+        torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="without panels or int16"):
+        PackedLinear(packed, None, None, int16_activations=True)
+    with pytest.raises(ValueError, match="integer weights"):
+        packed.values()
+    with pytest.raises(ValueError, match="rows divisible by 32 for bfloat16 panels, got 36"):
+        pack_bf16(torch.randn(36, 64))
+
+
+def test_tiny_model_as_bf16_panels_stays_near_its_bfloat16_rounded_twin(bf16):
+    """Every layer whose shape the panels take becomes bf16 (k/v of 16 rows
+    stay float32 and are named); the logits stay near a float32 twin of the
+    weights rounded to bfloat16, not equal to them (activations round too)."""
+    model = build_model(0, num_key_value_heads=1)[1].eval()
+    twin = copy.deepcopy(model)
+    description = quantize_model(model, QuantChoice("bf16", "as asked", "bfloat16"))
+    kept = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    assert kept and all(n.endswith(("k_proj", "v_proj")) for n in kept)
+    assert description == (
+        "bf16 (as asked): 11 layers as bfloat16 panels, every row count multiplied in bfloat16 on"
+        f" float32 activations; float32 for {', '.join(kept)} (rows not a multiple of 32 or width"
+        " of 32)"
+    )
+    for name, mod in twin.named_modules():  # new parameters: a tied embedding keeps its own
+        if isinstance(mod, torch.nn.Linear) and name not in kept:
+            mod.weight = torch.nn.Parameter(mod.weight.detach().bfloat16().float())
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
+    ours, theirs = logits(model, ids), logits(twin, ids)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0.05)
+    assert not torch.allclose(ours, theirs, atol=1e-6)
+
+
+def test_smollm2_folder_in_bfloat16_runs_on_its_panels_fused_and_checked(smollm2, bf16):
+    """A float model folder, ``dtype="bfloat16"`` and ``quantization="auto"``:
+    the model stays float32, every linear layer bf16, the step fused (one
+    ``decode_layers`` call a decode step), the start-up check passed, and it
+    answers as float32 does."""
+    from mstar.integrations.llama_step import fused_step
+
+    chat = [[{"role": "user", "content": "What is the capital of France?"}]]
+    params = SamplingParams(max_new_tokens=8)
+    folder = str(model_folder("smollm2"))
+    with Engine.from_pretrained(folder, dtype="bfloat16", quantization="auto") as engine:
+        assert engine.model.mstar_quantization.startswith(
+            "bf16 (auto: bfloat16 arithmetic on float weights, the CPU has AVX512-BF16): 211 layers"
+        )
+        assert engine.dtype == torch.float32 and engine.mode_check.ok
+        assert fused_step(engine.model).stack is not None
+        got = engine.chat(chat, params)[0].outputs[0].token_ids
+    model, tokenizer = smollm2
+    with Engine(copy.deepcopy(model), tokenizer) as engine:
+        assert got == engine.chat(chat, params)[0].outputs[0].token_ids

@@ -7,7 +7,8 @@
 - ``steps``: the eager engine's decode step at batch 1 and 32 per quantization.
 - ``accuracy``: per quantization (``gguf bfloat16``: the file's own weights in
   bfloat16 arithmetic: the panels where the CPU has AVX512-BF16, int16
-  activations at few rows on any), greedy agreement with
+  activations at few rows on any; ``none bfloat16``: the model in bfloat16;
+  ``bf16``: its float weights as bfloat16 panels), greedy agreement with
   float32 on the demo's prompts (tokens equal before the first difference) and
   the log-likelihood of a fixed passage (lm-eval-style echo scoring: sum of
   log p(token)), scored at once (a prefill's many rows) and one token a
@@ -31,7 +32,9 @@ from mstar.engine.quant.at_load import quantize_int4
 from mstar.engine.quant.linear import PackedLinear
 from mstar.engine.quant.packed import Packed
 
-MODES = ("none", "gguf", "gguf bfloat16", "int8", "int4")  # quantization [arithmetic]
+# quantization [dtype]: ``none bfloat16`` the model in bfloat16, ``bf16`` its float weights as
+# bfloat16 panels (float32 activations)
+MODES = ("none", "gguf", "gguf bfloat16", "int8", "int4", "none bfloat16", "bf16")
 PASSAGE = (
     "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France."
     " It is named after the engineer Gustave Eiffel, whose company designed and built the"

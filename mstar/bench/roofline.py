@@ -49,7 +49,7 @@ TIMED_STEPS = 2  # timed steps a turn
 @dataclass
 class _Config:
     dtype: torch.dtype
-    quantization: str  # the mode the load resolved to: none, gguf, int8, int4
+    quantization: str  # the mode the load resolved to: none, gguf, int8, int4, bf16
     compiled: bool
     engine: Engine
     last_forward_s: float = 0.0  # the last step's forward

@@ -10,7 +10,8 @@
 //
 // weights: per layer, in order, 14 tensors: input norm weight [hidden]; q/k/v, o,
 // post-attention norm weight, gate/up, down, each linear as (qweight, scales, mins):
-// qweight uint8 for int4 (mins its float16 minimums), int8 for int8 (mins empty);
+// qweight uint8 for int4 (mins its float16 minimums), int8 for int8 (mins empty),
+// bfloat16 panels [N/32, K/2, 32, 2] for bf16 (scales and mins empty);
 // int16_activations: they take their activations rounded to int16 (int4/int8_linear_i16).
 // caches: per layer its KV tensor [P, 2, S, H_kv, D] (float32 or bfloat16); the rest as
 // layer_ops' attention's.
@@ -32,9 +33,23 @@ void linear_into(const at::Tensor& x, const W& w, int64_t N, bool int16_activati
   linear_rows(w, x.data_ptr<float>(), M, N, w.K, int16_activations, y.data_ptr<float>());
 }
 
-// One packed linear layer (qweight, scales, mins at w) of the stack into `y`.
+// y = x @ W.T into `y` (made [T, N] when it is not) for bfloat16 panels W, x [T, K] contiguous.
+void bf16_into(const at::Tensor& x, const at::Tensor& panels, at::Tensor& y) {
+  const int64_t N = check_bf16(x, panels);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected contiguous activations [T, K]");
+  if (!y.defined() || y.size(0) != x.size(0) || y.size(1) != N) y = at::empty({x.size(0), N}, x.options());
+#if defined(__AVX512BF16__)
+  bf16_rows(x.data_ptr<float>(), x.size(0), x.size(1), reinterpret_cast<const uint16_t*>(panels.data_ptr()),
+            panels.size(0), y.data_ptr<float>());
+#endif
+}
+
+// One packed linear layer (qweight, scales, mins at w; bf16: qweight the panels) of the
+// stack into `y`.
 void packed_into(const at::Tensor& x, const at::Tensor* w, bool int16_activations, at::Tensor& y) {
-  if (w[0].scalar_type() == at::kByte)
+  if (w[0].scalar_type() == at::kBFloat16)
+    bf16_into(x, w[0], y);
+  else if (w[0].scalar_type() == at::kByte)
     linear_into(x, int4_weights(w[0], w[1], w[2]), w[0].size(0), int16_activations, y);
   else
     linear_into(x, int8_weights(w[0], w[1]), w[0].size(0), int16_activations, y);

@@ -44,8 +44,9 @@ def is_gguf(name: str) -> bool:
 
 def asks_packed(name: str, quantization: str) -> bool:
     """Whether ``quantization`` asks for packed weights for the model ``name``
-    (as ``load`` takes it): int8, int4 or gguf, or auto on a GGUF file."""
-    return quantization in ("gguf", "int8", "int4") or (quantization == "auto" and is_gguf(name))
+    (as ``load`` takes it): int8, int4, bf16 or gguf, or auto on a GGUF file."""
+    packed = ("gguf", "int8", "int4", "bf16")
+    return quantization in packed or (quantization == "auto" and is_gguf(name))
 
 
 def load(

@@ -12,7 +12,7 @@ Plain ``nn.Linear`` layers concatenate their ``weight`` (and ``bias``);
 packed ones (``PackedLinear``, int4 or int8 GGUF blocks) their ``qweight``,
 ``scales`` and ``mins`` rows, which is exact: each packed row is its own
 weights and scales (and their bfloat16 panels, 32 rows each, when they
-have them).
+have them; bf16 layers' ``qweight`` is their panels).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def concat_refusal(layers: Sequence[torch.nn.Module]) -> str | None:
     if any(t.dtype != tensors[0].dtype or t.device != tensors[0].device for t in _main(layers)):
         return "has linear layers of different dtypes or devices"
     packed = isinstance(layers[0], PackedLinear)
-    formats = {(m.kind, m.scales.shape[1], m.arithmetic) for m in layers} if packed else set()
+    formats = {(m.kind, _groups(m), m.arithmetic) for m in layers} if packed else set()
     if len(formats) > 1:
         return "has packed layers of different formats or arithmetic"
     return None
@@ -80,13 +80,15 @@ class RowConcat:
 
     def _rebind(self, names: Sequence[str]) -> None:
         """Each layer's tensors ``names`` become row views of the joined ones."""
+        bf16 = getattr(self.module, "kind", None) == "bf16"  # its qweight is its panels
+        panelled = {"panels", "qweight"} if bf16 else {"panels"}
         start = 0
         for layer, width in zip(self.layers, self.widths):
             for name in names:
                 joined = getattr(self.module, name)
                 if joined is None:
                     continue
-                per = PANEL if name == "panels" else 1  # rows per entry of dim 0
+                per = PANEL if name in panelled else 1  # rows per entry of dim 0
                 view = joined[start // per : (start + width) // per]
                 if isinstance(getattr(layer, name), torch.nn.Parameter):
                     setattr(layer, name, torch.nn.Parameter(view, requires_grad=False))
@@ -143,6 +145,11 @@ def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     names = _PACKED_TENSORS if isinstance(module, PackedLinear) else ("weight",)
     tensors = [getattr(module, n) for n in names if getattr(module, n) is not None]
     return tensors + ([module.bias] if module.bias is not None else [])
+
+
+def _groups(layer: PackedLinear) -> int | None:
+    """Scales a row of ``layer``'s weights has (None: bf16 panels have none)."""
+    return None if layer.scales is None else layer.scales.shape[1]
 
 
 def _main(layers: Sequence[torch.nn.Module]) -> list[torch.Tensor]:

@@ -6,9 +6,16 @@
   types keep their float32 dequantization, listed in the description.
 - ``int8`` / ``int4``: the float weights quantized at load (int8 per output
   channel, int4 groups of 32: ``mstar.engine.quant.at_load``).
-- ``none``: float weights (a GGUF dequantized to float32).
+- ``bf16`` (CPUs with AVX512-BF16): the float weights rounded to bfloat16
+  and held as panels (``packed.pack_bf16``), which every row count
+  multiplies in bfloat16 on float32 activations, the model float32 around
+  them.
+- ``none``: float weights (a GGUF dequantized to float32), in the model's dtype.
 - ``auto``: ``gguf`` for a GGUF file where the kernels serve it (the CPU,
-  one process, float32 or bfloat16 arithmetic), else ``none``.
+  one process, float32 or bfloat16 arithmetic); ``bf16`` for float weights
+  in bfloat16 arithmetic where it applies (a one-row decode step of
+  SmolLM2 4.7x a bfloat16 model's, whose products stream its weights at a
+  quarter of the bandwidth: docs/quantization.md); else ``none``.
 
 Every linear layer (the head too; a tied embedding keeps its float weights)
 becomes a ``PackedLinear``: float32 activations through the AVX2 kernels of
@@ -43,11 +50,11 @@ from mstar.engine.quant.at_load import quantize_int4, quantize_int8
 from mstar.engine.quant.gguf import cached_packed_weights
 from mstar.engine.quant.kernels import bf16_or_why, kernel_or_why
 from mstar.engine.quant.linear import BF16_ROWS, PackedLinear
-from mstar.engine.quant.packed import GROUP, PANEL, Packed, bf16_panels
+from mstar.engine.quant.packed import GROUP, PANEL, Packed, bf16_panels, pack_bf16
 
 __all__ = ["QUANTIZATIONS", "QuantChoice", "quantize_model", "resolve_quantization"]
 
-QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4", "bf16")
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,7 @@ def resolve_quantization(
     arithmetic = str(dtype).removeprefix("torch.")
     if value == "auto":
         if not gguf:
-            return QuantChoice("none", "auto: not a GGUF file")
+            return _float_weights(blocker, dtype)
         if blocker:
             return QuantChoice("none", f"auto: {blocker}")
         return QuantChoice("gguf", "auto: the file's own format", arithmetic)
@@ -87,7 +94,23 @@ def resolve_quantization(
         raise ValueError(f"quantization={value!r} cannot apply: {blocker}")
     if value == "gguf" and not gguf:
         raise ValueError("quantization='gguf' needs a GGUF file, got a model folder")
+    if value == "bf16":
+        if (why := kernel_or_why() or bf16_or_why()) is not None:
+            raise ValueError(f"quantization='bf16' cannot apply: {why}")
+        return QuantChoice("bf16", "as asked", "bfloat16")  # whatever the dtype: the panels'
     return QuantChoice(value, "as asked", arithmetic)
+
+
+def _float_weights(blocker: str | None, dtype: torch.dtype) -> QuantChoice:
+    """``auto`` for float weights: bfloat16 panels (``bf16``) where the
+    arithmetic is bfloat16 and the CPU's kernels multiply them, else none."""
+    if dtype != torch.bfloat16:
+        return QuantChoice("none", "auto: not a GGUF file")
+    why = blocker or kernel_or_why() or bf16_or_why()
+    if why is not None:
+        return QuantChoice("none", f"auto: not a GGUF file, no bfloat16 panels: {why}")
+    reason = "auto: bfloat16 arithmetic on float weights, the CPU has AVX512-BF16"
+    return QuantChoice("bf16", reason, "bfloat16")
 
 
 def _blocker(device: torch.device, dtype: torch.dtype, tensor_parallel_size: int) -> str | None:
@@ -112,6 +135,9 @@ def quantize_model(
         model.mstar_quantization = f"none ({choice.reason})"
         return model.mstar_quantization
     layers = _linear_layers(model)
+    if choice.mode == "bf16":
+        model.mstar_quantization = _as_panels(model, choice, layers)
+        return model.mstar_quantization
     if choice.mode == "gguf":
         packed, unpacked = _gguf_layers(
             model, layers, cached_packed_weights(gguf_path, model, cache)
@@ -137,6 +163,21 @@ def quantize_model(
 
 def _linear_layers(model: Any) -> dict[str, torch.nn.Linear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def _as_panels(model: Any, choice: QuantChoice, layers: dict[str, torch.nn.Linear]) -> str:
+    """The layers whose shape the panels take (rows a multiple of ``PANEL``,
+    width of ``GROUP``) as bf16 (``pack_bf16``); the summary."""
+    fits = [n for n, m in layers.items() if not (m.out_features % PANEL or m.in_features % GROUP)]
+    for name in fits:
+        _swap(model, name, pack_bf16(layers[name].weight), True, panels=False, int16=False)
+    summary = f"bf16 ({choice.reason}): {len(fits)} layer{'s' * (len(fits) != 1)} as bfloat16"
+    summary += " panels, every row count multiplied in bfloat16 on float32 activations"
+    if kept := [n for n in layers if n not in fits]:
+        summary += (
+            f"; float32 for {', '.join(kept)} (rows not a multiple of {PANEL} or width of {GROUP})"
+        )
+    return summary
 
 
 def _check_shapes(layers: dict[str, torch.nn.Linear], mode: str) -> None:

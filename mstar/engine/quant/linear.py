@@ -1,5 +1,6 @@
 """``PackedLinear``: a linear layer on packed weights (``packed.Packed``),
-float32 activations in and out, through the kernels of ``kernels.cpp``;
+float32 activations in and out, through the kernels of ``kernels.cpp``
+(bf16: every row count on the panels, rounded to bfloat16);
 with bfloat16 panels of the same weights (``packed.bf16_panels``), inputs
 of ``BF16_ROWS`` rows or more multiply in bfloat16 instead; with
 ``int16_activations``, up to ``int16_rows(bits)`` rows (the kernels'
@@ -25,7 +26,8 @@ class PackedLinear(torch.nn.Module):
     with ``int16_activations`` up to ``int16_rows(bits)`` rows, as on ``x``
     rounded to int16 per group of 32 (``scale = max |x| / 32767``; int4's
     minimums times the float32 sums of ``x``): ~1e-4 of the float32 result
-    on SmolLM2, ~20x closer than the bfloat16 panels."""
+    on SmolLM2, ~20x closer than the bfloat16 panels. bf16 weights (the
+    panels themselves) take every row count as the panels do."""
 
     def __init__(
         self,
@@ -35,6 +37,8 @@ class PackedLinear(torch.nn.Module):
         int16_activations: bool = False,
     ) -> None:
         super().__init__()
+        if packed.kind == "bf16" and (panels is not None or int16_activations):
+            raise ValueError("expected bf16 weights (panels themselves) without panels or int16")
         self.kind = packed.kind
         self._int16 = int16_activations
         self.out_features, self.in_features = packed.shape
@@ -61,7 +65,8 @@ class PackedLinear(torch.nn.Module):
         """``float32`` (exact against the dequantized weights), else what
         rounds: ``bfloat16`` (many rows on the panels), ``int16`` (few rows'
         activations), or ``bfloat16+int16``."""
-        rounded = ["bfloat16"] * (self.panels is not None) + ["int16"] * self.int16_activations
+        panels = self.panels is not None or self.kind == "bf16"
+        rounded = ["bfloat16"] * panels + ["int16"] * self.int16_activations
         return "+".join(rounded) or "float32"
 
     def _panelled(self, rows: int) -> bool:
@@ -73,7 +78,9 @@ class PackedLinear(torch.nn.Module):
         # by their overload, not through ``nn.Module.__getattr__`` and overload
         # resolution (~2 us a call between them)
         b, ops = self._buffers, torch.ops.mstar_quant
-        if self._panelled(x.numel() // self.in_features):
+        if self.kind == "bf16":
+            y = ops.bf16_linear.default(x, b["qweight"])
+        elif self._panelled(x.numel() // self.in_features):
             y = ops.bf16_linear.default(x, b["panels"])
         elif self.kind == "int4":
             op = ops.int4_linear_i16 if self._int16 else ops.int4_linear

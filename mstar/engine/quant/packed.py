@@ -6,9 +6,12 @@ weight ``j + 16`` in its high one), ``scales`` and ``mins`` float16
 ``[N, K/32]``: ``w = q * scale + min``.
 ``int8``: ``qweight`` int8 ``[N, K]``, ``scales`` float16 ``[N, K/G]``:
 ``w = q * scale`` (``G = 32`` for GGUF's Q8_0, ``K`` per channel).
-bfloat16 panels (``bf16_panels``): the dequantized weights rounded to
-bfloat16, ``[N/32, K/2, 32, 2]``: 32 rows a panel, each a run of k pairs,
-each pair's 32 rows side by side (``panels[p, j, r, i] = w[32p + r, 2j + i]``).
+bfloat16 panels (``panels``): float weights rounded to bfloat16,
+``[N/32, K/2, 32, 2]``: 32 rows a panel, each a run of k pairs, each pair's
+32 rows side by side (``panels[p, j, r, i] = w[32p + r, 2j + i]``); held
+beside int4/int8 weights for many-row products (``bf16_panels``), or as
+the weights themselves: ``bf16``, ``qweight`` the panels, no scales
+(``pack_bf16``: a float model's linear layers on CPUs with AVX512-BF16).
 """
 
 from __future__ import annotations
@@ -18,19 +21,23 @@ from dataclasses import dataclass
 import torch
 
 GROUP = 32
+PANEL = 32  # weight rows per bfloat16 panel
 
 
 @dataclass(frozen=True)
 class Packed:
-    """One weight matrix ``[N, K]`` in a packed format (``kind``: int4 or int8)."""
+    """One weight matrix ``[N, K]`` in a packed format (``kind``: int4, int8,
+    or bf16: ``qweight`` its panels, ``scales`` None)."""
 
     kind: str
     qweight: torch.Tensor
-    scales: torch.Tensor
+    scales: torch.Tensor | None
     mins: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.kind == "bf16":
+            return self.qweight.shape[0] * PANEL, self.qweight.shape[1] * 2
         rows, width = self.qweight.shape
         return rows, width * 2 if self.kind == "int4" else width
 
@@ -42,7 +49,10 @@ class Packed:
         )
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weights, each ``q * scale (+ min)`` as GGUF's own dequantization computes it."""
+        """The float32 weights, each ``q * scale (+ min)`` as GGUF's own
+        dequantization computes it (bf16: the panels' values)."""
+        if self.kind == "bf16":
+            return self.qweight.permute(0, 2, 1, 3).reshape(self.shape).float()
         width = self.shape[1]
         scales = self.scales.float().repeat_interleave(width // self.scales.shape[1], dim=1)
         if self.kind == "int8":
@@ -52,6 +62,8 @@ class Packed:
 
     def values(self) -> torch.Tensor:
         """The integers ``q``, ``[N, K]`` (int4: uint8 0..15; int8: int8)."""
+        if self.kind == "bf16":
+            raise ValueError("expected integer weights (int4 or int8), got bfloat16 panels")
         if self.kind == "int8":
             return self.qweight
         rows, width = self.shape
@@ -69,15 +81,22 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Pack
     )
 
 
-PANEL = 32  # weight rows per bfloat16 panel
+def panels(weight: torch.Tensor) -> torch.Tensor:
+    """Float weights ``[N, K]`` rounded to bfloat16 (to nearest, ties to
+    even) and laid out as panels (see the module); ``ValueError`` unless
+    ``N`` is a multiple of ``PANEL``."""
+    rows, width = weight.shape
+    if rows % PANEL:
+        raise ValueError(f"expected rows divisible by {PANEL} for bfloat16 panels, got {rows}")
+    weights = weight.detach().bfloat16().view(rows // PANEL, PANEL, width // 2, 2)
+    return weights.permute(0, 2, 1, 3).contiguous()
 
 
 def bf16_panels(packed: Packed) -> torch.Tensor:
-    """``packed``'s weights dequantized, rounded to bfloat16 (to nearest,
-    ties to even) and laid out as panels (see the module); ``ValueError``
-    unless its rows are a multiple of ``PANEL``."""
-    rows, width = packed.shape
-    if rows % PANEL:
-        raise ValueError(f"expected rows divisible by {PANEL} for bfloat16 panels, got {rows}")
-    weights = packed.dequantize().bfloat16().view(rows // PANEL, PANEL, width // 2, 2)
-    return weights.permute(0, 2, 1, 3).contiguous()
+    """``packed``'s weights dequantized, as panels (``panels``)."""
+    return panels(packed.dequantize())
+
+
+def pack_bf16(weight: torch.Tensor) -> Packed:
+    """Float weights ``[N, K]`` as bfloat16 panels (``panels``), packed."""
+    return Packed("bf16", panels(weight), None)

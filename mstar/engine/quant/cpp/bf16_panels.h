@@ -1,4 +1,5 @@
-// 5+ activation rows in bfloat16 (`bf16_linear`, AVX512-BF16 builds).
+// Activation rows in bfloat16 on bfloat16 panels (`bf16_linear`, AVX512-BF16 builds): the
+// many-row products of packed layers, and every product of bf16 ones (the panels themselves).
 #pragma once
 
 #include "panels.h"
@@ -43,40 +44,52 @@ void micro_bf16_rows(int64_t rows, const uint16_t* x, const uint16_t* panel, int
   with_rows<ROWS_MAX>(rows, [&](auto r) { micro_bf16<decltype(r)::value>(x, panel, K, y, ldy); });
 }
 
-// y = x @ W.T for float32 x [..., K] and bfloat16 panels [N/32, K/2, 32, 2].
-at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& panels) {
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "expected float32 activations, got ",
-              x_in.scalar_type());
-  TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() && panels.dim() == 4 &&
-                  panels.size(2) == BF16_NB && panels.size(3) == 2,
-              "expected contiguous bfloat16 panels [N/32, K/2, 32, 2], got ", panels.sizes());
-  const int64_t K = panels.size(1) * 2, N = panels.size(0) * BF16_NB;
-  TORCH_CHECK(x_in.size(-1) == K, "expected activations of width ", K, ", got ", x_in.size(-1));
-  TORCH_CHECK(K % 32 == 0, "expected K % 32 == 0, got ", K);
-  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
+// y [M, N] = x [M, K] @ W.T for float32 x (contiguous) and bfloat16 panels [N/32, K/2, 32,
+// 2] at w (N = panel count * 32, K % 32 == 0): the activations rounded to bfloat16 once.
+void bf16_rows(const float* xf, int64_t M, int64_t K, const uint16_t* w, int64_t panel_count,
+               float* out) {
+  const int64_t N = panel_count * BF16_NB;
   std::vector<uint16_t> xb(M * K);  // K % 32 == 0: converted in whole 16-lane vectors
-  const float* xf = x.data_ptr<float>();
   for (int64_t i = 0; i < M * K; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb.data() + i),
                         (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xf + i)));
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(panels.data_ptr());
-  float* out = y.data_ptr<float>();
-  share(panels.size(0), 1, N * K * M >= PARALLEL_MIN, [&](int64_t p0, int64_t p1, int) {
+  share(panel_count, 1, N * K * M >= PARALLEL_MIN, [&](int64_t p0, int64_t p1, int) {
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t m = 0; m < M; m += ROWS_MAX)
         micro_bf16_rows(std::min<int64_t>(ROWS_MAX, M - m), xb.data() + m * K, w + p * K * BF16_NB,
                         K, out + m * N + p * BF16_NB, N);
   });
+}
+#endif
+
+// What a call of bfloat16 panels takes: contiguous panels [N/32, K/2, 32, 2], float32
+// activations x [..., K], K % 32 == 0; returns N.
+int64_t check_bf16(const at::Tensor& x, const at::Tensor& panels) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "expected float32 activations, got ", x.scalar_type());
+  TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() && panels.dim() == 4 &&
+                  panels.size(2) == 32 && panels.size(3) == 2,
+              "expected contiguous bfloat16 panels [N/32, K/2, 32, 2], got ", panels.sizes());
+  const int64_t K = panels.size(1) * 2;
+  TORCH_CHECK(x.size(-1) == K, "expected activations of width ", K, ", got ", x.size(-1));
+  TORCH_CHECK(K % 32 == 0, "expected K % 32 == 0, got ", K);
+#if !defined(__AVX512BF16__)
+  TORCH_CHECK(false, "the kernels were built without AVX512-BF16 (this CPU's flags lack it)");
+#endif
+  return panels.size(0) * 32;
+}
+
+// y = x @ W.T for float32 x [..., K] and bfloat16 panels [N/32, K/2, 32, 2].
+at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& panels) {
+  const int64_t N = check_bf16(x_in, panels), K = panels.size(1) * 2;
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+#if defined(__AVX512BF16__)
+  bf16_rows(x.data_ptr<float>(), x.size(0), K, reinterpret_cast<const uint16_t*>(panels.data_ptr()),
+            panels.size(0), y.data_ptr<float>());
+#endif
   auto sizes = x_in.sizes().vec();
   sizes.back() = N;
   return y.view(sizes);
 }
-#else
-at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&) {
-  TORCH_CHECK(false, "the kernels were built without AVX512-BF16 (this CPU's flags lack it)");
-}
-#endif
 
 }  // namespace
