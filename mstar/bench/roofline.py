@@ -48,7 +48,7 @@ TIMED_STEPS = 2  # timed steps a turn
 
 @dataclass
 class _Config:
-    dtype: torch.dtype
+    dtype: torch.dtype  # the arithmetic's (bf16: bfloat16 whatever the load's)
     quantization: str  # the mode the load resolved to: none, gguf, int8, int4, bf16
     compiled: bool
     engine: Engine
@@ -211,8 +211,9 @@ def run_roofline(
                 mode = getattr(model, "mstar_quantization", "none").split(" ", 1)[0]
                 if emulated and dtype == torch.bfloat16 and mode == "none":
                     continue  # an emulated bfloat16 engine: minutes a step at batch 32
+                arithmetic = torch.bfloat16 if mode == "bf16" else dtype  # the panels' whatever
                 if any(
-                    (c.dtype, c.quantization, c.compiled) == (dtype, mode, compiled)
+                    (c.dtype, c.quantization, c.compiled) == (arithmetic, mode, compiled)
                     for c in configs
                 ):
                     continue
@@ -220,7 +221,7 @@ def run_roofline(
                 engine = Engine(
                     model, tokenizer, num_pages=pages, prefix_cache=False, compile=compiled
                 )
-                configs.append(_Config(dtype, mode, compiled, engine))
+                configs.append(_Config(arithmetic, mode, compiled, engine))
                 _time_forward(configs[-1])
     stage("measuring the machine's read bandwidth and peak GEMM again")
     # the better of two measurements: a busy moment of a shared machine lowers one

@@ -38,7 +38,10 @@ class PackedLinear(torch.nn.Module):
     ) -> None:
         super().__init__()
         if packed.kind == "bf16" and (panels is not None or int16_activations):
-            raise ValueError("expected bf16 weights (panels themselves) without panels or int16")
+            raise ValueError(
+                "expected bf16 weights (the panels themselves) without panels or int16"
+                f" activations, got panels={panels is not None}, int16={int16_activations}"
+            )
         self.kind = packed.kind
         self._int16 = int16_activations
         self.out_features, self.in_features = packed.shape
