@@ -130,4 +130,4 @@ def run_startup(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    return 0 if result["rows"][-1]["exit_code"] not in (0, None) else 1
+    return 0 if result["rows"][-1]["exit_code"] != 0 else 1

@@ -22,22 +22,25 @@ namespace {
 
 constexpr int64_t LAYER_TENSORS = 14;
 
-// y = x @ W.T into `y` (made [T, N] when it is not), x [T, K] contiguous: packed_linear's
-// checks and kernels without a new tensor a call.
-template <typename W>
-void linear_into(const at::Tensor& x, const W& w, int64_t N, bool int16_activations, at::Tensor& y) {
-  check_linear(x, N, w.K);
+// Checks x [T, K] contiguous and makes `y` [T, N] when it is not (held through the call).
+void rows_into(const at::Tensor& x, int64_t N, at::Tensor& y) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected contiguous activations [T, K]");
   const int64_t M = x.size(0);
   if (!y.defined() || y.size(0) != M || y.size(1) != N) y = at::empty({M, N}, x.options());
-  linear_rows(w, x.data_ptr<float>(), M, N, w.K, int16_activations, y.data_ptr<float>());
 }
 
-// y = x @ W.T into `y` (made [T, N] when it is not) for bfloat16 panels W, x [T, K] contiguous.
+// y = x @ W.T into `y` (`rows_into`): packed_linear's checks and kernels without a new
+// tensor a call.
+template <typename W>
+void linear_into(const at::Tensor& x, const W& w, int64_t N, bool int16_activations, at::Tensor& y) {
+  check_linear(x, N, w.K);
+  rows_into(x, N, y);
+  linear_rows(w, x.data_ptr<float>(), x.size(0), N, w.K, int16_activations, y.data_ptr<float>());
+}
+
+// y = x @ W.T into `y` (`rows_into`) for bfloat16 panels W: bf16_linear without a new tensor.
 void bf16_into(const at::Tensor& x, const at::Tensor& panels, at::Tensor& y) {
-  const int64_t N = check_bf16(x, panels);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected contiguous activations [T, K]");
-  if (!y.defined() || y.size(0) != x.size(0) || y.size(1) != N) y = at::empty({x.size(0), N}, x.options());
+  rows_into(x, check_bf16(x, panels), y);
 #if defined(__AVX512BF16__)
   bf16_rows(x.data_ptr<float>(), x.size(0), x.size(1), reinterpret_cast<const uint16_t*>(panels.data_ptr()),
             panels.size(0), y.data_ptr<float>());

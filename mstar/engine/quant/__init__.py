@@ -170,7 +170,9 @@ def _as_panels(model: Any, choice: QuantChoice, layers: dict[str, torch.nn.Linea
     width of ``GROUP``) as bf16 (``pack_bf16``); the summary."""
     fits = [n for n, m in layers.items() if not (m.out_features % PANEL or m.in_features % GROUP)]
     for name in fits:
-        _swap(model, name, pack_bf16(layers[name].weight), True, panels=False, int16=False)
+        _swap(
+            model, name, pack_bf16(layers[name].weight), use_kernel=True, panels=False, int16=False
+        )
     summary = f"bf16 ({choice.reason}): {len(fits)} layer{'s' * (len(fits) != 1)} as bfloat16"
     summary += " panels, every row count multiplied in bfloat16 on float32 activations"
     if kept := [n for n in layers if n not in fits]:
