@@ -40,13 +40,13 @@ TOL = 1e-4
 
 
 def _llama(
-    packed: bool = False, int16: bool = False, bf16: bool = False, **settings
+    packed: bool = False, int16: bool = False, bf16: bool = False, lanes: bool = False, **settings
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
     """A seeded tiny Llama (the reference: its own forward, SDPA attention)
     and its twin on the plan; ``packed``: both with int4 layers and an int8
     head (the reference dequantized, as the mode check's), the int4 ones on
-    int16 activations with ``int16``; or with ``bf16`` every layer as
-    bfloat16 panels."""
+    int16 activations with ``int16`` (and their ``lanes`` with ``lanes``);
+    or with ``bf16`` every layer as bfloat16 panels."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES, **settings)).eval()
     if packed:
@@ -59,7 +59,8 @@ def _llama(
                     weights = pack_bf16(module.weight)
                 else:
                     weights = (quantize_int8 if head else quantize_int4)(module.weight)
-                layer = PackedLinear(weights, module.bias, None, int16 and not head)
+                held = weights.lanes() if lanes and not head else None
+                layer = PackedLinear(weights, module.bias, None, int16 and not head, held)
                 model.set_submodule(name, layer)
     paged = copy.deepcopy(model)
     paged.set_attn_implementation(register())
@@ -239,13 +240,16 @@ def test_storage_check_joins_checks_and_sees_new_or_absent_tensors():
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "weights", ["float32", "int16", "bf16"], ids=["float32", "int16 activations", "bf16 panels"]
+    "weights",
+    ["float32", "int16", "lanes", "bf16"],
+    ids=["float32", "int16 activations", "int4 lanes", "bf16 panels"],
 )
 def test_layer_stack_is_the_layers_bit_for_bit(weights, kv_dtype):
     """Steps of fewer than ``BF16_ROWS`` tokens on packed layers (decode
     rows, a short prefill chunk beside one) run as one ``decode_layers``
     call: the same logits, bit for bit, as layer by layer, the int4 layers
-    on float32 or int16 activations, or bf16 layers (bfloat16 panels), over
+    on float32 or int16 activations (from their lanes too), or bf16 layers
+    (bfloat16 panels), over
     a float32 or a bfloat16 KV cache;
     a long prefill, and ``BF16_ROWS`` rows (the bfloat16 panels' count), run
     layer by layer; float32 layers, and
@@ -253,8 +257,10 @@ def test_layer_stack_is_the_layers_bit_for_bit(weights, kv_dtype):
     if layer_ops_or_why() is not None:
         pytest.skip(f"layer ops: {layer_ops_or_why()}")
     assert "not packed" in LayerStack.refusal(fused_step(_llama()[1]).layers)
-    int16 = weights == "int16"
-    _, paged = _llama(packed=True, int16=int16, bf16=weights == "bf16")
+    int16, lanes = weights in ("int16", "lanes"), weights == "lanes"
+    if lanes and (kernel_or_why() or not torch.ops.mstar_quant.has_lanes()):
+        pytest.skip("the kernels' build has no int4 lanes (no AVX512-VNNI)")
+    _, paged = _llama(packed=True, int16=int16, bf16=weights == "bf16", lanes=lanes)
     if int16:
         _, mixed = _llama(packed=True, int16=True)
         mlp = mixed.model.layers[1].mlp
@@ -337,6 +343,23 @@ def test_row_concat_joins_bfloat16_panels_as_views():
     assert layers[2].panels.data_ptr() == joined.module.panels[3:].data_ptr()
     assert torch.equal(layers[2].panels, bf16_panels(packed[2]))
     assert "different formats or arithmetic" in concat_refusal([layers[0], PackedLinear(packed[1])])
+
+
+def test_row_concat_joins_int4_lanes_as_views():
+    """int4 layers with lanes (16 rows an entry) join along them: few rows
+    give the layers' own outputs, each layer's lanes a view of the joined
+    ones, which are the lanes of the joined weights."""
+    if (why := kernel_or_why()) is not None or not torch.ops.mstar_quant.has_lanes():
+        pytest.skip(why or "the kernels' build has no int4 lanes (no AVX512-VNNI)")
+    torch.manual_seed(4)
+    packed = [quantize_int4(torch.randn(n, 64)) for n in (64, 32, 48)]
+    layers = [PackedLinear(p, None, None, True, p.lanes()) for p in packed]
+    x = torch.randn(2, 64)
+    alone = torch.cat([m(x) for m in layers], dim=1)
+    joined = RowConcat(layers)
+    assert torch.equal(joined(x), alone)
+    assert layers[2].lanes.data_ptr() == joined.module.lanes[6:].data_ptr()
+    assert torch.equal(joined.module.lanes, joined.module.packed().lanes())
 
 
 def test_row_concat_joins_bf16_layers_panels_as_views():

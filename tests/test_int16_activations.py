@@ -14,7 +14,7 @@ from mstar.engine.quant import QuantChoice, quantize_model
 from mstar.engine.quant.at_load import quantize_int4, quantize_int8
 from mstar.engine.quant.kernels import bf16_or_why, kernel_or_why
 from mstar.engine.quant.linear import BF16_ROWS, PackedLinear
-from mstar.engine.quant.packed import Packed, bf16_panels
+from mstar.engine.quant.packed import Packed, bf16_panels, pack_bf16
 
 LIMIT = 32767.0
 
@@ -183,3 +183,132 @@ def test_int16_activations_are_fixed_at_construction(rows):
     layer = PackedLinear(random_int4(32, 64, seed=3), int16_activations=True)
     with pytest.raises(AttributeError):
         layer.int16_activations = False
+
+
+@pytest.fixture(scope="module")
+def lanes(rows):
+    """Whether this build multiplies lanes (AVX512-VNNI)."""
+    if not torch.ops.mstar_quant.has_lanes():
+        pytest.skip("the kernels' build has no lanes (no AVX512-VNNI)")
+
+
+def test_lanes_hold_each_weight_scale_and_minimum_at_its_place():
+    """``Packed.lanes``: per block of 16 rows and group of 32, octet ``o``'s
+    lane ``r`` holds row ``r``'s weights ``8o..8o+3`` (low nibbles) and
+    ``8o+4..8o+7`` (high), then the rows' scales, then their minimums; int8:
+    pair ``p``'s 32 bytes hold row ``r``'s columns ``2p, 2p+1`` at ``2r,
+    2r+1``, then a scale per row and 32 columns; rows divisible by 16."""
+    packed = random_int4(48, 96, seed=4)
+    q = packed.values()
+    held = packed.lanes().view(3, 3, 320)
+    for row, column in ((0, 0), (17, 37), (47, 95), (30, 68)):
+        block, r, group, k = row // 16, row % 16, column // 32, column % 32
+        octet, half, j = k // 8, k % 8 // 4, k % 4
+        byte = int(held[block, group, 64 * octet + 4 * r + j])
+        assert (byte >> 4 * half) & 0x0F == q[row, column]
+        assert held[block, group, 256:288].view(torch.float16)[r] == packed.scales[row, group]
+        assert held[block, group, 288:].view(torch.float16)[r] == packed.mins[row, group]
+    per_channel = quantize_int8(torch.randn(32, 64, generator=torch.Generator().manual_seed(4)))
+    held = per_channel.lanes().view(2, 2, 544)
+    assert held.dtype == torch.int8
+    for row, column in ((0, 0), (17, 37), (31, 63)):
+        block, r, group, k = row // 16, row % 16, column // 32, column % 32
+        assert held[block, group, 32 * (k // 2) + 2 * r + k % 2] == per_channel.qweight[row, column]
+        scale = held[block, group, 512:].view(torch.float16)[r]
+        assert scale == per_channel.scales[row, 0]
+    with pytest.raises(ValueError, match="rows divisible by 16"):
+        random_int4(40, 96, seed=4).lanes()
+    with pytest.raises(ValueError, match="int4 or int8 weights"):
+        pack_bf16(torch.randn(32, 32)).lanes()
+
+
+@pytest.mark.parametrize("shape", [(48, 576), (32, 1536), (16, 32), (64, 96), (464, 576)])
+def test_lanes_kernel_is_its_rounding_of_the_activations(lanes, rows, shape):
+    """The int4 lanes kernel: every row count it takes, against the float64
+    model of the rounding and against ``int4_linear_i16`` (the same
+    integers, another order of float32 sums); non-contiguous activations,
+    a group of zeros and one of denormals; enough weights to share among
+    threads (464 x 576); more rows than it rounds refused."""
+    packed = random_int4(*shape, seed=shape[0])
+    held = packed.lanes()
+    args = (packed.qweight, packed.scales, packed.mins)
+    g = torch.Generator().manual_seed(5)
+    for count in range(1, rows + 1):
+        x = torch.randn(count, 2 * shape[1], generator=g)[:, ::2]
+        if count == 1 and shape[1] >= 64:
+            x[0, :32] = 0.0
+            x[0, 32:64] = 1e-38
+        y = torch.ops.mstar_quant.lanes_i16(x, held)
+        expected = rounded_reference(x, packed)
+        assert y.shape == (count, shape[0]) and y.dtype == torch.float32
+        top = float(expected.abs().max())
+        torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * top)
+        ours = torch.ops.mstar_quant.int4_linear_i16(x, *args)
+        torch.testing.assert_close(y, ours, rtol=0, atol=1e-6 * top)
+    with pytest.raises(RuntimeError, match=f"at most {rows} activation rows"):
+        torch.ops.mstar_quant.lanes_i16(torch.randn(rows + 1, shape[1]), held)
+    with pytest.raises(RuntimeError, match=r"expected contiguous uint8 \(int4\) or int8 lanes"):
+        torch.ops.mstar_quant.lanes_i16(torch.randn(1, shape[1]), held[:, :-1])
+
+
+@pytest.mark.parametrize("group", [32, 64, None], ids=["Q8_0", "groups of 64", "per channel"])
+def test_int8_lanes_kernel_is_its_rounding_of_one_row(lanes, group):
+    """int8 lanes: one row (a group of zeros in it) against the float64
+    model of the rounding and ``int8_linear_i16`` (the same integers); two
+    rows refused."""
+    per_row = quantize_int8(torch.randn(112, 192, generator=torch.Generator().manual_seed(9)))
+    scales = per_row.scales.repeat(1, 192 // group) if group else per_row.scales
+    scales = scales * torch.rand(scales.shape, generator=torch.Generator().manual_seed(1)) + 1e-3
+    packed = Packed("int8", per_row.qweight, scales.half().contiguous())
+    x = torch.randn(1, 384, generator=torch.Generator().manual_seed(7))[:, ::2]
+    x[0, 64:96] = 0.0
+    y = torch.ops.mstar_quant.lanes_i16(x, packed.lanes())
+    expected = rounded_reference(x, packed)
+    top = float(expected.abs().max())
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * top)
+    ours = torch.ops.mstar_quant.int8_linear_i16(x, packed.qweight, packed.scales)
+    torch.testing.assert_close(y, ours, rtol=0, atol=1e-6 * top)
+    with pytest.raises(RuntimeError, match="at most 1 activation rows for int8"):
+        torch.ops.mstar_quant.lanes_i16(torch.randn(2, 192), packed.lanes())
+
+
+def test_packed_linear_multiplies_few_rows_on_its_lanes(lanes, rows):
+    """With lanes, up to the rows the kernel rounds multiply on them, bit
+    for bit the lanes op; past them the int4 weights (or the panels) as
+    without; lanes only for int4 with int16 activations, of their shape."""
+    packed = random_int4(64, 576, seed=2)
+    args = (packed.qweight, packed.scales, packed.mins)
+    bias = torch.randn(64)
+    layer = PackedLinear(packed, bias, None, True, packed.lanes())
+    g = torch.Generator().manual_seed(9)
+    for count in (1, rows):
+        x = torch.randn(count, 576, generator=g)
+        assert torch.equal(layer(x), torch.ops.mstar_quant.lanes_i16(x, layer.lanes) + bias)
+        assert layer.read_tensors(count) == [layer.lanes, layer.bias]
+    x = torch.randn(rows + 1, 576, generator=g)
+    assert torch.equal(layer(x), torch.ops.mstar_quant.int4_linear(x, *args) + bias)
+    with pytest.raises(ValueError, match="lanes only for int4/int8 weights with int16"):
+        PackedLinear(packed, None, None, False, packed.lanes())
+    with pytest.raises(ValueError, match="uint8 lanes of shape"):
+        PackedLinear(packed, None, None, True, random_int4(32, 576, seed=1).lanes())
+
+
+def test_bfloat16_arithmetic_holds_lanes_where_the_build_has_them(lanes):
+    """A model quantized int4 or int8 in bfloat16 arithmetic holds lanes in
+    every layer, and its logits are within 1e-4 of the same
+    layers' without lanes (the same integers: sums in another order, so an
+    activation a layer on may round to the neighbouring int16)."""
+    model = build_model(0)[1].eval()
+    quantize_model(model, QuantChoice("int4", "as asked", "bfloat16"))
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert all(m.lanes is not None for m in packed)
+    ids = torch.randint(0, 256, (1, 1), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = model(ids).logits
+        for m in packed:
+            m._lane_rows = 0  # the same layers through int4_linear_i16
+        plain = model(ids).logits
+    assert 0 < (ours - plain).abs().max() < 1e-4 * plain.abs().max()
+    int8 = build_model(0)[1].eval()
+    quantize_model(int8, QuantChoice("int8", "as asked", "bfloat16"))
+    assert all(m.lanes is not None for m in int8.modules() if isinstance(m, PackedLinear))

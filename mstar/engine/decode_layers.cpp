@@ -11,7 +11,9 @@
 // weights: per layer, in order, 14 tensors: input norm weight [hidden]; q/k/v, o,
 // post-attention norm weight, gate/up, down, each linear as (qweight, scales, mins):
 // qweight uint8 for int4 (mins its float16 minimums), int8 for int8 (mins empty),
-// bfloat16 panels [N/32, K/2, 32, 2] for bf16 (scales and mins empty);
+// bfloat16 panels [N/32, K/2, 32, 2] for bf16 (scales and mins empty); int4 or int8 weights
+// laid out as lanes (quant/cpp/lanes.h: uint8 [N/16, K/32 * 320] or int8 [N/16, K/32 * 544])
+// with scales and mins empty;
 // int16_activations: they take their activations rounded to int16 (int4/int8_linear_i16).
 // caches: per layer its KV tensor [P, 2, S, H_kv, D] (float32 or bfloat16); the rest as
 // layer_ops' attention's.
@@ -47,11 +49,22 @@ void bf16_into(const at::Tensor& x, const at::Tensor& panels, at::Tensor& y) {
 #endif
 }
 
-// One packed linear layer (qweight, scales, mins at w; bf16: qweight the panels) of the
-// stack into `y`.
+// y = x @ W.T into `y` (`rows_into`) for int4 or int8 weights W laid out as lanes (lanes.h),
+// x's rows rounded to int16: lanes_i16 without a new tensor.
+void lanes_into(const at::Tensor& x, const at::Tensor& lanes, at::Tensor& y) {
+  const auto [N, K] = lanes_shape(lanes);
+  check_linear(x, N, K);
+  rows_into(x, N, y);
+  lanes_rows(lanes, x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
+}
+
+// One packed linear layer (qweight, scales, mins at w; bf16: qweight the panels; int4 or
+// int8 lanes: qweight the lanes, scales empty) of the stack into `y`.
 void packed_into(const at::Tensor& x, const at::Tensor* w, bool int16_activations, at::Tensor& y) {
   if (w[0].scalar_type() == at::kBFloat16)
     bf16_into(x, w[0], y);
+  else if (w[1].numel() == 0)
+    lanes_into(x, w[0], y);
   else if (w[0].scalar_type() == at::kByte)
     linear_into(x, int4_weights(w[0], w[1], w[2]), w[0].size(0), int16_activations, y);
   else

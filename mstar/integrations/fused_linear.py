@@ -12,7 +12,8 @@ Plain ``nn.Linear`` layers concatenate their ``weight`` (and ``bias``);
 packed ones (``PackedLinear``, int4 or int8 GGUF blocks) their ``qweight``,
 ``scales`` and ``mins`` rows, which is exact: each packed row is its own
 weights and scales (and their bfloat16 panels, 32 rows each, when they
-have them; bf16 layers' ``qweight`` is their panels).
+have them; bf16 layers' ``qweight`` is their panels; int4 lanes, 16 rows
+a block, when they have them).
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from mstar.engine.quant.linear import PackedLinear
-from mstar.engine.quant.packed import PANEL, Packed
+from mstar.engine.quant.packed import LANES, PANEL, Packed
 
 __all__ = ["RowConcat", "StorageCheck", "concat_refusal", "linear"]
 
-_PACKED_TENSORS = ("qweight", "scales", "mins", "panels")
+_PACKED_TENSORS = ("qweight", "scales", "mins", "panels", "lanes")
 
 
 def concat_refusal(layers: Sequence[torch.nn.Module]) -> str | None:
@@ -82,13 +83,14 @@ class RowConcat:
         """Each layer's tensors ``names`` become row views of the joined ones."""
         bf16 = getattr(self.module, "kind", None) == "bf16"  # its qweight is its panels
         panelled = {"panels", "qweight"} if bf16 else {"panels"}
+        per_entry = {name: PANEL for name in panelled} | {"lanes": LANES}  # rows an entry of dim 0
         start = 0
         for layer, width in zip(self.layers, self.widths):
             for name in names:
                 joined = getattr(self.module, name)
                 if joined is None:
                     continue
-                per = PANEL if name in panelled else 1  # rows per entry of dim 0
+                per = per_entry.get(name, 1)
                 view = joined[start // per : (start + width) // per]
                 if isinstance(getattr(layer, name), torch.nn.Parameter):
                     setattr(layer, name, torch.nn.Parameter(view, requires_grad=False))
@@ -172,7 +174,8 @@ def _joined(layers: Sequence[torch.nn.Module]) -> torch.nn.Module:
         parts = [None if getattr(layers[0], n) is None else torch.cat([getattr(m, n) for m in layers])
                  for n in _PACKED_TENSORS]  # fmt: skip
         first = layers[0]
-        return PackedLinear(Packed(first.kind, *parts[:3]), bias, parts[3], first.int16_activations)
+        packed = Packed(first.kind, *parts[:3])
+        return PackedLinear(packed, bias, parts[3], first.int16_activations, parts[4])
     weight = torch.cat([m.weight for m in layers])
     joined = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     joined.weight = torch.nn.Parameter(weight, requires_grad=False)

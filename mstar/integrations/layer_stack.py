@@ -38,6 +38,7 @@ class LayerStack:
         self.eps = self.layers[0].norm1.variance_epsilon
         self.heads = self.layers[0].heads
         self._none = torch.empty(0, dtype=torch.float16)  # an int8 layer's (absent) minimums
+        self._absent = {"-": None}  # the slot of a tensor decode_layers takes empty
         # where each weight lives (a module's ``_parameters`` or ``_buffers``, and its
         # name), in ``decode_layers``' order: read every step, as they are then
         slots: list[tuple[dict[str, torch.Tensor | None], str]] = []
@@ -48,7 +49,10 @@ class LayerStack:
             for i, module in enumerate(_linears(layer)):
                 if i == 2:
                     slots.append((layer.norm2._parameters, "weight"))
-                slots += [(module._buffers, n) for n in ("qweight", "scales", "mins")]
+                if module.lanes is not None:  # decode_layers takes them alone, scales empty
+                    slots += [(module._buffers, "lanes"), (self._absent, "-"), (self._absent, "-")]
+                else:
+                    slots += [(module._buffers, n) for n in ("qweight", "scales", "mins")]
         self._held = tuple(held for held, _ in slots)
         self._names = tuple(name for _, name in slots)
 

@@ -35,6 +35,11 @@ per group of 32 (``int16_rows(bits)`` of them: int4 1-8 with AVX512-VNNI's
 16-bit dot products, which every CPU with AVX512-BF16 has, at one row
 ~1.1-1.3x the float32 kernel from memory, ~1.5x in cache; 1-4 with AVX2's,
 1.0-1.4x on Zen 1; int8 one, AVX2's; ~20x closer to float32 than the panels).
+With AVX512-VNNI the int4 and int8 layers also hold their weights as lanes
+(``Packed.lanes``: 16 rows to a vector, scales and minimums beside them, the
+packed weights' bytes again), which those rows multiply with VNNI's dot
+products: int4 about half the instructions, int8 about a fifth, so the
+step's stream runs at the memory's rate (``cpp/lanes.h``).
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from mstar.engine.quant.at_load import quantize_int4, quantize_int8
 from mstar.engine.quant.gguf import cached_packed_weights
 from mstar.engine.quant.kernels import bf16_or_why, kernel_or_why
 from mstar.engine.quant.linear import BF16_ROWS, PackedLinear
-from mstar.engine.quant.packed import GROUP, PANEL, Packed, bf16_panels, pack_bf16
+from mstar.engine.quant.packed import GROUP, LANES, PANEL, Packed, bf16_panels, pack_bf16
 
 __all__ = ["QUANTIZATIONS", "QuantChoice", "quantize_model", "resolve_quantization"]
 
@@ -223,7 +228,9 @@ def _swap(
     old = getattr(owner, attr)
     if use_kernel:
         held = bf16_panels(weights) if panels and weights.shape[0] % PANEL == 0 else None
-        setattr(owner, attr, PackedLinear(weights, old.bias, held, int16))
+        laned = int16 and weights.shape[0] % LANES == 0
+        lanes = weights.lanes() if laned and torch.ops.mstar_quant.has_lanes() else None
+        setattr(owner, attr, PackedLinear(weights, old.bias, held, int16, lanes))
     else:  # a parameter of its own: a tied embedding keeps its weights
         old.weight = torch.nn.Parameter(weights.dequantize(), requires_grad=False)
 

@@ -33,13 +33,17 @@
 // AVX512-VNNI, 4 on AVX2, 1 on AVX-512 without VNNI) to int16 per group of 32 and
 // multiplies them by the int4 weights in integers (i16_gemv.h: VNNI's `vpdpwssd`, else
 // AVX2's `vpmaddwd`): no float conversion of the weights, close to exact but not exact;
-// `int8_linear_i16` the same for int8 weights at one row (AVX2's, every build).
+// `int8_linear_i16` the same for int8 weights at one row (AVX2's, every build);
+// `lanes_i16` the same products on int4 or int8 weights laid out 16 rows to a vector
+// (lanes.h, AVX512-VNNI builds: `has_lanes()`).
 //
-// The parts, in cpp/: common.h, team.h, formats.h, gemv.h, i16_gemv.h, panels.h, bf16_panels.h.
+// The parts, in cpp/: common.h, team.h, formats.h, gemv.h, i16_gemv.h, lanes.h, panels.h,
+// bf16_panels.h.
 #include "bf16_panels.h"
 #include "gemv.h"
 #include "panels.h"
 #include "i16_gemv.h"
+#include "lanes.h"
 
 namespace {
 
@@ -124,6 +128,55 @@ at::Tensor int8_linear_i16(const at::Tensor& x, const at::Tensor& qweight, const
   return packed_linear(x, int8_weights(qweight, scales), qweight.size(0), qweight.size(1), true);
 }
 
+// Whether this build multiplies int4 and int8 weights laid out as `lanes` (lanes.h: AVX512-VNNI).
+bool has_lanes() {
+#if defined(__AVX512VNNI__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// N and K of int4 (uint8) or int8 (int8) weights laid out as `lanes` ([N/16, K/32 * 320]
+// and [N/16, K/32 * 544]: lanes.h), checked.
+std::pair<int64_t, int64_t> lanes_shape(const at::Tensor& lanes) {
+  TORCH_CHECK(has_lanes(), "lanes need a build with AVX512-VNNI (has_lanes() is false here)");
+  const bool int4 = lanes.scalar_type() == at::kByte;
+  const int64_t bytes = int4 ? LANE_GROUP_BYTES : LANE_INT8_BYTES;
+  TORCH_CHECK((int4 || lanes.scalar_type() == at::kChar) && lanes.dim() == 2 && lanes.is_contiguous() &&
+                  lanes.size(1) % bytes == 0,
+              "expected contiguous uint8 (int4) or int8 lanes [N/16, K/32 * 320 or 544], got ",
+              lanes.scalar_type(), " ", lanes.sizes());
+  return {lanes.size(0) * LANE_ROWS, lanes.size(1) / bytes * 32};
+}
+
+// y [M, N] = x [M, K] @ W.T for M rows of x (contiguous float32) rounded to int16, W int4
+// or int8 `lanes`, M <= int16_rows(4) or int16_rows(8). No tensors: for decode_layers.cpp.
+void lanes_rows(const at::Tensor& lanes, const float* x, int64_t M, float* y) {
+  const auto [N, K] = lanes_shape(lanes);
+  const bool int4 = lanes.scalar_type() == at::kByte;
+  const int64_t most = int4 ? i16_rows<Int4>() : i16_rows<Int8>();
+  TORCH_CHECK(M <= most, "expected at most ", most, " activation rows for ", int4 ? "int4" : "int8",
+              " lanes, got ", M);
+#if defined(__AVX512VNNI__)
+  if (int4) lanes_i16(lanes.data_ptr<uint8_t>(), x, M, N, K, y);
+  else lanes_i16(lanes.data_ptr<int8_t>(), x, M, N, K, y);
+#endif
+}
+
+// y = x @ W.T for float32 x [..., K] of at most int16_rows(bits) rows, rounded to int16 per
+// group of 32 as the `*_i16` ops round them, and int4 or int8 weights W laid out as `lanes`.
+at::Tensor lanes_i16_linear(const at::Tensor& x_in, const at::Tensor& lanes) {
+  const auto [N, K] = lanes_shape(lanes);
+  check_linear(x_in, N, K);
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  lanes_rows(lanes, x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
+  auto sizes = x_in.sizes().vec();
+  sizes.back() = N;
+  return y.view(sizes);
+}
+
 // Most rows the int4 (bits 4) or int8 (bits 8) ops `*_i16` round to int16.
 int64_t int16_rows(int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "expected bits 4 or 8, got ", bits);
@@ -138,6 +191,8 @@ TORCH_LIBRARY(mstar_quant, m) {
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
   m.def("int8_linear_i16(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
   m.def("int16_rows(int bits) -> int", &int16_rows);
+  m.def("has_lanes() -> bool", &has_lanes);
+  m.def("lanes_i16(Tensor x, Tensor lanes) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor panels) -> Tensor");
 }
 
@@ -147,4 +202,5 @@ TORCH_LIBRARY_IMPL(mstar_quant, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int8_linear_i16", &int8_linear_i16);
   m.impl("bf16_linear", &bf16_linear);
+  m.impl("lanes_i16", &lanes_i16_linear);
 }

@@ -5,13 +5,15 @@ with bfloat16 panels of the same weights (``packed.bf16_panels``), inputs
 of ``BF16_ROWS`` rows or more multiply in bfloat16 instead; with
 ``int16_activations``, up to ``int16_rows(bits)`` rows (the kernels'
 ``torch.ops.mstar_quant.int16_rows``: int4 8 with AVX512-VNNI, 4 on AVX2;
-int8 1) are rounded to int16 per group of 32 and multiplied in integers."""
+int8 1) are rounded to int16 per group of 32 and multiplied in integers;
+weights also held as ``lanes`` (``Packed.lanes``, where the kernels'
+``has_lanes()``) multiply those rows there."""
 
 from __future__ import annotations
 
 import torch
 
-from mstar.engine.quant.packed import PANEL, Packed
+from mstar.engine.quant.packed import PANEL, Packed, lanes_shape
 
 # fewest input rows for the bfloat16 panels; fewer stream the packed weights, faster up to
 # 8 rows on AVX512-BF16 (1536x576 from memory: 48 against 67 us at 8 rows, 36 against 54 at 5)
@@ -26,8 +28,10 @@ class PackedLinear(torch.nn.Module):
     with ``int16_activations`` up to ``int16_rows(bits)`` rows, as on ``x``
     rounded to int16 per group of 32 (``scale = max |x| / 32767``; int4's
     minimums times the float32 sums of ``x``): ~1e-4 of the float32 result
-    on SmolLM2, ~20x closer than the bfloat16 panels. bf16 weights (the
-    panels themselves) take every row count as the panels do."""
+    on SmolLM2, ~20x closer than the bfloat16 panels; with ``lanes``
+    (``packed.lanes()``, with int16 activations) those rows multiply
+    on them, the same integers in another order of float32 sums. bf16
+    weights (the panels themselves) take every row count as the panels do."""
 
     def __init__(
         self,
@@ -35,12 +39,18 @@ class PackedLinear(torch.nn.Module):
         bias: torch.Tensor | None = None,
         panels: torch.Tensor | None = None,
         int16_activations: bool = False,
+        lanes: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         if packed.kind == "bf16" and (panels is not None or int16_activations):
             raise ValueError(
                 "expected bf16 weights (the panels themselves) without panels or int16"
                 f" activations, got panels={panels is not None}, int16={int16_activations}"
+            )
+        if lanes is not None and (packed.kind == "bf16" or not int16_activations):
+            raise ValueError(
+                f"expected lanes only for int4/int8 weights with int16 activations, got {packed.kind}"
+                f" weights, int16={int16_activations}"
             )
         self.kind = packed.kind
         self._int16 = int16_activations
@@ -55,6 +65,17 @@ class PackedLinear(torch.nn.Module):
         self.register_buffer("scales", packed.scales)
         self.register_buffer("mins", packed.mins)
         self.register_buffer("panels", panels)
+        if lanes is not None:
+            want = lanes_shape(packed)
+            if lanes.dtype != packed.qweight.dtype or tuple(lanes.shape) != want:
+                raise ValueError(
+                    f"expected {str(packed.qweight.dtype).removeprefix('torch.')} lanes of shape {list(want)} for weights {list(packed.shape)},"
+                    f" got {str(lanes.dtype).removeprefix('torch.')} {list(lanes.shape)}"
+                )
+        self.register_buffer("lanes", lanes)
+        # most rows the lanes take (the kernels' int16 rows)
+        bits = 4 if packed.kind == "int4" else 8
+        self._lane_rows = 0 if lanes is None else torch.ops.mstar_quant.int16_rows(bits)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
     @property
@@ -76,15 +97,22 @@ class PackedLinear(torch.nn.Module):
         """Whether ``rows`` input rows multiply on the bfloat16 panels."""
         return self._buffers["panels"] is not None and rows >= BF16_ROWS
 
+    def _laned(self, rows: int) -> bool:
+        """Whether ``rows`` input rows multiply on the lanes."""
+        return rows <= self._lane_rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # ~150 calls a decode step: the buffers read from ``_buffers`` and the ops called
         # by their overload, not through ``nn.Module.__getattr__`` and overload
         # resolution (~2 us a call between them)
         b, ops = self._buffers, torch.ops.mstar_quant
+        rows = x.numel() // self.in_features
         if self.kind == "bf16":
             y = ops.bf16_linear.default(x, b["qweight"])
-        elif self._panelled(x.numel() // self.in_features):
+        elif self._panelled(rows):
             y = ops.bf16_linear.default(x, b["panels"])
+        elif self._laned(rows):
+            y = ops.lanes_i16.default(x, b["lanes"])
         elif self.kind == "int4":
             op = ops.int4_linear_i16 if self._int16 else ops.int4_linear
             y = op.default(x, b["qweight"], b["scales"], b["mins"])
@@ -98,6 +126,8 @@ class PackedLinear(torch.nn.Module):
         the packed weights; the bias)."""
         if self._panelled(rows):
             tensors = [self.panels]
+        elif self._laned(rows):
+            tensors = [self.lanes]
         else:
             tensors = [t for t in (self.qweight, self.scales, self.mins) if t is not None]
         return tensors + ([] if self.bias is None else [self.bias])

@@ -12,6 +12,10 @@ bfloat16 panels (``panels``): float weights rounded to bfloat16,
 beside int4/int8 weights for many-row products (``bf16_panels``), or as
 the weights themselves: ``bf16``, ``qweight`` the panels, no scales
 (``pack_bf16``: a float model's linear layers on CPUs with AVX512-BF16).
+lanes (``Packed.lanes``): the same int4 or int8 weights, scales (and
+minimums) 16 rows to a vector's lanes, as ``cpp/lanes.h``'s kernels stream
+them (int4: uint8 ``[N/16, K/32 * 320]``; int8: int8 ``[N/16, K/32 * 544]``);
+held beside the packed weights for few rows.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 
 GROUP = 32
 PANEL = 32  # weight rows per bfloat16 panel
+LANES = 16  # weight rows per block of int4 lanes
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,38 @@ class Packed:
         mins = self.mins.float().repeat_interleave(GROUP, dim=1)
         return self.values().float() * scales + mins
 
+    def lanes(self) -> torch.Tensor:
+        """The weights laid out for ``cpp/lanes.h`` (``lanes_shape``): per
+        block of 16 rows and group of 32 columns, int4 (uint8): four 64-byte
+        octets (octet ``o``'s 4-byte lane ``r``: row ``r``'s weights
+        ``8o..8o+3`` in the low nibbles, ``8o+4..8o+7`` in the high ones),
+        the 16 rows' float16 scales, then their minimums; int8: 16 pairs of
+        columns, 32 bytes each (row ``r``'s pair at bytes ``2r, 2r+1``), then
+        the rows' float16 scales, one per 32 columns. ``ValueError`` for bf16
+        or rows not a multiple of 16."""
+        rows, width = self.shape
+        if self.kind == "bf16" or rows % LANES:
+            raise ValueError(
+                f"expected int4 or int8 weights of rows divisible by {LANES} for lanes, got"
+                f" {self.kind} of {rows} rows"
+            )
+        blocks, groups = rows // LANES, width // GROUP
+        if self.kind == "int4":
+            # [block, row, group, octet, half, j]: weight 8 octet + 4 half + j
+            q = self.values().view(blocks, LANES, groups, 4, 2, 4)
+            octets = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)
+            per_group = [octets.reshape(blocks, groups, -1)]
+            scales = [self.scales, self.mins]
+        else:  # [block, row, group, pair, 2] -> [block, group, pair, row, 2]
+            pairs = self.qweight.view(blocks, LANES, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+            per_group = [pairs.reshape(blocks, groups, -1).view(torch.uint8)]
+            scales = [self.scales.repeat_interleave(groups // self.scales.shape[1], dim=1)]
+        for t in scales:
+            per_group.append(
+                t.view(blocks, LANES, groups).transpose(1, 2).contiguous().view(torch.uint8)
+            )
+        return torch.cat(per_group, dim=2).view(blocks, -1).view(self.qweight.dtype)
+
     def values(self) -> torch.Tensor:
         """The integers ``q``, ``[N, K]`` (int4: uint8 0..15; int8: int8)."""
         if self.kind == "bf16":
@@ -69,6 +106,13 @@ class Packed:
         rows, width = self.shape
         groups = self.qweight.view(rows, -1, GROUP // 2)
         return torch.cat([groups & 0x0F, groups >> 4], dim=2).view(rows, width)
+
+
+def lanes_shape(packed: Packed) -> tuple[int, int]:
+    """The shape of ``packed.lanes()``: ``[N/16, K/32 * 320]`` for int4,
+    ``[N/16, K/32 * 544]`` for int8."""
+    rows, width = packed.shape
+    return rows // LANES, width // GROUP * (320 if packed.kind == "int4" else 544)
 
 
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Packed:

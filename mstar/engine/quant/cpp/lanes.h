@@ -1,0 +1,175 @@
+// int4 weights laid out 16 rows to a vector (`lanes`), times 1-8 activation rows rounded to
+// int16 as `Int16Rows` rounds them, with AVX512-VNNI's `vpdpbusd` (64 products of an
+// unsigned and a signed byte an instruction, summed in fours into 32-bit lanes).
+//
+// Layout (packed.py's `Packed.lanes`), uint8 [N/16, G * 320]: for each block of 16 weight
+// rows and each group g of 32 columns, 320 bytes: four 64-byte octets, then the 16 rows'
+// float16 scales, then their float16 minimums. Octet o's 32-bit lane r holds row r's
+// weights 8o..8o+3 in its bytes' low nibbles and 8o+4..8o+7 in their high ones. One
+// sequential stream a block, and no horizontal sums: each lane is an output row.
+//
+// The activations: each int16 a = 256 h + l (h = a >> 8 signed, l = a & 255 unsigned), so
+// w . a = 256 (w . h) + (w . l) exactly, each a byte dot product: the nibbles (0..15) are
+// the unsigned side against h, and the signed side against l. Per 16 rows and group: 4
+// loads, 8 nibble masks, 16 dot products, then one conversion and two FMAs (scale, min),
+// about half the instructions `gemv_i16` (i16_gemv.h) takes for the same weights: ~1.75x
+// its speed in cache at two threads on Zen 4, ~1.1x from memory (31.8-35.7 against
+// 28.1-32.8 GB/s, a standalone prototype), so a step's weights stream as fast as the
+// memory gives them. The same integers as `gemv_i16`; only the float32 sums' order differs.
+//
+// int8 weights the same way, uint8 [N/16, G * 544] as int8: per block and group 16 pairs of
+// columns, 32 bytes each (row r's columns 2p, 2p+1 at bytes 2r, 2r+1), then the rows'
+// float16 scales (a scale per 32 columns, repeated where the groups are wider). Each pair
+// widened to 16 bits (`vpmovsxbw`) and dotted with the int16 activations (`vpdpwssd`): two
+// instructions per 32 weights, where `streamed_i16`'s AVX2 head takes ~10 per 32 a row.
+#pragma once
+
+#include "i16_gemv.h"
+
+namespace {
+
+constexpr int64_t LANE_ROWS = 16;          // weight rows a block
+constexpr int64_t LANE_GROUP_BYTES = 320;  // a block's bytes a group: 256 nibbles, 32 scales, 32 minimums
+constexpr int64_t LANE_INT8_BYTES = 544;   // int8: 512 weights' bytes, 32 scales
+
+#if defined(__AVX512VNNI__)
+
+constexpr int64_t LANE_PASS = 4;         // most activation rows a pass over a block
+constexpr int64_t LANES_AHEAD = 4096;    // bytes ahead of a block's stream asked for (prototype: 4096 > 2048 > 1024)
+
+// Activation rows [M, K] rounded to int16 per group of 32 as `Int16Rows` rounds them, each
+// also split into its high (signed) and low (unsigned) bytes; each group's scale and float32 sum.
+struct LaneRows {
+  int64_t K, G;
+  std::vector<int16_t> q;     // [M, K]
+  std::vector<int8_t> high;   // [M, K]: a >> 8
+  std::vector<uint8_t> low;   // [M, K]: a & 255
+  std::vector<float> scales;  // [M, G]
+  std::vector<float> sums;    // [M, G]
+
+  LaneRows(const float* x, int64_t M, int64_t K)
+      : K(K), G(K / 32), q(M * K), high(M * K), low(M * K), scales(M * (K / 32)), sums(M * (K / 32)) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* xg = x + m * K + g * 32;
+        const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const __m512 inverse = _mm512_set1_ps(amax > 1e-30f ? 32767.0f / amax : 0.0f);
+        const __m512i v = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inverse)))),
+            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, inverse))), 1);
+        const int64_t at = m * K + g * 32;
+        _mm512_storeu_si512(&q[at], v);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&high[at]), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&low[at]),
+                            _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(0xFF))));
+        scales[m * G + g] = amax > 1e-30f ? amax / 32767.0f : 0.0f;
+        sums[m * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+      }
+  }
+};
+
+// Four bytes at p as one 32-bit value in every lane.
+inline __m512i quad(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// y[m0 + i, 16 b .. 16 b + 16) for activation rows m0..m0+ROWS-1: per block, per group, the
+// four octets' nibbles dotted with each row's high and low bytes (four 32-bit sums a row,
+// two chains each side), joined as 256 high + low, made float32, times weight scale x
+// activation scale, plus minimum x the activations' sum.
+template <int ROWS>
+void lanes_gemv(const uint8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, float* y, int64_t N) {
+  const int64_t G = x.G, K = x.K;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const uint8_t* p = lanes + b * G * LANE_GROUP_BYTES;
+  __m512 acc[ROWS];
+  for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g, p += LANE_GROUP_BYTES) {
+    for (int64_t line = 0; line < LANE_GROUP_BYTES; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + LANES_AHEAD + line), _MM_HINT_T0);
+    __m512i hi[ROWS][2], lo[ROWS][2];
+    for (int m = 0; m < ROWS; ++m) hi[m][0] = hi[m][1] = lo[m][0] = lo[m][1] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int o = 0; o < 4; ++o) {
+      const __m512i bytes = _mm512_loadu_si512(p + 64 * o);
+      const __m512i first = _mm512_and_si512(bytes, nibble);                         // weights 8o..8o+3
+      const __m512i second = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);  // 8o+4..8o+7
+#pragma GCC unroll 4
+      for (int m = 0; m < ROWS; ++m) {
+        const int64_t at = (m0 + m) * K + g * 32 + 8 * o;
+        hi[m][0] = _mm512_dpbusd_epi32(hi[m][0], first, quad(&x.high[at]));
+        hi[m][1] = _mm512_dpbusd_epi32(hi[m][1], second, quad(&x.high[at + 4]));
+        lo[m][0] = _mm512_dpbusd_epi32(lo[m][0], quad(&x.low[at]), first);
+        lo[m][1] = _mm512_dpbusd_epi32(lo[m][1], quad(&x.low[at + 4]), second);
+      }
+    }
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256)));
+    const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 288)));
+#pragma GCC unroll 4
+    for (int m = 0; m < ROWS; ++m) {
+      const int64_t at = (m0 + m) * G + g;
+      const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(hi[m][0], hi[m][1]), 8),
+                                           _mm512_add_epi32(lo[m][0], lo[m][1]));
+      acc[m] = _mm512_fmadd_ps(min, _mm512_set1_ps(x.sums[at]), acc[m]);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(x.scales[at])),
+                               acc[m]);
+    }
+  }
+  for (int m = 0; m < ROWS; ++m) _mm512_storeu_ps(y + (m0 + m) * N + b * LANE_ROWS, acc[m]);
+}
+
+// y[m0 + i, 16 b .. 16 b + 16) for activation rows m0..m0+ROWS-1 and int8 lanes: per
+// block, per group, each pair of columns widened and dotted with each row's int16 pair (two
+// chains a row), made float32, times weight scale x activation scale.
+template <int ROWS>
+void lanes8_gemv(const int8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, float* y, int64_t N) {
+  const int64_t G = x.G, K = x.K;
+  const int8_t* p = lanes + b * G * LANE_INT8_BYTES;
+  __m512 acc[ROWS];
+  for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g, p += LANE_INT8_BYTES) {
+    for (int64_t line = 0; line < LANE_INT8_BYTES; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + LANES_AHEAD + line), _MM_HINT_T0);
+    __m512i dot[ROWS][2];
+    for (int m = 0; m < ROWS; ++m) dot[m][0] = dot[m][1] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int pair = 0; pair < 16; ++pair) {
+      const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * pair)));
+#pragma GCC unroll 4
+      for (int m = 0; m < ROWS; ++m)
+        dot[m][pair % 2] = _mm512_dpwssd_epi32(dot[m][pair % 2], w, quad(&x.q[(m0 + m) * K + g * 32 + 2 * pair]));
+    }
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 512)));
+#pragma GCC unroll 4
+    for (int m = 0; m < ROWS; ++m)
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot[m][0], dot[m][1])),
+                               _mm512_mul_ps(scale, _mm512_set1_ps(x.scales[(m0 + m) * G + g])), acc[m]);
+  }
+  for (int m = 0; m < ROWS; ++m) _mm512_storeu_ps(y + (m0 + m) * N + b * LANE_ROWS, acc[m]);
+}
+
+// y = x @ W.T for M <= I16_ROWS rows of x [M, K] and int4 (uint8 `lanes`) or int8 (int8
+// `lanes`) weights W [N, K], the activations rounded to int16 first; blocks of 16 rows handed
+// out as `stream_piece` hands out rows, each block's weights read once from memory (a pass of
+// up to LANE_PASS rows at a time, the rest from cache).
+template <typename T>
+void lanes_i16(const T* lanes, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
+  const LaneRows xq(x, M, K);
+  const int64_t blocks = N / LANE_ROWS;
+  const int64_t piece = std::max<int64_t>(1, stream_piece(N, K) / LANE_ROWS);
+  share(blocks, piece, N * K >= PARALLEL_MIN, [&](int64_t b0, int64_t b1, int) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t m0 = 0; m0 < M; m0 += LANE_PASS)
+        with_rows<LANE_PASS>(std::min(LANE_PASS, M - m0), [&](auto rows) {
+          if constexpr (std::is_same_v<T, uint8_t>) lanes_gemv<rows()>(lanes, xq, m0, b, y, N);
+          else lanes8_gemv<rows()>(lanes, xq, m0, b, y, N);
+        });
+  });
+}
+
+#endif
+
+}  // namespace
