@@ -18,7 +18,9 @@ this tree's bfloat16 panels of the int4 weights (``bf16 panels``, what 9+
 rows multiply in ``--dtype bfloat16``/auto) run beside them; and on any CPU,
 at the rows ``int16_rows`` says (int4: 1-8 with AVX512-VNNI, 1-4 on AVX2;
 int8: 1), int4 and int8 on activations rounded to int16 (``int16 act.``,
-what bfloat16 arithmetic takes there). Random weights,
+what bfloat16 arithmetic takes there), and with AVX512-VNNI the same
+weights as this tree's lanes (``int4 lanes``, ``int8 lanes``: what the
+engine runs there). Random weights,
 SmolLM2-135M's shapes (``head``: the tied vocabulary head, which the engine
 runs as int8). ``--stream``: each variant cycles through distinct copies of
 its weights, ``STREAM_BYTES`` of them in all (more than the L3 cache holds), so
@@ -41,7 +43,7 @@ import torch.nn.functional as F
 
 from mstar.engine.cpu import cpu_info
 from mstar.engine.quant.kernels import PARTS, SOURCE, bf16_or_why, build_under, kernel_or_why
-from mstar.engine.quant.packed import PANEL, Packed, bf16_panels
+from mstar.engine.quant.packed import LANES, PANEL, Packed, bf16_panels
 
 SHAPES = {
     "q": (576, 576),
@@ -135,6 +137,14 @@ def variants(
             calls[f"int8 int16 act.{suffix}"] = cycled(
                 int8, lambda *w, op=op: op.int8_linear_i16(x, *w)
             )
+    ours = torch.ops.mstar_quant
+    if ours.has_lanes() and n % LANES == 0:  # this tree's lanes, at the rows they take
+        if rows <= ours.int16_rows(4):
+            lanes4 = [(Packed("int4", *w).lanes(),) for w in int4]
+            calls["int4 lanes"] = cycled(lanes4, lambda w: ours.lanes_i16(x, w))
+        if rows <= ours.int16_rows(8):
+            lanes8 = [(Packed("int8", *w).lanes(),) for w in int8]
+            calls["int8 lanes"] = cycled(lanes8, lambda w: ours.lanes_i16(x, w))
     if bf16_or_why() is None and n % PANEL == 0:  # this tree's bfloat16 panels
         panels = [(bf16_panels(Packed("int4", *w)),) for w in int4[: copies("bf16")]]
         calls["bf16 panels"] = cycled(panels, lambda p: torch.ops.mstar_quant.bf16_linear(x, p))
