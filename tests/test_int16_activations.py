@@ -164,7 +164,10 @@ def test_bfloat16_arithmetic_gives_packed_layers_int16_activations_and_says_so(r
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert packed and all(m.int16_activations for m in packed)
     few = "1 row" if rows == 1 else f"1-{rows} rows"
-    assert f"; int16 activations at {few} (the {len(packed)} int4 layers), " in description
+    laned = sum(m.lanes is not None for m in packed)
+    assert laned == (len(packed) if torch.ops.mstar_quant.has_lanes() else 0)
+    on = f" ({laned} of them on lanes, 16 rows a vector)" if laned else ""
+    assert f"; int16 activations at {few} (the {len(packed)} int4 layers){on}, " in description
     many = "9+ rows multiply in bfloat16" if bf16_or_why() is None else "more rows float32 (the CPU"
     assert description.endswith(many) or f", {many}" in description
     quantize_model(twin, QuantChoice("int4", "as asked", "float32"))
@@ -175,7 +178,7 @@ def test_bfloat16_arithmetic_gives_packed_layers_int16_activations_and_says_so(r
     assert 0 < (ours - exact).abs().max() < 1e-3 * exact.abs().max()
     int8 = build_model(0)[1].eval()
     described = quantize_model(int8, QuantChoice("int8", "as asked", "bfloat16"))
-    assert f"; int16 activations at 1 row (the {len(packed)} int8 layers), " in described
+    assert f"; int16 activations at 1 row (the {len(packed)} int8 layers){on}, " in described
     assert all(m.int16_activations for m in int8.modules() if isinstance(m, PackedLinear))
 
 

@@ -376,8 +376,8 @@ def test_tiny_model_in_bfloat16_arithmetic_stays_near_its_dequantized_twin(bf16)
     model = tiny()
     description = quantize_model(model, QuantChoice("int4", "as asked", "bfloat16"))
     assert description.endswith(
-        "15 layers int4; int16 activations at 1-8 rows (the 15 int4 layers),"
-        f" {BF16_ROWS}+ rows multiply in bfloat16"
+        "15 layers int4; int16 activations at 1-8 rows (the 15 int4 layers) (15 of them on"
+        f" lanes, 16 rows a vector), {BF16_ROWS}+ rows multiply in bfloat16"
     )
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert all(m.arithmetic == "bfloat16+int16" for m in layers)

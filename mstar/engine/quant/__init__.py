@@ -237,8 +237,9 @@ def _swap(
 
 def _rounded_summary(model: Any, packed: dict[str, tuple[Packed, str]]) -> str:
     """The summary's clause on bfloat16 arithmetic: the rows on int16
-    activations, per kind of layer; the rows on bfloat16 panels (naming the
-    layers ``_swap`` left without), or why there are none."""
+    activations, per kind of layer, and how many layers take them on lanes;
+    the rows on bfloat16 panels (naming the layers ``_swap`` left without),
+    or why there are none."""
     if (why := bf16_or_why()) is not None:
         many = f"more rows float32 ({why})"
     else:
@@ -254,7 +255,11 @@ def _rounded_summary(model: Any, packed: dict[str, tuple[Packed, str]]) -> str:
         f"{'1 row' if rows == 1 else f'1-{rows} rows'} ({', '.join(names)})"
         for rows, names in sorted(by_rows.items(), reverse=True)
     ]
-    return f"int16 activations at {', '.join(few)}, {many}" if few else many
+    if not few:
+        return many
+    laned = sum(model.get_submodule(name).lanes is not None for name in packed)
+    on = f" ({laned} of them on lanes, 16 rows a vector)" if laned else ""
+    return f"int16 activations at {', '.join(few)}{on}, {many}"
 
 
 def _summary(
