@@ -342,13 +342,14 @@ def test_row_concat_joins_bfloat16_panels_as_views():
     assert torch.equal(joined(x), alone)
     assert layers[2].panels.data_ptr() == joined.module.panels[3:].data_ptr()
     assert torch.equal(layers[2].panels, bf16_panels(packed[2]))
-    assert "different formats or arithmetic" in concat_refusal([layers[0], PackedLinear(packed[1])])
+    assert "different formats, arithmetic" in concat_refusal([layers[0], PackedLinear(packed[1])])
 
 
 def test_row_concat_joins_int4_lanes_as_views():
     """int4 layers with lanes (16 rows an entry) join along them: few rows
     give the layers' own outputs, each layer's lanes a view of the joined
-    ones, which are the lanes of the joined weights."""
+    ones, which are the lanes of the joined weights; layers with and
+    without lanes do not join."""
     if (why := kernel_or_why()) is not None or not torch.ops.mstar_quant.has_lanes():
         pytest.skip(why or "the kernels' build has no int4 lanes (no AVX512-VNNI)")
     torch.manual_seed(4)
@@ -360,6 +361,8 @@ def test_row_concat_joins_int4_lanes_as_views():
     assert torch.equal(joined(x), alone)
     assert layers[2].lanes.data_ptr() == joined.module.lanes[6:].data_ptr()
     assert torch.equal(joined.module.lanes, joined.module.packed().lanes())
+    plain = PackedLinear(packed[1], None, None, True)
+    assert "arithmetic or lanes" in concat_refusal([layers[0], plain])
 
 
 def test_row_concat_joins_bf16_layers_panels_as_views():

@@ -48,9 +48,11 @@ def concat_refusal(layers: Sequence[torch.nn.Module]) -> str | None:
     if any(t.dtype != tensors[0].dtype or t.device != tensors[0].device for t in _main(layers)):
         return "has linear layers of different dtypes or devices"
     packed = isinstance(layers[0], PackedLinear)
-    formats = {(m.kind, _groups(m), m.arithmetic) for m in layers} if packed else set()
+    formats = (
+        {(m.kind, _groups(m), m.arithmetic, m.lanes is None) for m in layers} if packed else set()
+    )
     if len(formats) > 1:
-        return "has packed layers of different formats or arithmetic"
+        return "has packed layers of different formats, arithmetic or lanes"
     return None
 
 

@@ -12,12 +12,12 @@
 // w . a = 256 (w . h) + (w . l) exactly, each a byte dot product: the nibbles (0..15) are
 // the unsigned side against h, and the signed side against l. Per 16 rows and group: 4
 // loads, 8 nibble masks, 16 dot products, then one conversion and two FMAs (scale, min),
-// about half the instructions `gemv_i16` (i16_gemv.h) takes for the same weights: ~1.75x
-// its speed in cache at two threads on Zen 4, ~1.1x from memory (31.8-35.7 against
-// 28.1-32.8 GB/s, a standalone prototype), so a step's weights stream as fast as the
-// memory gives them. The same integers as `gemv_i16`; only the float32 sums' order differs.
+// about half the instructions `gemv_i16` (i16_gemv.h) takes for the same weights: on Zen 4
+// at two threads 1.3-2.7x its speed in cache, level from memory for SmolLM2's short calls
+// (benchmarks/quant_kernels.py), so a step's weights stream as fast as the memory gives
+// them. The same integers as `gemv_i16`; only the float32 sums' order differs.
 //
-// int8 weights the same way, uint8 [N/16, G * 544] as int8: per block and group 16 pairs of
+// int8 weights the same way, int8 [N/16, G * 544]: per block and group 16 pairs of
 // columns, 32 bytes each (row r's columns 2p, 2p+1 at bytes 2r, 2r+1), then the rows'
 // float16 scales (a scale per 32 columns, repeated where the groups are wider). Each pair
 // widened to 16 bits (`vpmovsxbw`) and dotted with the int16 activations (`vpdpwssd`): two
