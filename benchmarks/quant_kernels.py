@@ -138,11 +138,11 @@ def variants(
                 int8, lambda *w, op=op: op.int8_linear_i16(x, *w)
             )
     ours = torch.ops.mstar_quant
-    if ours.has_lanes() and n % LANES == 0:  # this tree's lanes, at the rows they take
-        if rows <= ours.int16_rows(4):
+    if ours.lanes_rows() and n % LANES == 0:  # this tree's lanes, at the rows they take
+        if rows <= ours.lanes_rows():
             lanes4 = [(Packed("int4", *w).lanes(),) for w in int4]
             calls["int4 lanes"] = cycled(lanes4, lambda w: ours.lanes_i16(x, w))
-        if rows <= ours.int16_rows(8):
+        if rows <= ours.lanes_rows():
             lanes8 = [(Packed("int8", *w).lanes(),) for w in int8]
             calls["int8 lanes"] = cycled(lanes8, lambda w: ours.lanes_i16(x, w))
     if bf16_or_why() is None and n % PANEL == 0:  # this tree's bfloat16 panels

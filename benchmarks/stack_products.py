@@ -63,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     if (why := kernel_or_why()) is not None:
         raise SystemExit(f"the kernels do not run here: {why}")
-    if not torch.ops.mstar_quant.has_lanes():
+    if not torch.ops.mstar_quant.lanes_rows():
         raise SystemExit("this build has no lanes (no AVX512-VNNI)")
     ops = build_under("mstar_quant_stack", SOURCE.read_text() + TIMING)
     torch.manual_seed(0)

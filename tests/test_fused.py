@@ -258,7 +258,7 @@ def test_layer_stack_is_the_layers_bit_for_bit(weights, kv_dtype):
         pytest.skip(f"layer ops: {layer_ops_or_why()}")
     assert "not packed" in LayerStack.refusal(fused_step(_llama()[1]).layers)
     int16, lanes = weights in ("int16", "lanes"), weights == "lanes"
-    if lanes and (kernel_or_why() or not torch.ops.mstar_quant.has_lanes()):
+    if lanes and (kernel_or_why() or not torch.ops.mstar_quant.lanes_rows()):
         pytest.skip("the kernels' build has no int4 lanes (no AVX512-VNNI)")
     _, paged = _llama(packed=True, int16=int16, bf16=weights == "bf16", lanes=lanes)
     if int16:
@@ -350,7 +350,7 @@ def test_row_concat_joins_int4_lanes_as_views():
     give the layers' own outputs, each layer's lanes a view of the joined
     ones, which are the lanes of the joined weights; layers with and
     without lanes do not join."""
-    if (why := kernel_or_why()) is not None or not torch.ops.mstar_quant.has_lanes():
+    if (why := kernel_or_why()) is not None or not torch.ops.mstar_quant.lanes_rows():
         pytest.skip(why or "the kernels' build has no int4 lanes (no AVX512-VNNI)")
     torch.manual_seed(4)
     packed = [quantize_int4(torch.randn(n, 64)) for n in (64, 32, 48)]

@@ -165,7 +165,7 @@ def test_bfloat16_arithmetic_gives_packed_layers_int16_activations_and_says_so(r
     assert packed and all(m.int16_activations for m in packed)
     few = "1 row" if rows == 1 else f"1-{rows} rows"
     laned = sum(m.lanes is not None for m in packed)
-    assert laned == (len(packed) if torch.ops.mstar_quant.has_lanes() else 0)
+    assert laned == (len(packed) if torch.ops.mstar_quant.lanes_rows() else 0)
     on = f" ({laned} of them on lanes, 16 rows a vector)" if laned else ""
     assert f"; int16 activations at {few} (the {len(packed)} int4 layers){on}, " in description
     many = "9+ rows multiply in bfloat16" if bf16_or_why() is None else "more rows float32 (the CPU"
@@ -178,7 +178,9 @@ def test_bfloat16_arithmetic_gives_packed_layers_int16_activations_and_says_so(r
     assert 0 < (ours - exact).abs().max() < 1e-3 * exact.abs().max()
     int8 = build_model(0)[1].eval()
     described = quantize_model(int8, QuantChoice("int8", "as asked", "bfloat16"))
-    assert f"; int16 activations at 1 row (the {len(packed)} int8 layers){on}, " in described
+    most = torch.ops.mstar_quant.lanes_rows()  # int8 on lanes: their rows, else one
+    few = f"1-{most} rows" if most > 1 else "1 row"
+    assert f"; int16 activations at {few} (the {len(packed)} int8 layers){on}, " in described
     assert all(m.int16_activations for m in int8.modules() if isinstance(m, PackedLinear))
 
 
@@ -191,7 +193,7 @@ def test_int16_activations_are_fixed_at_construction(rows):
 @pytest.fixture(scope="module")
 def lanes(rows):
     """Whether this build multiplies lanes (AVX512-VNNI)."""
-    if not torch.ops.mstar_quant.has_lanes():
+    if not torch.ops.mstar_quant.lanes_rows():
         pytest.skip("the kernels' build has no lanes (no AVX512-VNNI)")
 
 
@@ -248,37 +250,41 @@ def test_lanes_kernel_is_its_rounding_of_the_activations(lanes, rows, shape):
         torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * top)
         ours = torch.ops.mstar_quant.int4_linear_i16(x, *args)
         torch.testing.assert_close(y, ours, rtol=0, atol=1e-6 * top)
-    with pytest.raises(RuntimeError, match=f"at most {rows} activation rows"):
+    with pytest.raises(RuntimeError, match=f"at most {rows} activation rows for lanes"):
         torch.ops.mstar_quant.lanes_i16(torch.randn(rows + 1, shape[1]), held)
     with pytest.raises(RuntimeError, match=r"expected contiguous uint8 \(int4\) or int8 lanes"):
         torch.ops.mstar_quant.lanes_i16(torch.randn(1, shape[1]), held[:, :-1])
 
 
 @pytest.mark.parametrize("group", [32, 64, None], ids=["Q8_0", "groups of 64", "per channel"])
-def test_int8_lanes_kernel_is_its_rounding_of_one_row(lanes, group):
-    """int8 lanes: one row (a group of zeros in it) against the float64
-    model of the rounding and ``int8_linear_i16`` (the same integers); two
-    rows refused."""
+def test_int8_lanes_kernel_is_its_rounding_of_every_row_count(lanes, rows, group):
+    """int8 lanes: every row count the lanes take (a group of zeros in the
+    first) against the float64 model of the rounding, one row against
+    ``int8_linear_i16`` (the same integers); more rows refused."""
     per_row = quantize_int8(torch.randn(112, 192, generator=torch.Generator().manual_seed(9)))
     scales = per_row.scales.repeat(1, 192 // group) if group else per_row.scales
     scales = scales * torch.rand(scales.shape, generator=torch.Generator().manual_seed(1)) + 1e-3
     packed = Packed("int8", per_row.qweight, scales.half().contiguous())
-    x = torch.randn(1, 384, generator=torch.Generator().manual_seed(7))[:, ::2]
-    x[0, 64:96] = 0.0
-    y = torch.ops.mstar_quant.lanes_i16(x, packed.lanes())
-    expected = rounded_reference(x, packed)
-    top = float(expected.abs().max())
-    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * top)
-    ours = torch.ops.mstar_quant.int8_linear_i16(x, packed.qweight, packed.scales)
-    torch.testing.assert_close(y, ours, rtol=0, atol=1e-6 * top)
-    with pytest.raises(RuntimeError, match="at most 1 activation rows for int8"):
-        torch.ops.mstar_quant.lanes_i16(torch.randn(2, 192), packed.lanes())
+    most = torch.ops.mstar_quant.lanes_rows()
+    g = torch.Generator().manual_seed(7)
+    for count in range(1, most + 1):
+        x = torch.randn(count, 384, generator=g)[:, ::2]
+        x[0, 64:96] = 0.0
+        y = torch.ops.mstar_quant.lanes_i16(x, packed.lanes())
+        expected = rounded_reference(x, packed)
+        top = float(expected.abs().max())
+        torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * top)
+    ours = torch.ops.mstar_quant.int8_linear_i16(x[:1], packed.qweight, packed.scales)
+    torch.testing.assert_close(y[:1], ours, rtol=0, atol=1e-6 * top)
+    with pytest.raises(RuntimeError, match=f"at most {most} activation rows for lanes"):
+        torch.ops.mstar_quant.lanes_i16(torch.randn(most + 1, 192), packed.lanes())
 
 
 def test_packed_linear_multiplies_few_rows_on_its_lanes(lanes, rows):
     """With lanes, up to the rows the kernel rounds multiply on them, bit
     for bit the lanes op; past them the int4 weights (or the panels) as
-    without; lanes only for int4 with int16 activations, of their shape."""
+    without; int8 layers with lanes round as many rows (one without);
+    lanes only with int16 activations, of their shape."""
     packed = random_int4(64, 576, seed=2)
     args = (packed.qweight, packed.scales, packed.mins)
     bias = torch.randn(64)
@@ -290,6 +296,15 @@ def test_packed_linear_multiplies_few_rows_on_its_lanes(lanes, rows):
         assert layer.read_tensors(count) == [layer.lanes, layer.bias]
     x = torch.randn(rows + 1, 576, generator=g)
     assert torch.equal(layer(x), torch.ops.mstar_quant.int4_linear(x, *args) + bias)
+    assert layer.int16_rows == rows
+    head = quantize_int8(torch.randn(32, 576, generator=g))
+    held = PackedLinear(head, None, None, True, head.lanes())
+    assert held.int16_rows == torch.ops.mstar_quant.lanes_rows() > 1
+    x = torch.randn(held.int16_rows, 576, generator=g)
+    assert torch.equal(held(x), torch.ops.mstar_quant.lanes_i16(x, held.lanes))
+    x = torch.randn(held.int16_rows + 1, 576, generator=g)
+    assert torch.equal(held(x), torch.ops.mstar_quant.int8_linear(x, head.qweight, head.scales))
+    assert PackedLinear(head, None, None, True).int16_rows == 1
     with pytest.raises(ValueError, match="lanes only for int4/int8 weights with int16"):
         PackedLinear(packed, None, None, False, packed.lanes())
     with pytest.raises(ValueError, match="uint8 lanes of shape"):

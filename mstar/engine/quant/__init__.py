@@ -31,7 +31,7 @@ layer also holds its weights as bfloat16 panels, which inputs of
 bfloat16, ~2.5x faster at 32 rows (the panels cost two bytes a weight
 beside the packed ones); elsewhere those rows stay float32. Few rows
 (decode) stream the packed weights on their activations rounded to int16
-per group of 32 (``int16_rows(bits)`` of them: int4 1-8 with AVX512-VNNI's
+per group of 32 (``PackedLinear.int16_rows`` of them: int4 1-8 with AVX512-VNNI's
 16-bit dot products, which every CPU with AVX512-BF16 has, at one row
 ~1.1-1.3x the float32 kernel from memory, ~1.5x in cache; 1-4 with AVX2's,
 1.0-1.4x on Zen 1; int8 one, AVX2's; ~20x closer to float32 than the panels).
@@ -39,7 +39,8 @@ With AVX512-VNNI the int4 and int8 layers also hold their weights as lanes
 (``Packed.lanes``: 16 rows to a vector, scales and minimums beside them, the
 packed weights' bytes again), which those rows multiply with VNNI's dot
 products: int4 about half the instructions, int8 about a fifth, so the
-step's stream runs at the memory's rate (``cpp/lanes.h``).
+step's stream runs at the memory's rate; int8 at 1-8 rows there, not one
+(``cpp/lanes.h``).
 """
 
 from __future__ import annotations
@@ -229,7 +230,7 @@ def _swap(
     if use_kernel:
         held = bf16_panels(weights) if panels and weights.shape[0] % PANEL == 0 else None
         laned = int16 and weights.shape[0] % LANES == 0
-        lanes = weights.lanes() if laned and torch.ops.mstar_quant.has_lanes() else None
+        lanes = weights.lanes() if laned and torch.ops.mstar_quant.lanes_rows() else None
         setattr(owner, attr, PackedLinear(weights, old.bias, held, int16, lanes))
     else:  # a parameter of its own: a tied embedding keeps its weights
         old.weight = torch.nn.Parameter(weights.dequantize(), requires_grad=False)
@@ -246,10 +247,10 @@ def _rounded_summary(model: Any, packed: dict[str, tuple[Packed, str]]) -> str:
         odd = [name for name in packed if model.get_submodule(name).panels is None]
         kept = f" (float32 for {', '.join(odd)}: rows not a multiple of {PANEL})" if odd else ""
         many = f"{BF16_ROWS}+ rows multiply in bfloat16{kept}"
-    kinds = Counter(m.kind for m in map(model.get_submodule, packed) if m.int16_activations)
+    layers = [m for m in map(model.get_submodule, packed) if m.int16_activations]
+    kinds = Counter((m.kind, m.int16_rows) for m in layers)
     by_rows: dict[int, list[str]] = {}
-    for kind, n in sorted(kinds.items()):
-        rows = torch.ops.mstar_quant.int16_rows(int(kind.removeprefix("int")))
+    for (kind, rows), n in sorted(kinds.items()):
         by_rows.setdefault(rows, []).append(f"the {n} {kind} layer{'s' * (n > 1)}")
     few = [
         f"{'1 row' if rows == 1 else f'1-{rows} rows'} ({', '.join(names)})"
@@ -257,7 +258,7 @@ def _rounded_summary(model: Any, packed: dict[str, tuple[Packed, str]]) -> str:
     ]
     if not few:
         return many
-    laned = sum(model.get_submodule(name).lanes is not None for name in packed)
+    laned = sum(m.lanes is not None for m in layers)
     on = f" ({laned} of them on lanes, 16 rows a vector)" if laned else ""
     return f"int16 activations at {', '.join(few)}{on}, {many}"
 

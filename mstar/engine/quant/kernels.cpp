@@ -35,7 +35,7 @@
 // AVX2's `vpmaddwd`): no float conversion of the weights, close to exact but not exact;
 // `int8_linear_i16` the same for int8 weights at one row (AVX2's, every build);
 // `lanes_i16` the same products on int4 or int8 weights laid out 16 rows to a vector
-// (lanes.h, AVX512-VNNI builds: `has_lanes()`).
+// (lanes.h, AVX512-VNNI builds: `lanes_rows()` rows, int8's too).
 //
 // The parts, in cpp/: common.h, team.h, formats.h, gemv.h, i16_gemv.h, lanes.h, panels.h,
 // bf16_panels.h.
@@ -128,19 +128,20 @@ at::Tensor int8_linear_i16(const at::Tensor& x, const at::Tensor& qweight, const
   return packed_linear(x, int8_weights(qweight, scales), qweight.size(0), qweight.size(1), true);
 }
 
-// Whether this build multiplies int4 and int8 weights laid out as `lanes` (lanes.h: AVX512-VNNI).
-bool has_lanes() {
+// Most activation rows the int4 and int8 `lanes` take, rounded to int16 (lanes.h: I16_ROWS
+// with AVX512-VNNI; 0: this build has no lanes).
+int64_t lane_rows() {
 #if defined(__AVX512VNNI__)
-  return true;
+  return I16_ROWS;
 #else
-  return false;
+  return 0;
 #endif
 }
 
 // N and K of int4 (uint8) or int8 (int8) weights laid out as `lanes` ([N/16, K/32 * 320]
 // and [N/16, K/32 * 544]: lanes.h), checked.
 std::pair<int64_t, int64_t> lanes_shape(const at::Tensor& lanes) {
-  TORCH_CHECK(has_lanes(), "lanes need a build with AVX512-VNNI (has_lanes() is false here)");
+  TORCH_CHECK(lane_rows() > 0, "lanes need a build with AVX512-VNNI (lanes_rows() is 0 here)");
   const bool int4 = lanes.scalar_type() == at::kByte;
   const int64_t bytes = int4 ? LANE_GROUP_BYTES : LANE_INT8_BYTES;
   TORCH_CHECK((int4 || lanes.scalar_type() == at::kChar) && lanes.dim() == 2 && lanes.is_contiguous() &&
@@ -150,28 +151,26 @@ std::pair<int64_t, int64_t> lanes_shape(const at::Tensor& lanes) {
   return {lanes.size(0) * LANE_ROWS, lanes.size(1) / bytes * 32};
 }
 
-// y [M, N] = x [M, K] @ W.T for M rows of x (contiguous float32) rounded to int16, W int4
-// or int8 `lanes`, M <= int16_rows(4) or int16_rows(8). No tensors: for decode_layers.cpp.
-void lanes_rows(const at::Tensor& lanes, const float* x, int64_t M, float* y) {
+// y [M, N] = x [M, K] @ W.T for M <= lanes_rows() rows of x (contiguous float32) rounded to
+// int16, W int4 or int8 `lanes`. No tensors: for decode_layers.cpp.
+void multiply_lanes(const at::Tensor& lanes, const float* x, int64_t M, float* y) {
   const auto [N, K] = lanes_shape(lanes);
   const bool int4 = lanes.scalar_type() == at::kByte;
-  const int64_t most = int4 ? i16_rows<Int4>() : i16_rows<Int8>();
-  TORCH_CHECK(M <= most, "expected at most ", most, " activation rows for ", int4 ? "int4" : "int8",
-              " lanes, got ", M);
+  TORCH_CHECK(M <= lane_rows(), "expected at most ", lane_rows(), " activation rows for lanes, got ", M);
 #if defined(__AVX512VNNI__)
   if (int4) lanes_i16(lanes.data_ptr<uint8_t>(), x, M, N, K, y);
   else lanes_i16(lanes.data_ptr<int8_t>(), x, M, N, K, y);
 #endif
 }
 
-// y = x @ W.T for float32 x [..., K] of at most int16_rows(bits) rows, rounded to int16 per
-// group of 32 as the `*_i16` ops round them, and int4 or int8 weights W laid out as `lanes`.
+// y = x @ W.T for float32 x [..., K] of at most lanes_rows() rows, rounded to int16 per group
+// of 32 as the `*_i16` ops round them, and int4 or int8 weights W laid out as `lanes`.
 at::Tensor lanes_i16_linear(const at::Tensor& x_in, const at::Tensor& lanes) {
   const auto [N, K] = lanes_shape(lanes);
   check_linear(x_in, N, K);
   const at::Tensor x = x_in.reshape({-1, K}).contiguous();
   at::Tensor y = at::empty({x.size(0), N}, x.options());
-  lanes_rows(lanes, x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
+  multiply_lanes(lanes, x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
   auto sizes = x_in.sizes().vec();
   sizes.back() = N;
   return y.view(sizes);
@@ -191,7 +190,7 @@ TORCH_LIBRARY(mstar_quant, m) {
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
   m.def("int8_linear_i16(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
   m.def("int16_rows(int bits) -> int", &int16_rows);
-  m.def("has_lanes() -> bool", &has_lanes);
+  m.def("lanes_rows() -> int", &lane_rows);
   m.def("lanes_i16(Tensor x, Tensor lanes) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor panels) -> Tensor");
 }

@@ -7,7 +7,7 @@ of ``BF16_ROWS`` rows or more multiply in bfloat16 instead; with
 ``torch.ops.mstar_quant.int16_rows``: int4 8 with AVX512-VNNI, 4 on AVX2;
 int8 1) are rounded to int16 per group of 32 and multiplied in integers;
 weights also held as ``lanes`` (``Packed.lanes``, where the kernels'
-``has_lanes()``) multiply those rows there."""
+``lanes_rows()``: 1-8 with AVX512-VNNI, int8 too) multiply those rows there."""
 
 from __future__ import annotations
 
@@ -73,10 +73,18 @@ class PackedLinear(torch.nn.Module):
                     f" got {str(lanes.dtype).removeprefix('torch.')} {list(lanes.shape)}"
                 )
         self.register_buffer("lanes", lanes)
-        # most rows the lanes take (the kernels' int16 rows)
-        bits = 4 if packed.kind == "int4" else 8
-        self._lane_rows = 0 if lanes is None else torch.ops.mstar_quant.int16_rows(bits)
+        self._lane_rows = 0 if lanes is None else torch.ops.mstar_quant.lanes_rows()
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+
+    @property
+    def int16_rows(self) -> int:
+        """Most input rows rounded to int16 (0: none): the lanes' rows where
+        it holds lanes, else the kernels' ``int16_rows(bits)``."""
+        if not self._int16:
+            return 0
+        if self._lane_rows:
+            return self._lane_rows
+        return torch.ops.mstar_quant.int16_rows(4 if self.kind == "int4" else 8)
 
     @property
     def int16_activations(self) -> bool:
