@@ -45,6 +45,16 @@ def rounded_reference(x: torch.Tensor, packed: Packed) -> torch.Tensor:
     return y if packed.mins is None else y + groups.double().sum(-1) @ packed.mins.double().T
 
 
+def activations(rows: int, width: int, g: torch.Generator) -> torch.Tensor:
+    """``rows`` random activation rows, non-contiguous; one row of 64 or more
+    gets a group of zeros and one of denormals."""
+    x = torch.randn(rows, 2 * width, generator=g)[:, ::2]
+    if rows == 1 and width >= 64:
+        x[0, :32] = 0.0
+        x[0, 32:64] = 1e-38
+    return x
+
+
 def random_int4(rows: int, width: int, seed: int) -> Packed:
     return quantize_int4(torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)))
 
@@ -58,10 +68,7 @@ def test_kernel_is_its_rounding_of_the_activations(rows, shape):
     packed = random_int4(*shape, seed=shape[0])
     g = torch.Generator().manual_seed(5)
     for count in range(1, rows + 1):
-        x = torch.randn(count, 2 * shape[1], generator=g)[:, ::2]
-        if count == 1 and shape[1] >= 64:
-            x[0, :32] = 0.0
-            x[0, 32:64] = 1e-38
+        x = activations(count, shape[1], g)
         y = torch.ops.mstar_quant.int4_linear_i16(x, packed.qweight, packed.scales, packed.mins)
         expected = rounded_reference(x, packed)
         assert y.shape == (count, shape[0]) and y.dtype == torch.float32
@@ -239,10 +246,7 @@ def test_lanes_kernel_is_its_rounding_of_the_activations(lanes, rows, shape):
     args = (packed.qweight, packed.scales, packed.mins)
     g = torch.Generator().manual_seed(5)
     for count in range(1, rows + 1):
-        x = torch.randn(count, 2 * shape[1], generator=g)[:, ::2]
-        if count == 1 and shape[1] >= 64:
-            x[0, :32] = 0.0
-            x[0, 32:64] = 1e-38
+        x = activations(count, shape[1], g)
         y = torch.ops.mstar_quant.lanes_i16(x, held)
         expected = rounded_reference(x, packed)
         assert y.shape == (count, shape[0]) and y.dtype == torch.float32

@@ -69,6 +69,12 @@ struct LaneRows {
   }
 };
 
+// The lines LANES_AHEAD bytes past a block's `bytes` at p asked for.
+inline void ask_ahead(const void* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(static_cast<const char*>(p) + LANES_AHEAD + line, _MM_HINT_T0);
+}
+
 // Four bytes at p as one 32-bit value in every lane.
 inline __m512i quad(const void* p) {
   int32_t v;
@@ -88,8 +94,7 @@ void lanes_gemv(const uint8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, 
   __m512 acc[ROWS];
   for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g, p += LANE_GROUP_BYTES) {
-    for (int64_t line = 0; line < LANE_GROUP_BYTES; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(p + LANES_AHEAD + line), _MM_HINT_T0);
+    ask_ahead(p, LANE_GROUP_BYTES);
     __m512i hi[ROWS][2], lo[ROWS][2];
     for (int m = 0; m < ROWS; ++m) hi[m][0] = hi[m][1] = lo[m][0] = lo[m][1] = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -131,8 +136,7 @@ void lanes8_gemv(const int8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, 
   __m512 acc[ROWS];
   for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g, p += LANE_INT8_BYTES) {
-    for (int64_t line = 0; line < LANE_INT8_BYTES; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(p + LANES_AHEAD + line), _MM_HINT_T0);
+    ask_ahead(p, LANE_INT8_BYTES);
     __m512i dot[ROWS][2];
     for (int m = 0; m < ROWS; ++m) dot[m][0] = dot[m][1] = _mm512_setzero_si512();
 #pragma GCC unroll 16
