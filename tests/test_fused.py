@@ -349,7 +349,8 @@ def test_row_concat_joins_int4_lanes_as_views():
     """int4 layers with lanes (16 rows an entry) join along them: few rows
     give the layers' own outputs, each layer's lanes a view of the joined
     ones, which are the lanes of the joined weights; layers with and
-    without lanes do not join."""
+    without lanes do not join; layers that hold lanes and panels alone (no
+    row-major copy) join and are checked by their lanes."""
     if (why := kernel_or_why()) is not None or not torch.ops.mstar_quant.lanes_rows():
         pytest.skip(why or "the kernels' build has no int4 lanes (no AVX512-VNNI)")
     torch.manual_seed(4)
@@ -363,6 +364,19 @@ def test_row_concat_joins_int4_lanes_as_views():
     assert torch.equal(joined.module.lanes, joined.module.packed().lanes())
     plain = PackedLinear(packed[1], None, None, True)
     assert "arithmetic or lanes" in concat_refusal([layers[0], plain])
+    if bf16_or_why() is not None:
+        return
+    # with panels too, the layers hold no row-major copy: they join, and are checked, by their lanes
+    alone = [PackedLinear(p, None, bf16_panels(p), True, p.lanes()) for p in packed[:2]]
+    assert all(m.qweight is None for m in alone)
+    x = torch.randn(3, 64)
+    want = torch.cat([m(x) for m in alone], dim=1)
+    joined = RowConcat(alone)
+    assert joined.module.qweight is None and torch.equal(joined(x), want)
+    assert torch.equal(joined.module.packed().qweight, torch.cat([p.qweight for p in packed[:2]]))
+    assert alone[1].lanes.data_ptr() == joined.module.lanes[4:].data_ptr() and joined.current()
+    alone[1].lanes = alone[1].lanes.clone()
+    assert not joined.current()
 
 
 def test_row_concat_joins_bf16_layers_panels_as_views():

@@ -204,8 +204,7 @@ def test_tiny_model_quantized_matches_its_dequantized_twin(kernels, mode):
     twin = tiny()
     for name, mod in model.named_modules():
         if isinstance(mod, PackedLinear):
-            packed = Packed(mod.kind, mod.qweight, mod.scales, mod.mins)
-            twin.get_submodule(name).weight = torch.nn.Parameter(packed.dequantize())
+            twin.get_submodule(name).weight = torch.nn.Parameter(mod.packed().dequantize())
     ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(logits(model, ids), logits(twin, ids), rtol=1e-4, atol=1e-4)
     assert not torch.allclose(logits(model, ids), logits(tiny(), ids), atol=1e-6)

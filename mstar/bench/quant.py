@@ -30,7 +30,6 @@ from mstar.engine import Engine, SamplingParams
 from mstar.engine.loader import load
 from mstar.engine.quant.at_load import quantize_int4
 from mstar.engine.quant.linear import PackedLinear
-from mstar.engine.quant.packed import Packed
 
 # quantization [dtype]: ``none bfloat16`` the model in bfloat16, ``bf16`` its float weights as
 # bfloat16 panels (float32 activations)
@@ -58,7 +57,7 @@ def layers(repeats: int = 9, cpu_time: bool = False) -> dict[str, float]:
     batch: wall time, or with ``cpu_time`` one thread's ``process_time``."""
     model, _ = load("smollm2", quantization="gguf")
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    dense = [Packed(m.kind, m.qweight, m.scales, m.mins).dequantize() for m in packed]
+    dense = [m.packed().dequantize() for m in packed]
     int4 = [_int4pack(w) for w in dense]
     clock = time.process_time if cpu_time else time.perf_counter
     threads = torch.get_num_threads()

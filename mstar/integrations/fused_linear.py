@@ -45,7 +45,8 @@ def concat_refusal(layers: Sequence[torch.nn.Module]) -> str | None:
     tensors = [t for m in layers for t in _tensors(m)]
     if any(type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter for t in tensors):
         return "has linear weights of a tensor subclass (a sharded or quantized tensor)"
-    if any(t.dtype != tensors[0].dtype or t.device != tensors[0].device for t in _main(layers)):
+    main = _main(layers)
+    if any(t.dtype != main[0].dtype or t.device != main[0].device for t in main):
         return "has linear layers of different dtypes or devices"
     packed = isinstance(layers[0], PackedLinear)
     formats = (
@@ -157,15 +158,16 @@ def _groups(layer: PackedLinear) -> int | None:
 
 
 def _main(layers: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
-    """Each layer's main weight tensor (``weight``, or packed ``qweight``)."""
-    return [m.qweight if isinstance(m, PackedLinear) else m.weight for m in layers]
+    """Each layer's main weight tensor (``weight``, or packed ``qweight``, or
+    its lanes where it holds them alone)."""
+    return [held[name] for held, name in map(_main_slot, layers)]
 
 
 def _main_slot(layer: torch.nn.Module) -> tuple[dict[str, torch.Tensor], str]:
-    """Where ``layer`` holds its main weight: ``(layer._buffers, "qweight")`` or
-    ``(layer._parameters, "weight")``."""
+    """Where ``layer`` holds its main weight: ``(layer._buffers, "qweight")``
+    (``"lanes"`` where it holds them alone) or ``(layer._parameters, "weight")``."""
     if isinstance(layer, PackedLinear):
-        return layer._buffers, "qweight"
+        return layer._buffers, "qweight" if layer.qweight is not None else "lanes"
     return layer._parameters, "weight"
 
 
@@ -176,7 +178,12 @@ def _joined(layers: Sequence[torch.nn.Module]) -> torch.nn.Module:
         parts = [None if getattr(layers[0], n) is None else torch.cat([getattr(m, n) for m in layers])
                  for n in _PACKED_TENSORS]  # fmt: skip
         first = layers[0]
-        packed = Packed(first.kind, *parts[:3])
+        lanes_alone = parts[0] is None  # the layers hold no row-major copy
+        packed = (
+            Packed.from_lanes(first.kind, parts[4])
+            if lanes_alone
+            else Packed(first.kind, *parts[:3])
+        )
         return PackedLinear(packed, bias, parts[3], first.int16_activations, parts[4])
     weight = torch.cat([m.weight for m in layers])
     joined = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")

@@ -30,7 +30,9 @@ class PackedLinear(torch.nn.Module):
     minimums times the float32 sums of ``x``): ~1e-4 of the float32 result
     on SmolLM2, ~20x closer than the bfloat16 panels; with ``lanes``
     (``packed.lanes()``, with int16 activations) those rows multiply
-    on them, the same integers in another order of float32 sums. bf16
+    on them, the same integers in another order of float32 sums; with
+    lanes and panels, which then take every row count, it holds no
+    row-major copy (``qweight``, ``scales``, ``mins`` None). bf16
     weights (the panels themselves) take every row count as the panels do."""
 
     def __init__(
@@ -61,9 +63,6 @@ class PackedLinear(torch.nn.Module):
                 f"expected bfloat16 panels of shape {list(want)} for weights {list(packed.shape)},"
                 f" got {str(panels.dtype).removeprefix('torch.')} {list(panels.shape)}"
             )
-        self.register_buffer("qweight", packed.qweight)
-        self.register_buffer("scales", packed.scales)
-        self.register_buffer("mins", packed.mins)
         self.register_buffer("panels", panels)
         if lanes is not None:
             want = lanes_shape(packed)
@@ -74,6 +73,11 @@ class PackedLinear(torch.nn.Module):
                 )
         self.register_buffer("lanes", lanes)
         self._lane_rows = 0 if lanes is None else torch.ops.mstar_quant.lanes_rows()
+        # the row-major bytes, where a row count reads them: not where the lanes take every
+        # count below the panels' (``packed()`` then rebuilds them from the lanes)
+        row_major = panels is None or self._lane_rows + 1 < BF16_ROWS
+        for name in ("qweight", "scales", "mins"):
+            self.register_buffer(name, getattr(packed, name) if row_major else None)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
     @property
@@ -141,6 +145,9 @@ class PackedLinear(torch.nn.Module):
         return tensors + ([] if self.bias is None else [self.bias])
 
     def packed(self) -> Packed:
+        """The weights row-major (rebuilt from the lanes where it holds only them)."""
+        if self.qweight is None:
+            return Packed.from_lanes(self.kind, self.lanes)
         return Packed(self.kind, self.qweight, self.scales, self.mins)
 
     def dequantized(self) -> torch.nn.Linear:

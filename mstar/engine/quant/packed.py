@@ -97,6 +97,38 @@ class Packed:
             )
         return torch.cat(per_group, dim=2).view(blocks, -1).view(self.qweight.dtype)
 
+    @classmethod
+    def from_lanes(cls, kind: str, lanes: torch.Tensor) -> Packed:
+        """The int4 or int8 weights ``lanes`` hold (``Packed.lanes``), packed
+        row-major again: the same integers, scales and minimums (int8: a
+        scale per 32 columns)."""
+        dtype = torch.uint8 if kind == "int4" else torch.int8
+        if kind not in ("int4", "int8") or lanes.dtype != dtype or lanes.dim() != 2:
+            raise ValueError(f"expected {kind} lanes, got {lanes.dtype} {list(lanes.shape)}")
+        per_group = 320 if kind == "int4" else 544
+        blocks, groups = lanes.shape[0], lanes.shape[1] // per_group
+        held = lanes.view(torch.uint8).view(blocks, groups, per_group)
+        rows = blocks * LANES
+
+        def per_row(t: torch.Tensor) -> torch.Tensor:  # [block, group, 16 x] -> [N, groups, x]
+            return (
+                t.reshape(blocks, groups, LANES, -1).permute(0, 2, 1, 3).reshape(rows, groups, -1)
+            )
+
+        def floats(at: int) -> torch.Tensor:  # the rows' float16 at byte ``at`` of each group
+            return per_row(held[..., at : at + 2 * LANES].contiguous().view(torch.float16))[..., 0]
+
+        if kind == "int8":
+            pairs = held[..., :512].reshape(blocks, groups, GROUP // 2, LANES, 2)  # [.., p, r, i]
+            q = per_row(pairs.transpose(2, 3).reshape(blocks, groups, -1)).view(torch.int8)
+            return cls("int8", q.reshape(rows, -1).contiguous(), floats(512).contiguous())
+        octets = held[..., :256].reshape(blocks, groups, 4, LANES, 4)  # [block, group, o, r, j]
+        halves = torch.stack(
+            (octets & 0x0F, octets >> 4), dim=4
+        )  # [..., r, half, j]: 8o + 4 half + j
+        q = per_row(halves.permute(0, 1, 3, 2, 4, 5).reshape(blocks, groups, LANES * GROUP))
+        return pack_int4(q.reshape(rows, -1), floats(256), floats(288))
+
     def values(self) -> torch.Tensor:
         """The integers ``q``, ``[N, K]`` (int4: uint8 0..15; int8: int8)."""
         if self.kind == "bf16":
