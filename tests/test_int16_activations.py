@@ -209,7 +209,8 @@ def test_lanes_hold_each_weight_scale_and_minimum_at_its_place():
     lane ``r`` holds row ``r``'s weights ``8o..8o+3`` (low nibbles) and
     ``8o+4..8o+7`` (high), then the rows' scales, then their minimums; int8:
     pair ``p``'s 32 bytes hold row ``r``'s columns ``2p, 2p+1`` at ``2r,
-    2r+1``, then a scale per row and 32 columns; rows divisible by 16."""
+    2r+1``, then a scale per row and 32 columns; rows divisible by 16;
+    ``Packed.from_lanes`` gives the weights back."""
     packed = random_int4(48, 96, seed=4)
     q = packed.values()
     held = packed.lanes().view(3, 3, 320)
@@ -228,6 +229,15 @@ def test_lanes_hold_each_weight_scale_and_minimum_at_its_place():
         assert held[block, group, 32 * (k // 2) + 2 * r + k % 2] == per_channel.qweight[row, column]
         scale = held[block, group, 512:].view(torch.float16)[r]
         assert scale == per_channel.scales[row, 0]
+    back = Packed.from_lanes("int4", packed.lanes())  # and back, bit for bit
+    assert all(
+        torch.equal(getattr(back, n), getattr(packed, n)) for n in ("qweight", "scales", "mins")
+    )
+    back = Packed.from_lanes("int8", per_channel.lanes())  # a scale per 32 columns now
+    assert torch.equal(back.qweight, per_channel.qweight) and back.scales.shape == (32, 2)
+    assert torch.equal(back.dequantize(), per_channel.dequantize())
+    with pytest.raises(ValueError, match="expected int8 lanes"):
+        Packed.from_lanes("int8", packed.lanes())
     with pytest.raises(ValueError, match="rows divisible by 16"):
         random_int4(40, 96, seed=4).lanes()
     with pytest.raises(ValueError, match="int4 or int8 weights"):
