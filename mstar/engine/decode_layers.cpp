@@ -55,7 +55,7 @@ void lanes_into(const at::Tensor& x, const at::Tensor& lanes, at::Tensor& y) {
   const auto [N, K] = lanes_shape(lanes);
   check_linear(x, N, K);
   rows_into(x, N, y);
-  multiply_lanes(lanes, x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
+  multiply_lanes(lanes, N, K, x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
 }
 
 // One packed linear layer (qweight, scales, mins at w; bf16: qweight the panels; int4 or

@@ -12,8 +12,9 @@ Plain ``nn.Linear`` layers concatenate their ``weight`` (and ``bias``);
 packed ones (``PackedLinear``, int4 or int8 GGUF blocks) their ``qweight``,
 ``scales`` and ``mins`` rows, which is exact: each packed row is its own
 weights and scales (and their bfloat16 panels, 32 rows each, when they
-have them; bf16 layers' ``qweight`` is their panels; int4 lanes, 16 rows
-a block, when they have them).
+have them; bf16 layers' ``qweight`` is their panels; their lanes, 16 rows
+a block, when they have them, or those alone where they hold no row-major
+copy).
 """
 
 from __future__ import annotations

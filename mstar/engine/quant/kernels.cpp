@@ -152,9 +152,8 @@ std::pair<int64_t, int64_t> lanes_shape(const at::Tensor& lanes) {
 }
 
 // y [M, N] = x [M, K] @ W.T for M <= lanes_rows() rows of x (contiguous float32) rounded to
-// int16, W int4 or int8 `lanes`. No tensors: for decode_layers.cpp.
-void multiply_lanes(const at::Tensor& lanes, const float* x, int64_t M, float* y) {
-  const auto [N, K] = lanes_shape(lanes);
+// int16, W int4 or int8 `lanes` of N x K (`lanes_shape`). No tensors: for decode_layers.cpp.
+void multiply_lanes(const at::Tensor& lanes, int64_t N, int64_t K, const float* x, int64_t M, float* y) {
   const bool int4 = lanes.scalar_type() == at::kByte;
   TORCH_CHECK(M <= lane_rows(), "expected at most ", lane_rows(), " activation rows for lanes, got ", M);
 #if defined(__AVX512VNNI__)
@@ -170,7 +169,7 @@ at::Tensor lanes_i16_linear(const at::Tensor& x_in, const at::Tensor& lanes) {
   check_linear(x_in, N, K);
   const at::Tensor x = x_in.reshape({-1, K}).contiguous();
   at::Tensor y = at::empty({x.size(0), N}, x.options());
-  multiply_lanes(lanes, x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
+  multiply_lanes(lanes, N, K, x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
   auto sizes = x_in.sizes().vec();
   sizes.back() = N;
   return y.view(sizes);

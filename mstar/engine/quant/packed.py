@@ -26,7 +26,8 @@ import torch
 
 GROUP = 32
 PANEL = 32  # weight rows per bfloat16 panel
-LANES = 16  # weight rows per block of int4 lanes
+LANES = 16  # weight rows per block of lanes
+LANE_BYTES = {"int4": 320, "int8": 544}  # a block's bytes a group of 32 columns (cpp/lanes.h)
 
 
 @dataclass(frozen=True)
@@ -103,9 +104,14 @@ class Packed:
         row-major again: the same integers, scales and minimums (int8: a
         scale per 32 columns)."""
         dtype = torch.uint8 if kind == "int4" else torch.int8
-        if kind not in ("int4", "int8") or lanes.dtype != dtype or lanes.dim() != 2:
+        if (
+            kind not in LANE_BYTES
+            or lanes.dtype != dtype
+            or lanes.dim() != 2
+            or lanes.shape[1] % LANE_BYTES[kind]
+        ):
             raise ValueError(f"expected {kind} lanes, got {lanes.dtype} {list(lanes.shape)}")
-        per_group = 320 if kind == "int4" else 544
+        per_group = LANE_BYTES[kind]
         blocks, groups = lanes.shape[0], lanes.shape[1] // per_group
         held = lanes.view(torch.uint8).view(blocks, groups, per_group)
         rows = blocks * LANES
@@ -144,7 +150,7 @@ def lanes_shape(packed: Packed) -> tuple[int, int]:
     """The shape of ``packed.lanes()``: ``[N/16, K/32 * 320]`` for int4,
     ``[N/16, K/32 * 544]`` for int8."""
     rows, width = packed.shape
-    return rows // LANES, width // GROUP * (320 if packed.kind == "int4" else 544)
+    return rows // LANES, width // GROUP * LANE_BYTES[packed.kind]
 
 
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Packed:

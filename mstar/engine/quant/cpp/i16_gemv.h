@@ -39,6 +39,21 @@ inline float rounded_group(const float* xg, int16_t* out, float& sum) {
 
 #if defined(__AVX512VNNI__)
 
+// One group of 32 activations at xg rounded to int16 (scale = max |x| / 32767, to nearest,
+// ties to even; a group under 1e-30 left at zero: zeros, and 32767 / a denormal would be
+// inf), in order; the group's scale into `scale` and its float32 sum into `sum`. What
+// `Int16Rows` and lanes.h's `LaneRows` take, so their integers are the same.
+inline __m512i rounded_group16(const float* xg, float& scale, float& sum) {
+  const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __m512 inverse = _mm512_set1_ps(amax > 1e-30f ? 32767.0f / amax : 0.0f);
+  scale = amax > 1e-30f ? amax / 32767.0f : 0.0f;
+  sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+  return _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inverse)))),
+      _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, inverse))), 1);
+}
+
 // Activation rows [M, K] rounded to int16 per group of 32 (scale = max |x| / 32767, to
 // nearest, ties to even), laid out as a chunk's weights come out of its 64 bytes (groups
 // 4c..4c+3, a 128-bit lane each) widened to 16 bits: 4 vectors, vector v's lane k holding
@@ -56,19 +71,10 @@ struct Int16Rows {
         sums(M * S, 0.0f) {
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g = 0; g < K / 32; ++g) {
-        const float* xg = x + m * K + g * 32;
-        const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-        // a group under 1e-30 (zeros; 32767 / a denormal would be inf) is left at zero
-        const __m512 inverse = _mm512_set1_ps(amax > 1e-30f ? 32767.0f / amax : 0.0f);
         const int64_t c = g / 4, k = g % 4;
         int16_t v[32];
-        for (int h = 0; h < 2; ++h)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + 16 * h),
-                              _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(h ? b : a, inverse))));
+        _mm512_storeu_si512(v, rounded_group16(x + m * K + g * 32, scales[m * S + g], sums[m * S + g]));
         for (int u = 0; u < 4; ++u) std::copy_n(v + 8 * u, 8, &q[(m * C + c) * 128 + u * 32 + k * 8]);
-        scales[m * S + g] = amax > 1e-30f ? amax / 32767.0f : 0.0f;
-        sums[m * S + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
       }
   }
 };

@@ -37,8 +37,9 @@ constexpr int64_t LANE_INT8_BYTES = 544;   // int8: 512 weights' bytes, 32 scale
 constexpr int64_t LANE_PASS = 4;         // most activation rows a pass over a block
 constexpr int64_t LANES_AHEAD = 4096;    // bytes ahead of a block's stream asked for (prototype: 4096 > 2048 > 1024)
 
-// Activation rows [M, K] rounded to int16 per group of 32 as `Int16Rows` rounds them, each
-// also split into its high (signed) and low (unsigned) bytes; each group's scale and float32 sum.
+// Activation rows [M, K] rounded to int16 per group of 32 (`rounded_group16`, as `Int16Rows`
+// rounds them), each also split into its high (signed) and low (unsigned) bytes; each
+// group's scale and float32 sum.
 struct LaneRows {
   int64_t K, G;
   std::vector<int16_t> q;     // [M, K]
@@ -51,20 +52,12 @@ struct LaneRows {
       : K(K), G(K / 32), q(M * K), high(M * K), low(M * K), scales(M * (K / 32)), sums(M * (K / 32)) {
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g = 0; g < G; ++g) {
-        const float* xg = x + m * K + g * 32;
-        const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-        const __m512 inverse = _mm512_set1_ps(amax > 1e-30f ? 32767.0f / amax : 0.0f);
-        const __m512i v = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inverse)))),
-            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, inverse))), 1);
         const int64_t at = m * K + g * 32;
+        const __m512i v = rounded_group16(x + at, scales[m * G + g], sums[m * G + g]);
         _mm512_storeu_si512(&q[at], v);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(&high[at]), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(&low[at]),
                             _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(0xFF))));
-        scales[m * G + g] = amax > 1e-30f ? amax / 32767.0f : 0.0f;
-        sums[m * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
       }
   }
 };
