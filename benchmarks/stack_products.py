@@ -1,5 +1,6 @@
 """A decode step's products alone: SmolLM2's 30 layers of int4 products at one
-row, called in turn from C++ (no Python between them), row-major against lanes.
+row, called in turn from C++ (no Python between them): row-major, lanes, and
+lanes with the threads going through the pass together.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/stack_products.py [--rounds 5]
 
@@ -7,11 +8,14 @@ Random int4 weights of SmolLM2-135M's fused shapes (q/k/v 960x576, o
 576x576, gate/up 3072x576, down 576x1536; 66 MB, twice the L3 cache), each
 called once in order per pass, as ``decode_layers`` calls them:
 ``int4_linear_i16`` (row-major, ``Int4`` weights) and ``lanes_i16`` (the
-same weights as ``Packed.lanes``), built from this tree's ``kernels.cpp``
-with a timing loop appended, under its own op namespace. Prints the best
-pass of each per round, in turns, with the GB/s of the weights' bytes; and
-the read probe of ``bench --roofline`` (summing 512 MiB). Needs a build
-with lanes (AVX512-VNNI).
+same weights as ``Packed.lanes``), each product handed to the kernels'
+threads (``Team::run``) as the layer ops are; and the lanes in one ``Gang``
+(``decode_layers``' way: one hand-off a pass, each product split among the
+threads, a barrier after it). Built from this tree's ``kernels.cpp`` with a
+timing loop appended, under its own op namespace. Prints the best pass of
+each per round, in turns, with the GB/s of the weights' bytes; and the read
+probe of ``bench --roofline`` (summing 512 MiB). Needs a build with lanes
+(AVX512-VNNI).
 """
 
 from __future__ import annotations
@@ -31,28 +35,35 @@ PASSES = 10
 
 TIMING = r"""
 namespace {
-// Microseconds a pass over `layers` (each as lanes, or as qweight, scales, mins) at one row.
-double passes_us(at::TensorList layers, bool lanes, const at::Tensor& x576, const at::Tensor& x1536,
-                 int64_t passes) {
+// Microseconds a pass over `layers` (each as lanes, or as qweight, scales, mins) at one row;
+// with `gang`, each pass by the threads together.
+double passes_us(at::TensorList layers, bool lanes, bool gang, const at::Tensor& x576,
+                 const at::Tensor& x1536, int64_t passes) {
   std::vector<float> y(4096);
   const int64_t step = lanes ? 1 : 3;
-  const auto start = std::chrono::steady_clock::now();
-  for (int64_t p = 0; p < passes; ++p)
+  auto pass = [&] {
     for (size_t i = 0; i < layers.size(); i += step) {
       const at::Tensor& w = layers[i];
       if (lanes) {
-        const int64_t K = lanes_shape(w).second;
-        lanes_rows(w, (K == 576 ? x576 : x1536).data_ptr<float>(), 1, y.data());
+        const auto [N, K] = lanes_shape(w);
+        multiply_lanes(w, N, K, (K == 576 ? x576 : x1536).data_ptr<float>(), 1, y.data());
       } else {
         const Int4 q = int4_weights(w, layers[i + 1], layers[i + 2]);
         linear_rows(q, (q.K == 576 ? x576 : x1536).data_ptr<float>(), 1, w.size(0), q.K, true, y.data());
       }
     }
+  };
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t p = 0; p < passes; ++p) {
+    if (gang) Gang::run(static_cast<int>(team_threads()), [&](Gang&) { pass(); });
+    else pass();
+  }
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() / passes;
 }
 }  // namespace
 TORCH_LIBRARY_FRAGMENT(mstar_quant, m) {
-  m.def("passes_us(Tensor[] layers, bool lanes, Tensor x576, Tensor x1536, int passes) -> float", &passes_us);
+  m.def("passes_us(Tensor[] layers, bool lanes, bool gang, Tensor x576, Tensor x1536, int passes) -> float",
+        &passes_us);
 }
 """
 
@@ -77,8 +88,12 @@ def main() -> None:
     print(f"{len(packed)} products at one row, {nbytes / 1e6:.1f} MB a pass")
     for r in range(args.rounds):
         times = {
-            name: ops.passes_us(layers, name == "lanes", x576, x1536, PASSES)
-            for name, layers in (("row-major", row_major), ("lanes", lanes))
+            name: ops.passes_us(layers, layers is lanes, gang, x576, x1536, PASSES)
+            for name, layers, gang in (
+                ("row-major", row_major, False),
+                ("lanes", lanes, False),
+                ("lanes, gang", lanes, True),
+            )
         }
         start = time.perf_counter()
         probe.sum()

@@ -3,7 +3,11 @@
 // order FusedLlamaLayer calls them, so the same results bit for bit, without a Python
 // call and a trip through the dispatcher per op (~8 a layer, ~1.5 us each, and the
 // Python between them: a sixth of a one-row step on SmolLM2); the linear layers write
-// into buffers held through the call, not new tensors (~4 us a call on Zen 1).
+// into buffers made once a call, not new tensors (~4 us a call on Zen 1). Every layer is
+// checked before any runs; then the kernels' threads go through the layers together (a
+// `Gang`, quant/cpp/team.h), each op shared among them and a spin barrier after it: one
+// hand-off a step instead of ~150 (the products of a step's SmolLM2 layers 1.7 ms instead
+// of 2.15 on Zen 4 in benchmarks/stack_products.py).
 //
 // Built in one unit after kernels.cpp and layer_ops.cpp (kernels.py's BOTH), whose
 // functions it calls.
@@ -24,51 +28,113 @@ namespace {
 
 constexpr int64_t LAYER_TENSORS = 14;
 
-// Checks x [T, K] contiguous and makes `y` [T, N] when it is not (held through the call).
-void rows_into(const at::Tensor& x, int64_t N, at::Tensor& y) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected contiguous activations [T, K]");
-  const int64_t M = x.size(0);
-  if (!y.defined() || y.size(0) != M || y.size(1) != N) y = at::empty({M, N}, x.options());
-}
+// One linear layer of the stack (its tensors at w: qweight, scales, mins; or bfloat16 panels
+// or lanes, scales empty), N x K, checked by `stack_linear` before the step runs.
+struct StackLinear {
+  const at::Tensor* w;
+  int64_t N, K;
+  bool int16_activations;
 
-// y = x @ W.T into `y` (`rows_into`): packed_linear's checks and kernels without a new
-// tensor a call.
-template <typename W>
-void linear_into(const at::Tensor& x, const W& w, int64_t N, bool int16_activations, at::Tensor& y) {
-  check_linear(x, N, w.K);
-  rows_into(x, N, y);
-  linear_rows(w, x.data_ptr<float>(), x.size(0), N, w.K, int16_activations, y.data_ptr<float>());
-}
-
-// y = x @ W.T into `y` (`rows_into`) for bfloat16 panels W: bf16_linear without a new tensor.
-void bf16_into(const at::Tensor& x, const at::Tensor& panels, at::Tensor& y) {
-  rows_into(x, check_bf16(x, panels), y);
+  // y [M, N] = x [M, K] @ W.T, packed_linear's kernels.
+  void operator()(const float* x, int64_t M, float* y) const {
+    if (w[0].scalar_type() == at::kBFloat16) {
 #if defined(__AVX512BF16__)
-  bf16_rows(x.data_ptr<float>(), x.size(0), x.size(1), reinterpret_cast<const uint16_t*>(panels.data_ptr()),
-            panels.size(0), y.data_ptr<float>());
+      bf16_rows(x, M, K, reinterpret_cast<const uint16_t*>(w[0].data_ptr()), w[0].size(0), y);
 #endif
+    } else if (w[1].numel() == 0) {
+      multiply_lanes(w[0], N, K, x, M, y);
+    } else if (w[0].scalar_type() == at::kByte) {
+      linear_rows(int4_weights(w[0], w[1], w[2]), x, M, N, K, int16_activations, y);
+    } else {
+      linear_rows(int8_weights(w[0], w[1]), x, M, N, K, int16_activations, y);
+    }
+  }
+};
+
+// The linear layer at w for M rows of activations of width K, checked as its op checks it.
+StackLinear stack_linear(const at::Tensor* w, int64_t K, int64_t M, bool int16_activations) {
+  int64_t N = 0, held = K;  // held: the width the weights take
+  if (w[0].scalar_type() == at::kBFloat16) {
+    N = panels_rows(w[0], K);
+  } else if (w[1].numel() == 0) {
+    std::tie(N, held) = lanes_shape(w[0]);
+    TORCH_CHECK(M <= lane_rows(), "expected at most ", lane_rows(), " activation rows for lanes, got ", M);
+  } else if (w[0].scalar_type() == at::kByte) {
+    N = w[0].size(0), held = int4_weights(w[0], w[1], w[2]).K;
+  } else {
+    N = w[0].size(0), held = int8_weights(w[0], w[1]).K;
+  }
+  TORCH_CHECK(held == K, "expected activations of width ", held, ", got ", K);
+  TORCH_CHECK(N % 4 == 0 && K % 32 == 0, "expected N % 4 == 0 and K % 32 == 0, got ", N, ", ", K);
+  return {w, N, K, int16_activations};
 }
 
-// y = x @ W.T into `y` (`rows_into`) for int4 or int8 weights W laid out as lanes (lanes.h),
-// x's rows rounded to int16: lanes_i16 without a new tensor.
-void lanes_into(const at::Tensor& x, const at::Tensor& lanes, at::Tensor& y) {
-  const auto [N, K] = lanes_shape(lanes);
-  check_linear(x, N, K);
-  rows_into(x, N, y);
-  multiply_lanes(lanes, N, K, x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
+// A norm weight of width n.
+void check_norm_weight(const at::Tensor& w, int64_t n) {
+  check_f32(w, "norm weight");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == n, "expected a norm weight [", n, "], got ", w.sizes());
 }
 
-// One packed linear layer (qweight, scales, mins at w; bf16: qweight the panels; int4 or
-// int8 lanes: qweight the lanes, scales empty) of the stack into `y`.
-void packed_into(const at::Tensor& x, const at::Tensor* w, bool int16_activations, at::Tensor& y) {
-  if (w[0].scalar_type() == at::kBFloat16)
-    bf16_into(x, w[0], y);
-  else if (w[1].numel() == 0)
-    lanes_into(x, w[0], y);
-  else if (w[0].scalar_type() == at::kByte)
-    linear_into(x, int4_weights(w[0], w[1], w[2]), w[0].size(0), int16_activations, y);
-  else
-    linear_into(x, int8_weights(w[0], w[1]), w[0].size(0), int16_activations, y);
+// decode_layers over caches of elements T (float32, or bfloat16's bits): every layer checked
+// and every buffer made first, then the layers run by a gang of the kernels' threads (each
+// op shared by them, `Gang`: one hand-off a step, not one an op).
+template <typename T>
+at::Tensor run_layers(at::Tensor h, at::TensorList weights, at::TensorList caches, double eps,
+                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_rows,
+                      const at::Tensor& v_rows, const at::Tensor& q_index, const at::Tensor& q_lens,
+                      const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                      const at::Tensor& kv_lens, int64_t heads, double scale, bool int16_activations) {
+  const int64_t layers = static_cast<int64_t>(caches.size()), M = h.size(0), hidden = h.size(1);
+  const int threads = at::in_parallel_region() ? 1 : static_cast<int>(team_threads());
+  AttentionStep<T> attention(caches[0], M, k_rows, v_rows, q_index, q_lens, kv_indptr, kv_indices,
+                             kv_lens, heads, scale, threads);
+  const int64_t dim = caches[0].size(4);
+  std::vector<StackLinear> linears;
+  for (int64_t i = 0; i < layers; ++i) {
+    const at::Tensor* w = weights.data() + i * LAYER_TENSORS;
+    check_norm_weight(w[0], hidden);
+    check_norm_weight(w[7], hidden);
+    linears.push_back(stack_linear(w + 1, hidden, M, int16_activations));
+    linears.push_back(stack_linear(w + 4, heads * dim, M, int16_activations));
+    linears.push_back(stack_linear(w + 8, hidden, M, int16_activations));
+    TORCH_CHECK(linears.back().N % 2 == 0, "expected gate/up of an even width, got ", linears.back().N);
+    linears.push_back(stack_linear(w + 11, linears.back().N / 2, M, int16_activations));
+    TORCH_CHECK(linears[4 * i + 1].N == hidden && linears[4 * i + 3].N == hidden,
+                "expected o and down of the hidden width ", hidden);
+    for (int64_t j = 0; j < 4; ++j) {
+      TORCH_CHECK(linears[4 * i + j].N == linears[j].N, "expected every layer of the first's shapes");
+    }
+  }
+  // the ops' outputs, made once (each read before the next layer writes it; mlp, the previous
+  // layer's MLP output, returned at the end)
+  auto buffer = [&](int64_t width) { return at::empty({M, width}, h.options()); };
+  at::Tensor x = buffer(hidden), qkv = buffer(linears[0].N), q = buffer(heads * dim),
+             out = buffer(heads * dim), o = buffer(hidden), gate_up = buffer(linears[2].N),
+             act = buffer(linears[3].K), mlp = buffer(hidden);
+  for (int64_t i = 0; i < layers; ++i) {
+    TORCH_CHECK(caches[i].scalar_type() == caches[0].scalar_type() && caches[i].is_contiguous(),
+                "expected every layer's cache contiguous, of the first's dtype");
+    attention.check(qkv, cos, sin, caches[i]);
+  }
+  float *hp = h.data_ptr<float>(), *xp = x.data_ptr<float>(), *qkvp = qkv.data_ptr<float>(),
+        *qp = q.data_ptr<float>(), *outp = out.data_ptr<float>(), *op = o.data_ptr<float>(),
+        *gp = gate_up.data_ptr<float>(), *ap = act.data_ptr<float>(), *mp = mlp.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  Gang::run(threads, [&](Gang&) {
+    for (int64_t i = 0; i < layers; ++i) {
+      const at::Tensor* w = weights.data() + i * LAYER_TENSORS;
+      const StackLinear* linear = linears.data() + 4 * i;
+      norm_rows(hp, i == 0 ? nullptr : mp, w[0].data_ptr<float>(), M, hidden, eps, xp);
+      linear[0](xp, M, qkvp);
+      attention(qkvp, cp, sp, static_cast<T*>(caches[i].data_ptr()), qp, outp);
+      linear[1](outp, M, op);
+      norm_rows(hp, op, w[7].data_ptr<float>(), M, hidden, eps, xp);
+      linear[2](xp, M, gp);
+      silu_rows(gp, M, linear[3].K, ap);
+      linear[3](ap, M, mp);
+    }
+  });
+  return mlp;
 }
 
 at::Tensor decode_layers(at::Tensor h, at::TensorList weights, at::TensorList caches, double eps,
@@ -82,21 +148,14 @@ at::Tensor decode_layers(at::Tensor h, at::TensorList weights, at::TensorList ca
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * LAYER_TENSORS, "expected ",
               LAYER_TENSORS, " weight tensors a layer for ", layers, " layers, got ",
               weights.size());
-  // the linear layers' outputs, in buffers shared by the layers (each read before the
-  // next layer writes it; mlp, the previous layer's MLP output, returned at the end)
-  at::Tensor qkv, o, gate_up, mlp;
-  for (int64_t i = 0; i < layers; ++i) {
-    const at::Tensor* w = weights.data() + i * LAYER_TENSORS;
-    const at::Tensor x = rms_norm(h, i == 0 ? std::nullopt : std::optional<at::Tensor>(mlp), w[0], eps);
-    packed_into(x, w + 1, int16_activations, qkv);
-    const at::Tensor out = attention(qkv, cos, sin, caches[i], k_rows, v_rows, q_index, q_lens,
-                                     kv_indptr, kv_indices, kv_lens, heads, scale);
-    packed_into(out, w + 4, int16_activations, o);
-    const at::Tensor y = rms_norm(h, o, w[7], eps);
-    packed_into(y, w + 8, int16_activations, gate_up);
-    packed_into(silu_mul(gate_up), w + 11, int16_activations, mlp);
-  }
-  return mlp;
+  check_f32(h, "h");
+  TORCH_CHECK(h.dim() == 2, "expected h [T, hidden], got ", h.sizes());
+  const bool bf16 = caches[0].scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16 || caches[0].scalar_type() == at::kFloat) && caches[0].device().is_cpu(),
+              "caches: expected float32 or bfloat16 CPU tensors, got ", caches[0].scalar_type());
+  const auto run = bf16 ? &run_layers<Bf16> : &run_layers<float>;
+  return run(h, weights, caches, eps, cos, sin, k_rows, v_rows, q_index, q_lens, kv_indptr,
+             kv_indices, kv_lens, heads, scale, int16_activations);
 }
 
 }  // namespace

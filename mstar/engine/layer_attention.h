@@ -358,207 +358,247 @@ void merge_parts(const float* values, const Softmax* parts, int64_t n, int64_t h
   }
 }
 
-// Row t of qkv [T, (H + 2 H_kv) D]: its K heads rotated into row k_rows[t] of the layer
-// seen as [P * 2 * S, H_kv * D], its V heads into row v_rows[t] (both as the layer's
-// elements T: `cached`), its Q heads rotated into q[t] ([T, H, D]).
+// One step's attention in every layer (the layers share the step's rows and pages): built
+// once a step from the rows, checked here; then a layer at a time (`operator()`), in three
+// phases any threads can share: the tokens' q and k rotated, k and v written into the
+// layer (`write`); the tasks, a query each or, when there are fewer queries than threads
+// to keep busy, each query's keys in parts (`attend`); those parts merged by their
+// softmax scales (`merge`).
+// rows: per row r, its q_lens[r] query tokens from q_index[r] on (none: 0, q_index -1),
+// its pages kv_indices[kv_indptr[r]:kv_indptr[r+1]] holding kv_lens[r] keys in order, the
+// step's own (written into rows k_rows / v_rows of the layer seen as [P * 2 * S, H_kv *
+// D]) last. Every token is one row's query. T: the layer's elements (float32, or
+// bfloat16's bits).
 template <typename T>
-void rotate_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                  at::Tensor& layer, const at::Tensor& k_rows, const at::Tensor& v_rows,
-                  at::Tensor& q, int64_t heads) {
-  const int64_t tokens = qkv.size(0), kv_heads = layer.size(3), dim = layer.size(4);
-  const int64_t half = dim / 2, slot = kv_heads * dim, num_rows = layer.numel() / slot;
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * dim,
-              "expected qkv [T, (H + 2 H_kv) * D] of the layer's heads");
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == tokens * dim,
-              "expected cos and sin [T, D]");
-  TORCH_CHECK(k_rows.numel() == tokens && v_rows.numel() == tokens &&
-                  k_rows.scalar_type() == at::kLong && v_rows.scalar_type() == at::kLong,
-              "expected int64 write rows, one per token");
-  T* lp = static_cast<T*>(layer.data_ptr());
-  float* qp = q.data_ptr<float>();
-  const float* xp = qkv.data_ptr<float>();
-  std::vector<float> key(dim);  // a K head rotated, before it is stored
-  const int64_t* kr = k_rows.data_ptr<int64_t>();
-  const int64_t* vr = v_rows.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(kr[t] >= 0 && kr[t] < num_rows && vr[t] >= 0 && vr[t] < num_rows,
-                "write row out of the layer");
-    const float* row = xp + t * qkv.size(1);
-    const float* c = cos.data_ptr<float>() + t * dim;
-    const float* s = sin.data_ptr<float>() + t * dim;
-    for (int64_t h = 0; h < heads + kv_heads; ++h) {
-      const float* x = row + h * dim;
-      float* out = h < heads ? qp + (t * heads + h) * dim : key.data();
-      for (int64_t i = 0; i < half; ++i) {
-        out[i] = x[i] * c[i] + x[i + half] * s[i];
-        out[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
-      }
-      if (h >= heads) std::transform(out, out + dim, lp + kr[t] * slot + (h - heads) * dim, cached<T>);
+class AttentionStep {
+ public:
+  AttentionStep(const at::Tensor& layer, int64_t tokens, const at::Tensor& k_rows,
+                const at::Tensor& v_rows, const at::Tensor& q_index, const at::Tensor& q_lens,
+                const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                const at::Tensor& kv_lens, int64_t heads, double scale, int64_t gang = 1)
+      : tokens_(tokens), heads_(heads), sc_(static_cast<float>(scale)) {
+    TORCH_CHECK(layer.dim() == 5 && layer.size(1) == 2 && layer.size(4) % 2 == 0,
+                "expected layer [P, 2, S, H_kv, D], D even");
+    pages_ = layer.size(0), page_ = layer.size(2), kv_heads_ = layer.size(3), dim_ = layer.size(4);
+    TORCH_CHECK(heads % kv_heads_ == 0, "expected H a multiple of H_kv");
+    group_ = heads / kv_heads_;
+    slot_ = kv_heads_ * dim_, half_page_ = page_ * slot_;
+    for (const auto* t : {&k_rows, &v_rows, &q_index, &q_lens, &kv_indptr, &kv_indices, &kv_lens}) {
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "expected int64 indices");
     }
-    const float* v = row + (heads + kv_heads) * dim;
-    std::transform(v, v + slot, lp + vr[t] * slot, cached<T>);
+    TORCH_CHECK(k_rows.numel() == tokens && v_rows.numel() == tokens, "expected int64 write rows, one per token");
+    kr_ = k_rows.data_ptr<int64_t>(), vr_ = v_rows.data_ptr<int64_t>();
+    const int64_t num_rows = pages_ * 2 * page_;
+    for (int64_t t = 0; t < tokens; ++t) {
+      TORCH_CHECK(kr_[t] >= 0 && kr_[t] < num_rows && vr_[t] >= 0 && vr_[t] < num_rows,
+                  "write row out of the layer");
+    }
+    const int64_t rows = kv_lens.size(0);
+    TORCH_CHECK(q_index.numel() == rows && q_lens.numel() == rows && kv_indptr.numel() == rows + 1,
+                "expected q_index, q_lens [R], kv_indptr [R + 1] for kv_lens [R]");
+    indptr_ = kv_indptr.data_ptr<int64_t>(), indices_ = kv_indices.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      TORCH_CHECK(indptr_[r] >= 0 && indptr_[r] <= indptr_[r + 1] && indptr_[r + 1] <= kv_indices.numel(),
+                  "row ", r, ": expected its pages within kv_indices, got ", indptr_[r], "..", indptr_[r + 1]);
+    }
+    for (int64_t i = 0; i < kv_indices.numel(); ++i) {
+      TORCH_CHECK(indices_[i] >= 0 && indices_[i] < pages_, "page id ", indices_[i], " out of the layer");
+    }
+    qi_ = q_index.data_ptr<int64_t>(), ql_ = q_lens.data_ptr<int64_t>(), lens_ = kv_lens.data_ptr<int64_t>();
+    q_row_.reserve(tokens);
+    q_at_.reserve(tokens);
+    int64_t keys = 0;  // the (query, key) pairs of the step
+    for (int64_t r = 0; r < rows; ++r) {
+      const bool placed = ql_[r] == 0 || (qi_[r] >= 0 && qi_[r] + ql_[r] <= tokens);
+      TORCH_CHECK(ql_[r] >= 0 && ql_[r] <= lens_[r] && placed, "row ", r,
+                  ": expected its queries among qkv's tokens and its keys, got ", ql_[r], " from ",
+                  qi_[r], " over ", lens_[r], " keys");
+      const int64_t pages = (lens_[r] + page_ - 1) / page_;
+      TORCH_CHECK(pages <= indptr_[r + 1] - indptr_[r], "row ", r, ": expected pages for its ",
+                  lens_[r], " keys, got ", indptr_[r + 1] - indptr_[r]);
+      for (int64_t i = 0; i < ql_[r]; ++i) {
+        q_row_.push_back(r);
+        q_at_.push_back(i);
+        keys += lens_[r] - ql_[r] + i + 1;
+      }
+    }
+    TORCH_CHECK(static_cast<int64_t>(q_row_.size()) == tokens, "expected every token a row's query,",
+                " got ", q_row_.size(), " queries for ", tokens, " tokens");
+    const int64_t work = keys * heads * dim_ * 2;  // multiply-adds: scores and values
+    // the tasks: with fewer queries than twice the kernels' threads, each query's keys in
+    // parts of a page or more (a thread's next part's pages asked for while it reads one: a
+    // layer's keys come from DRAM), whoever runs them (a gang or the team: the same sums)
+    const int64_t team = gang > 1 ? gang : team_threads();
+    few_ = team > 1 && tokens < 2 * team;
+    first_.assign(tokens + 1, 0);  // query k's parts: first_[k] .. first_[k + 1]
+    for (int64_t k = 0; k < tokens; ++k) {
+      const int64_t pages = (len_of(k) + page_ - 1) / page_;
+      first_[k + 1] = first_[k] + (few_ ? std::clamp<int64_t>(pages, 1, 4 * team) : 1);
+    }
+    tasks_ = first_[tokens];
+    // the threads they are spread over: a gang's (`gang` > 1), awake anyway, a task a
+    // piece; else the team's where the work repays waking it (`grain`), else the caller's
+    threads_ = gang > 1 ? gang : threaded(work) ? team : 1;
+    grain_ = gang > 1 ? 1 : grain(tasks_, work / std::max<int64_t>(tasks_, 1));
+    values_.resize(few_ ? tasks_ * heads * dim_ : 0);
+    scales_.resize(few_ ? tasks_ * heads : 0);
+    head_ = dim_ % Wide::N == 0 ? &attend<Wide, T> : &attend<Lanes8, T>;
   }
-}
 
-// qkv [T, (H + 2 H_kv) D] (rotary applied here: cos, sin [T, D] as rotary_'s); layer
-// [P, 2, S, H_kv, D]; per row r: its q_lens[r] query tokens from q_index[r] on (none: 0,
-// q_index -1), its pages kv_indices[kv_indptr[r]:kv_indptr[r+1]] holding kv_lens[r] keys
-// in order, the step's own (written here) last. Every token is one row's query. Returns
-// [T, H * D]. T: the layer's elements (float32, or bfloat16's bits).
+  // Checks one layer's qkv [T, (H + 2 H_kv) D], cos and sin [T, D] (as rotary_'s) and layer
+  // (the first's shape).
+  void check(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& layer) const {
+    check_f32(qkv, "qkv");
+    check_f32(cos, "cos");
+    check_f32(sin, "sin");
+    TORCH_CHECK(qkv.dim() == 2 && qkv.size(0) == tokens_ && qkv.size(1) == (heads_ + 2 * kv_heads_) * dim_,
+                "expected qkv [T, (H + 2 H_kv) * D] of the layer's heads");
+    TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == tokens_ * dim_, "expected cos and sin [T, D]");
+    TORCH_CHECK(layer.dim() == 5 && layer.size(0) == pages_ && layer.size(1) == 2 && layer.size(2) == page_ &&
+                    layer.size(3) == kv_heads_ && layer.size(4) == dim_,
+                "expected every layer [P, 2, S, H_kv, D] as the first");
+  }
+
+  // One layer's attention over `layer` from its qkv: out [T, H * D] (q [T, H, D]: room for
+  // the rotated queries). Within a gang, each phase shared by its threads.
+  void operator()(const float* qkv, const float* cos, const float* sin, T* layer, float* q, float* out) {
+    share(tokens_, std::max<int64_t>(tokens_, 1), false, [&](int64_t t0, int64_t t1, int) {
+      write(qkv, cos, sin, layer, q, t0, t1);
+    });
+    share(tasks_, grain_, threads_ > 1 && tasks_ > grain_, [&](int64_t i0, int64_t i1, int) {
+      attend_tasks(layer, q, out, i0, i1);
+    });
+    if (few_) {
+      share(tokens_, std::max<int64_t>(tokens_, 1), false, [&](int64_t k0, int64_t k1, int) {
+        for (int64_t k = k0; k < k1; ++k)
+          if (parts_of(k) > 1)
+            merge_parts(values_.data() + first_[k] * heads_ * dim_, scales_.data() + first_[k] * heads_,
+                        parts_of(k), heads_, dim_, out + token_of(k) * heads_ * dim_);
+      });
+    }
+  }
+
+ private:
+  // query k's token in qkv and out, the keys it sees (its row's, causal), its parts
+  int64_t token_of(int64_t k) const { return qi_[q_row_[k]] + q_at_[k]; }
+  int64_t len_of(int64_t k) const { return lens_[q_row_[k]] - ql_[q_row_[k]] + q_at_[k] + 1; }
+  int64_t parts_of(int64_t k) const { return first_[k + 1] - first_[k]; }
+
+  // Tokens [t0, t1) of qkv: K heads rotated into their write rows, V heads into theirs (as
+  // the layer's elements: `cached`), Q heads rotated into q.
+  void write(const float* qkv, const float* cos, const float* sin, T* layer, float* q, int64_t t0, int64_t t1) const {
+    const int64_t half = dim_ / 2, width = (heads_ + 2 * kv_heads_) * dim_;
+    std::vector<float> key(dim_);  // a K head rotated, before it is stored
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* row = qkv + t * width;
+      const float* c = cos + t * dim_;
+      const float* s = sin + t * dim_;
+      for (int64_t h = 0; h < heads_ + kv_heads_; ++h) {
+        const float* x = row + h * dim_;
+        float* o = h < heads_ ? q + (t * heads_ + h) * dim_ : key.data();
+        for (int64_t i = 0; i < half; ++i) {
+          o[i] = x[i] * c[i] + x[i + half] * s[i];
+          o[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+        }
+        if (h >= heads_) std::transform(o, o + dim_, layer + kr_[t] * slot_ + (h - heads_) * dim_, cached<T>);
+      }
+      const float* v = row + (heads_ + kv_heads_) * dim_;
+      std::transform(v, v + slot_, layer + vr_[t] * slot_, cached<T>);
+    }
+  }
+
+  // Task i: its query and keys [l0, l1) (l0 on a page's start).
+  void task(int64_t i, int64_t& k, int64_t& l0, int64_t& l1) const {
+    k = std::upper_bound(first_.begin(), first_.end(), i) - first_.begin() - 1;
+    const int64_t n = parts_of(k), at = i - first_[k], len = len_of(k);
+    const int64_t pages = (len + page_ - 1) / page_;
+    l0 = pages * at / n * page_;
+    l1 = std::min(len, pages * (at + 1) / n * page_);
+  }
+
+  // The blocks of query k's pages holding keys [l0, l1) into next, to be asked for over
+  // the `calls` drips of a task.
+  void pages_of(const T* layer, int64_t k, int64_t l0, int64_t l1, int64_t calls, NextPages& next) const {
+    next.blocks.clear();
+    next.block = 0;
+    next.at = 0;
+    next.bytes = half_page_ * static_cast<int64_t>(sizeof(T));
+    const int64_t row = indptr_[q_row_[k]];
+    for (int64_t j = row + l0 / page_; j < row + (l1 + page_ - 1) / page_; ++j) {
+      const char* base = reinterpret_cast<const char*>(layer + indices_[j] * 2 * half_page_);
+      next.blocks.push_back(base);
+      next.blocks.push_back(base + next.bytes);
+    }
+    next.rate = (next.lines() + calls - 1) / std::max<int64_t>(calls, 1);
+  }
+
+  // Tasks [begin, end) (a thread's piece), each writing its query's output (or, for a part
+  // of its keys, its part's unnormalized values and softmax scales); the task the thread
+  // likely takes next (the next in the piece, or the first of its next piece: the threads
+  // take pieces of one size in turn) has its pages asked for meanwhile.
+  void attend_tasks(const T* layer, const float* q, float* out, int64_t begin, int64_t end) {
+    std::vector<float> scores;    // [group, blocks(len)]
+    std::vector<const T*> slots;  // [len]: each key's slot at one KV head
+    NextPages next;
+    for (int64_t i = begin; i < end; ++i) {
+      int64_t k, l0, l1, nk, n0, n1;
+      task(i, k, l0, l1);
+      const int64_t ni = i + 1 < end ? i + 1 : end + (end - begin) * (threads_ - 1);
+      if (ni < tasks_) {
+        task(ni, nk, n0, n1);
+        // the drips of a task over keys [l0, l1): a block of keys' each query head's
+        // scores and each KV head's values (a pass for its query heads where VALUE_HEADS holds them)
+        pages_of(layer, nk, n0, n1, (heads_ + kv_heads_) * (blocks(l1 - l0) / BLOCK), next);
+      }
+      const bool whole = parts_of(k) == 1;
+      float* o = whole ? out + token_of(k) * heads_ * dim_ : values_.data() + i * heads_ * dim_;
+      Softmax* part = whole ? nullptr : scales_.data() + i * heads_;
+      const int64_t r = q_row_[k], t = token_of(k), len = l1 - l0;
+      scores.resize(group_ * blocks(len));
+      slots.resize(len);
+      for (int64_t kh = 0; kh < kv_heads_; ++kh) {
+        // the keys at KV head kh, page by page (no division a key)
+        for (int64_t l = 0, j = indptr_[r] + l0 / page_; l < len; ++j) {
+          const T* base = layer + indices_[j] * 2 * half_page_ + kh * dim_;
+          for (const int64_t e = std::min(len, l + page_); l < e; ++l, base += slot_) slots[l] = base;
+        }
+        const int64_t ahead = kh == 0 ? slot_ : 0;  // the first pass asks for the whole slots
+        head_(q + (t * heads_ + kh * group_) * dim_, dim_, group_, slots.data(), len, dim_, sc_, half_page_,
+              ahead, scores.data(), o + kh * group_ * dim_, part == nullptr ? nullptr : part + kh * group_,
+              ni < tasks_ ? &next : nullptr);
+      }
+    }
+  }
+
+  int64_t tokens_, heads_, pages_, page_, kv_heads_, dim_, group_, slot_, half_page_;
+  float sc_;
+  const int64_t *kr_, *vr_, *qi_, *ql_, *lens_, *indptr_, *indices_;
+  std::vector<int64_t> q_row_, q_at_;  // each query as (row, its index in the row)
+  int64_t threads_, tasks_, grain_;
+  bool few_;                        // queries' keys in parts
+  std::vector<int64_t> first_;     // query k's tasks: first_[k] .. first_[k + 1]
+  std::vector<float> values_;      // a part's unnormalized values [tasks, H, D]
+  std::vector<Softmax> scales_;    // and softmax scales [tasks, H]
+  void (*head_)(const float*, int64_t, int64_t, const T* const*, int64_t, int64_t, float, int64_t,
+                int64_t, float*, float*, Softmax*, NextPages*);
+};
+
+// The attention of one layer (qkv [T, (H + 2 H_kv) D], rotary applied here: cos, sin [T,
+// D] as rotary_'s; layer [P, 2, S, H_kv, D]; the rows as `AttentionStep`'s): [T, H * D].
 template <typename T>
 at::Tensor attention_over(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                           at::Tensor layer, const at::Tensor& k_rows, const at::Tensor& v_rows,
                           const at::Tensor& q_index, const at::Tensor& q_lens,
                           const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                           const at::Tensor& kv_lens, int64_t heads, double scale) {
-  check_f32(qkv, "qkv");
-  check_f32(cos, "cos");
-  check_f32(sin, "sin");
-  TORCH_CHECK(layer.dim() == 5 && layer.size(1) == 2 && layer.size(4) % 2 == 0,
-              "expected layer [P, 2, S, H_kv, D], D even");
-  for (const auto* t : {&q_index, &q_lens, &kv_indptr, &kv_indices, &kv_lens}) {
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "expected int64 indices");
-  }
-  const int64_t rows = kv_lens.size(0), tokens = qkv.size(0);
-  TORCH_CHECK(q_index.numel() == rows && q_lens.numel() == rows && kv_indptr.numel() == rows + 1,
-              "expected q_index, q_lens [R], kv_indptr [R + 1] for kv_lens [R]");
-  auto q = at::empty({tokens, heads, layer.size(4)}, qkv.options());
-  rotate_write<T>(qkv, cos, sin, layer, k_rows, v_rows, q, heads);
-  for (int64_t i = 0; i < kv_indices.numel(); ++i) {
-    const int64_t p = kv_indices.data_ptr<int64_t>()[i];
-    TORCH_CHECK(p >= 0 && p < layer.size(0), "page id ", p, " out of the layer");
-  }
-  const int64_t* qi = q_index.data_ptr<int64_t>();
-  const int64_t* ql = q_lens.data_ptr<int64_t>();
-  const int64_t* lens = kv_lens.data_ptr<int64_t>();
-  // each query as (row, its index in the row): the tasks below
-  std::vector<int64_t> q_row, q_at;
-  q_row.reserve(tokens);
-  q_at.reserve(tokens);
-  int64_t keys = 0;  // the (query, key) pairs of the step
-  for (int64_t r = 0; r < rows; ++r) {
-    const bool placed = ql[r] == 0 || (qi[r] >= 0 && qi[r] + ql[r] <= tokens);
-    TORCH_CHECK(ql[r] >= 0 && ql[r] <= lens[r] && placed, "row ", r,
-                ": expected its queries among qkv's tokens and its keys, got ", ql[r], " from ",
-                qi[r], " over ", lens[r], " keys");
-    for (int64_t i = 0; i < ql[r]; ++i) {
-      q_row.push_back(r);
-      q_at.push_back(i);
-      keys += lens[r] - ql[r] + i + 1;
-    }
-  }
-  TORCH_CHECK(static_cast<int64_t>(q_row.size()) == tokens, "expected every token a row's query,",
-              " got ", q_row.size(), " queries for ", tokens, " tokens");
-  const int64_t dim = q.size(2);
-  const int64_t page = layer.size(2), kv_heads = layer.size(3);
-  const int64_t group = heads / kv_heads;
-  TORCH_CHECK(heads % kv_heads == 0, "expected H a multiple of H_kv");
-  auto out = at::empty({tokens, heads * dim}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  const T* lp = static_cast<const T*>(layer.data_ptr());
-  const int64_t slot = kv_heads * dim, half_page = page * slot, page_stride = 2 * half_page;
-  const int64_t* indptr = kv_indptr.data_ptr<int64_t>();
-  const int64_t* indices = kv_indices.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  const auto head = dim % Wide::N == 0 ? &attend<Wide, T> : &attend<Lanes8, T>;
-  // query k's token in qkv and out, and the keys it sees (its row's, causal)
-  auto token_of = [&](int64_t k) { return qi[q_row[k]] + q_at[k]; };
-  auto len_of = [&](int64_t k) { return lens[q_row[k]] - ql[q_row[k]] + q_at[k] + 1; };
-  // the blocks of query k's pages holding keys [l0, l1) into next, to be asked for over
-  // the `calls` drips of a task
-  auto pages_of = [&](int64_t k, int64_t l0, int64_t l1, int64_t calls, NextPages& next) {
-    next.blocks.clear();
-    next.block = 0;
-    next.at = 0;
-    next.bytes = half_page * static_cast<int64_t>(sizeof(T));
-    const int64_t row = indptr[q_row[k]];
-    for (int64_t j = row + l0 / page; j < row + (l1 + page - 1) / page; ++j) {
-      const char* base = reinterpret_cast<const char*>(lp + indices[j] * page_stride);
-      next.blocks.push_back(base);
-      next.blocks.push_back(base + next.bytes);
-    }
-    next.rate = (next.lines() + calls - 1) / std::max<int64_t>(calls, 1);
-  };
-  // the drips of a task over keys [l0, l1), a block of keys' each query head's scores and
-  // each KV head's values (a pass for its query heads where VALUE_HEADS holds them)
-  auto drips = [&](int64_t l0, int64_t l1) {
-    return (heads + kv_heads) * (blocks(l1 - l0) / BLOCK);
-  };
-  const int64_t work = keys * heads * dim * 2;  // multiply-adds: scores and values
-  // the threads the tasks are spread over: the kernels' team where the work repays waking
-  // it (`grain`; asked of the team only then), else the caller alone
-  const int64_t threads = threaded(work) ? team_threads() : 1;
-  // the task a thread likely takes after task i of its piece [begin, end): the next in the
-  // piece, or the first of its next piece (the threads take pieces of one size in turn)
-  auto likely_next = [&](int64_t i, int64_t begin, int64_t end) {
-    return i + 1 < end ? i + 1 : end + (end - begin) * (threads - 1);
-  };
-  // keys [l0, l1) of query k's row (l0 on a page's start), every KV head, into o (and its
-  // softmax scales into part), the next task's pages asked for meanwhile
-  auto keys_of = [&](int64_t k, int64_t l0, int64_t l1, float* o, Softmax* part,
-                     std::vector<float>& scores, std::vector<const T*>& slots, NextPages* next) {
-    const int64_t r = q_row[k], t = token_of(k), len = l1 - l0;
-    scores.resize(group * blocks(len));
-    slots.resize(len);
-    for (int64_t kh = 0; kh < kv_heads; ++kh) {
-      // the keys at KV head kh, page by page (no division a key)
-      for (int64_t l = 0, j = indptr[r] + l0 / page; l < len; ++j) {
-        const T* base = lp + indices[j] * page_stride + kh * dim;
-        for (const int64_t end = std::min(len, l + page); l < end; ++l, base += slot) slots[l] = base;
-      }
-      const int64_t ahead = kh == 0 ? slot : 0;  // the first pass asks for the whole slots
-      head(qp + t * qs0 + kh * group * qs1, qs1, group, slots.data(), len, dim, sc, half_page,
-           ahead, scores.data(), o + kh * group * dim,
-           part == nullptr ? nullptr : part + kh * group, next);
-    }
-  };
-  // The tasks: a query each or, when there are fewer queries than threads to keep busy,
-  // each query's keys in parts (up to four a thread, four pages or more each), merged by
-  // their softmax scales (a query of one part is written out at once).
-  const int64_t torch_threads = at::get_num_threads();
-  const bool few = threaded(work) && tokens < 2 * torch_threads && torch_threads > 1;
-  std::vector<int64_t> first(tokens + 1, 0);  // query k's parts: first[k] .. first[k + 1]
-  for (int64_t k = 0; k < tokens; ++k) {
-    const int64_t pages = (len_of(k) + page - 1) / page;
-    first[k + 1] = first[k] + (few ? std::clamp<int64_t>(pages / 4, 1, 4 * threads) : 1);
-  }
-  const int64_t parts = first[tokens];
-  std::vector<float> values(few ? parts * heads * dim : 0);
-  std::vector<Softmax> scales(few ? parts * heads : 0);
-  auto parts_of = [&](int64_t k) { return first[k + 1] - first[k]; };
-  // part i: its query and keys [l0, l1)
-  auto part_of = [&](int64_t i, int64_t& k, int64_t& l0, int64_t& l1) {
-    k = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
-    const int64_t n = parts_of(k), at = i - first[k], len = len_of(k);
-    const int64_t pages = (len + page - 1) / page;
-    l0 = pages * at / n * page;
-    l1 = std::min(len, pages * (at + 1) / n * page);
-  };
-  // threads only where the step's attention repays waking them (`grain`)
-  spread(parts, grain(parts, work / std::max<int64_t>(parts, 1)), [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;    // [group, blocks(len)]
-    std::vector<const T*> slots;  // [len]: each key's slot at one KV head
-    NextPages next;
-    for (int64_t i = begin; i < end; ++i) {
-      int64_t k, l0, l1, nk, n0, n1;
-      part_of(i, k, l0, l1);
-      const int64_t ni = likely_next(i, begin, end);
-      if (ni < parts) {
-        part_of(ni, nk, n0, n1);
-        pages_of(nk, n0, n1, drips(l0, l1), next);
-      }
-      const bool whole = parts_of(k) == 1;
-      float* o = whole ? op + token_of(k) * heads * dim : values.data() + i * heads * dim;
-      keys_of(k, l0, l1, o, whole ? nullptr : scales.data() + i * heads, scores, slots,
-              ni < parts ? &next : nullptr);
-    }
-  });
-  for (int64_t k = 0; k < tokens; ++k)
-    if (parts_of(k) > 1)
-      merge_parts(values.data() + first[k] * heads * dim, scales.data() + first[k] * heads,
-                  parts_of(k), heads, dim, op + token_of(k) * heads * dim);
+  AttentionStep<T> step(layer, qkv.size(0), k_rows, v_rows, q_index, q_lens, kv_indptr, kv_indices,
+                        kv_lens, heads, scale);
+  step.check(qkv, cos, sin, layer);
+  const int64_t dim = layer.size(4);
+  auto q = at::empty({qkv.size(0), heads, dim}, qkv.options());
+  auto out = at::empty({qkv.size(0), heads * dim}, qkv.options());
+  step(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), static_cast<T*>(layer.data_ptr()),
+       q.data_ptr<float>(), out.data_ptr<float>());
   return out;
 }
 

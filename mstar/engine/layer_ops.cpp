@@ -77,38 +77,45 @@ void check_f32(const at::Tensor& t, const char* name) {
 
 namespace {
 
-at::Tensor rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
-                    double eps) {
-  check_f32(x, "x");
-  check_f32(weight, "weight");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1),
-              "expected x [T, N] and weight [N]");
-  const int64_t rows = x.size(0), n = x.size(1);
-  float* xp = x.data_ptr<float>();
-  const float* dp = nullptr;
-  if (delta.has_value()) {
-    check_f32(*delta, "delta");
-    TORCH_CHECK(delta->sizes() == x.sizes(), "expected delta of x's shape");
-    dp = delta->data_ptr<float>();
-  }
-  const float* wp = weight.data_ptr<float>();
-  auto out = at::empty_like(x);
-  float* op = out.data_ptr<float>();
+// out = rms_norm(x += delta) for rows [T, n] (delta nullptr: nothing added), `spread` (within
+// a gang: shared by its threads).
+void norm_rows(float* x, const float* delta, const float* weight, int64_t rows, int64_t n, double eps,
+               float* out) {
   spread(rows, grain(rows, n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      float* row = xp + r * n;
-      if (dp != nullptr) {
-        const float* d = dp + r * n;
+      float* row = x + r * n;
+      if (delta != nullptr) {
+        const float* d = delta + r * n;
         for (int64_t i = 0; i < n; ++i) row[i] += d[i];
       }
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t i = 0; i < n; ++i) sum += row[i] * row[i];
       const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + static_cast<float>(eps));
-      float* o = op + r * n;
-      for (int64_t i = 0; i < n; ++i) o[i] = wp[i] * (row[i] * inv);
+      float* o = out + r * n;
+      for (int64_t i = 0; i < n; ++i) o[i] = weight[i] * (row[i] * inv);
     }
   });
+}
+
+// Checks rms_norm's x [T, N], delta (x's shape) and weight [N].
+void check_norm(const at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& weight) {
+  check_f32(x, "x");
+  check_f32(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1),
+              "expected x [T, N] and weight [N]");
+  if (delta.has_value()) {
+    check_f32(*delta, "delta");
+    TORCH_CHECK(delta->sizes() == x.sizes(), "expected delta of x's shape");
+  }
+}
+
+at::Tensor rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
+                    double eps) {
+  check_norm(x, delta, weight);
+  auto out = at::empty_like(x);
+  norm_rows(x.data_ptr<float>(), delta.has_value() ? delta->data_ptr<float>() : nullptr,
+            weight.data_ptr<float>(), x.size(0), x.size(1), eps, out.data_ptr<float>());
   return out;
 }
 
@@ -141,18 +148,13 @@ void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t
   });
 }
 
-at::Tensor silu_mul(const at::Tensor& x) {
-  check_f32(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "expected x [T, 2I]");
-  const int64_t rows = x.size(0), inner = x.size(1) / 2;
-  auto out = at::empty({rows, inner}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+// out [T, I] = silu(g) * u for x = [g | u] [T, 2I], rows shared as `norm_rows` shares them.
+void silu_rows(const float* x, int64_t rows, int64_t inner, float* out) {
   spread(rows, grain(rows, inner), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* g = xp + r * 2 * inner;
+      const float* g = x + r * 2 * inner;
       const float* u = g + inner;
-      float* o = op + r * inner;
+      float* o = out + r * inner;
       int64_t i = 0;
       for (; i + 8 <= inner; i += 8) {
         const __m256 gv = _mm256_loadu_ps(g + i);
@@ -163,6 +165,13 @@ at::Tensor silu_mul(const at::Tensor& x) {
       for (; i < inner; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
   });
+}
+
+at::Tensor silu_mul(const at::Tensor& x) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "expected x [T, 2I]");
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  silu_rows(x.data_ptr<float>(), x.size(0), x.size(1) / 2, out.data_ptr<float>());
   return out;
 }
 

@@ -62,20 +62,25 @@ void bf16_rows(const float* xf, int64_t M, int64_t K, const uint16_t* w, int64_t
 }
 #endif
 
-// What a call of bfloat16 panels takes: contiguous panels [N/32, K/2, 32, 2], float32
-// activations x [..., K], K % 32 == 0; returns N.
-int64_t check_bf16(const at::Tensor& x, const at::Tensor& panels) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "expected float32 activations, got ", x.scalar_type());
+// N of bfloat16 panels [N/32, K/2, 32, 2] for activations of width K, checked: contiguous,
+// K % 32 == 0, a build with AVX512-BF16.
+int64_t panels_rows(const at::Tensor& panels, int64_t K) {
   TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() && panels.dim() == 4 &&
                   panels.size(2) == 32 && panels.size(3) == 2,
               "expected contiguous bfloat16 panels [N/32, K/2, 32, 2], got ", panels.sizes());
-  const int64_t K = panels.size(1) * 2;
-  TORCH_CHECK(x.size(-1) == K, "expected activations of width ", K, ", got ", x.size(-1));
+  TORCH_CHECK(K == panels.size(1) * 2, "expected activations of width ", panels.size(1) * 2, ", got ", K);
   TORCH_CHECK(K % 32 == 0, "expected K % 32 == 0, got ", K);
 #if !defined(__AVX512BF16__)
   TORCH_CHECK(false, "the kernels were built without AVX512-BF16 (this CPU's flags lack it)");
 #endif
   return panels.size(0) * 32;
+}
+
+// What a call of bfloat16 panels takes: float32 activations x [..., K] and panels
+// (`panels_rows`); returns N.
+int64_t check_bf16(const at::Tensor& x, const at::Tensor& panels) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "expected float32 activations, got ", x.scalar_type());
+  return panels_rows(panels, x.size(-1));
 }
 
 // y = x @ W.T for float32 x [..., K] and bfloat16 panels [N/32, K/2, 32, 2].
