@@ -254,6 +254,40 @@ def test_layer_stack_is_the_layers_bit_for_bit(weights, kv_dtype):
     a long prefill, and ``BF16_ROWS`` rows (the bfloat16 panels' count), run
     layer by layer; float32 layers, and
     int4 ones with and without int16 activations, never stack."""
+    _stack_against_layers(weights, kv_dtype)
+
+
+def test_layer_stack_on_one_thread_is_the_layers_bit_for_bit():
+    """With one thread the stack's gang is the caller alone (its shares
+    inline, its barriers none): still the layers' logits bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _stack_against_layers("int16", torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_layer_stack_checks_every_layer_before_any_runs():
+    """A layer the stack cannot run (the last one's norm weight of another
+    width) is refused before the first runs: the KV cache as it was."""
+    if layer_ops_or_why() is not None or kernel_or_why() is not None:
+        pytest.skip("no layer ops or packed kernels here")
+    _, paged = _llama(packed=True, int16=True)
+    stack = fused_step(paged).stack
+    streams, spec = Streams(64, 4, seed=3), hf.kv_spec(paged).cache_kwargs()
+    cache = KVCache(num_pages=64, page_size=4, dtype=torch.float32, **spec)
+    forward_step(paged, torch.tensor(_prompt(5, 1)), streams.plan([("r0", 5)]), cache)
+    weights = stack._weights()
+    weights[len(weights) - 14 + 7] = torch.ones(3)  # the last layer's post-attention norm
+    stack._weights = lambda: weights
+    before = [cache.layer(i).clone() for i in range(len(stack.layers))]
+    with pytest.raises(RuntimeError, match=r"expected a norm weight \[64\]"):
+        forward_step(paged, torch.tensor([7]), streams.decode_plan(["r0"]), cache)
+    assert all(torch.equal(cache.layer(i), b) for i, b in enumerate(before))
+
+
+def _stack_against_layers(weights: str, kv_dtype: torch.dtype) -> None:
     if layer_ops_or_why() is not None:
         pytest.skip(f"layer ops: {layer_ops_or_why()}")
     assert "not packed" in LayerStack.refusal(fused_step(_llama()[1]).layers)
