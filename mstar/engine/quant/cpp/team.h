@@ -136,21 +136,48 @@ class Gang {
     }
   }
 
-  // fn(i0, i1, index()) over this thread's run of [0, n)'s pieces of `piece`, then `sync`.
+  // fn(i0, i1, index()) over this thread's run of [0, n)'s pieces of `piece`, a piece at a
+  // time from its front, then over pieces taken from the back of the others' runs while
+  // they last; then `sync`.
   template <typename F>
   void split(int64_t n, int64_t piece, const F& fn) {
-    const int64_t pieces = (n + piece - 1) / piece;
-    const int64_t first = pieces * index_ / size(), last = pieces * (index_ + 1) / size();
-    if (first < last) fn(first * piece, std::min(n, last * piece), index_);
+    const int64_t pieces = (n + piece - 1) / piece, T = size();
+    auto run_of = [&](int64_t t) { return Run::of(pieces * t / T, pieces * (t + 1) / T); };
+    auto call = [&](int64_t p) { fn(p * piece, std::min(n, (p + 1) * piece), index_); };
+    std::atomic<uint64_t>& own = shared_.runs[index_].run;
+    own.store(run_of(index_), std::memory_order_release);
+    for (int64_t p; (p = Run::take(own, true)) >= 0;) call(p);
+    for (int64_t k = 1; k < T; ++k) {
+      std::atomic<uint64_t>& other = shared_.runs[(index_ + k) % T].run;
+      for (int64_t p; (p = Run::take(other, false)) >= 0;) call(p);
+    }
     sync();
   }
-
  private:
   static constexpr int SPINS = 1000;
   struct Broken {};
+  // A thread's run of pieces [first, last) as one atomic word (last in the high half), taken
+  // a piece at a time from the front (its thread) or the back (the others).
+  struct alignas(64) Run {
+    std::atomic<uint64_t> run{0};
+    static uint64_t of(int64_t first, int64_t last) {
+      return static_cast<uint64_t>(last) << 32 | static_cast<uint64_t>(first);
+    }
+    // The piece taken (-1: none left).
+    static int64_t take(std::atomic<uint64_t>& run, bool front) {
+      uint64_t seen = run.load(std::memory_order_acquire);
+      for (;;) {
+        const int64_t first = seen & 0xFFFFFFFF, last = seen >> 32;
+        if (first >= last) return -1;
+        const uint64_t left = front ? of(first + 1, last) : of(first, last - 1);
+        if (run.compare_exchange_weak(seen, left, std::memory_order_acq_rel)) return front ? first : last - 1;
+      }
+    }
+  };
   struct Shared {
-    explicit Shared(int size) : size(size) {}
+    explicit Shared(int size) : size(size), runs(size) {}
     const int size;
+    std::vector<Run> runs;
     std::atomic<int> arrived{0}, generation{0};
     std::atomic<bool> broken{false};
     std::mutex mu;
