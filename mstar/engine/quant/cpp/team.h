@@ -82,8 +82,8 @@ class Team {
 
 // The team's threads going through one whole computation together (`Gang::run`), each
 // running the same code: a `share` within hands each thread its own run of the pieces
-// (thread i the i-th of `size()` equal runs) and returns when all have done theirs
-// (`sync`, a spin barrier). One hand-off a computation instead of one a `share`: a decode
+// (thread i the i-th of `size()` equal runs; a thread done with its own takes what is left
+// of the others') and returns when all are done (`sync`, a spin barrier). One hand-off a computation instead of one a `share`: a decode
 // step's ~150 shares cost ~3.7 us each on Zen 4 through `Team::run` (the helper woken,
 // pieces handed out one at a time), a barrier a fraction of a microsecond. Every thread
 // must make the same `share`s and `sync`s in the same order.
