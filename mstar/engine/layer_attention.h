@@ -368,7 +368,8 @@ void merge_parts(const float* values, const Softmax* parts, int64_t n, int64_t h
 // its pages kv_indices[kv_indptr[r]:kv_indptr[r+1]] holding kv_lens[r] keys in order, the
 // step's own (written into rows k_rows / v_rows of the layer seen as [P * 2 * S, H_kv *
 // D]) last. Every token is one row's query. T: the layer's elements (float32, or
-// bfloat16's bits).
+// bfloat16's bits). gang: the threads of the `Gang` its phases run in (1: none; the
+// team's where the work repays waking them).
 template <typename T>
 class AttentionStep {
  public:

@@ -38,7 +38,7 @@ class LayerStack:
         self.eps = self.layers[0].norm1.variance_epsilon
         self.heads = self.layers[0].heads
         self._none = torch.empty(0, dtype=torch.float16)  # an int8 layer's (absent) minimums
-        self._absent = {"-": None}  # the slot of a tensor decode_layers takes empty
+        self._absent = {"-": self._none}  # the slot of a tensor decode_layers takes empty
         # where each weight lives (a module's ``_parameters`` or ``_buffers``, and its
         # name), in ``decode_layers``' order: read every step, as they are then
         slots: list[tuple[dict[str, torch.Tensor | None], str]] = []
