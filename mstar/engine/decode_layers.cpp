@@ -58,14 +58,13 @@ StackLinear stack_linear(const at::Tensor* w, int64_t K, int64_t M, bool int16_a
     N = panels_rows(w[0], K);
   } else if (w[1].numel() == 0) {
     std::tie(N, held) = lanes_shape(w[0]);
-    TORCH_CHECK(M <= lane_rows(), "expected at most ", lane_rows(), " activation rows for lanes, got ", M);
+    check_lane_rows(M);
   } else if (w[0].scalar_type() == at::kByte) {
     N = w[0].size(0), held = int4_weights(w[0], w[1], w[2]).K;
   } else {
     N = w[0].size(0), held = int8_weights(w[0], w[1]).K;
   }
-  TORCH_CHECK(held == K, "expected activations of width ", held, ", got ", K);
-  TORCH_CHECK(N % 4 == 0 && K % 32 == 0, "expected N % 4 == 0 and K % 32 == 0, got ", N, ", ", K);
+  check_shape(N, held, K);
   return {w, N, K, int16_activations};
 }
 
@@ -120,7 +119,7 @@ at::Tensor run_layers(at::Tensor h, at::TensorList weights, at::TensorList cache
         *qp = q.data_ptr<float>(), *outp = out.data_ptr<float>(), *op = o.data_ptr<float>(),
         *gp = gate_up.data_ptr<float>(), *ap = act.data_ptr<float>(), *mp = mlp.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  Gang::run(threads, [&](Gang&) {
+  Gang::run(threads, [&] {
     for (int64_t i = 0; i < layers; ++i) {
       const at::Tensor* w = weights.data() + i * LAYER_TENSORS;
       const StackLinear* linear = linears.data() + 4 * i;

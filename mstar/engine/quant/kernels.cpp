@@ -65,13 +65,18 @@ void linear_rows(const W& w, const float* x, int64_t M, int64_t N, int64_t K, bo
   else paneled(w, x, M, N, K, y);
 }
 
-// What a call of N x K packed weights takes: float32 activations x [..., K], N % 4 == 0
-// and K % 32 == 0.
+// What N x K packed weights take of activations `width` wide: width K, N % 4 == 0 and
+// K % 32 == 0.
+void check_shape(int64_t N, int64_t K, int64_t width) {
+  TORCH_CHECK(width == K, "expected activations of width ", K, ", got ", width);
+  TORCH_CHECK(N % 4 == 0 && K % 32 == 0, "expected N % 4 == 0 and K % 32 == 0, got ", N, ", ", K);
+}
+
+// What a call of N x K packed weights takes: float32 activations x [..., K] (`check_shape`).
 void check_linear(const at::Tensor& x, int64_t N, int64_t K) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "expected float32 activations, got ",
               x.scalar_type());
-  TORCH_CHECK(x.size(-1) == K, "expected activations of width ", K, ", got ", x.size(-1));
-  TORCH_CHECK(N % 4 == 0 && K % 32 == 0, "expected N % 4 == 0 and K % 32 == 0, got ", N, ", ", K);
+  check_shape(N, K, x.size(-1));
 }
 
 // y = x @ W.T for float32 x [..., K] and the N x K weights `w`; up to `i16_rows<W>()`
@@ -138,6 +143,11 @@ int64_t lane_rows() {
 #endif
 }
 
+// M activation rows, at most what the lanes take.
+void check_lane_rows(int64_t M) {
+  TORCH_CHECK(M <= lane_rows(), "expected at most ", lane_rows(), " activation rows for lanes, got ", M);
+}
+
 // N and K of int4 (uint8) or int8 (int8) weights laid out as `lanes` ([N/16, K/32 * 320]
 // and [N/16, K/32 * 544]: lanes.h), checked.
 std::pair<int64_t, int64_t> lanes_shape(const at::Tensor& lanes) {
@@ -155,7 +165,7 @@ std::pair<int64_t, int64_t> lanes_shape(const at::Tensor& lanes) {
 // int16, W int4 or int8 `lanes` of N x K (`lanes_shape`). No tensors: for decode_layers.cpp.
 void multiply_lanes(const at::Tensor& lanes, int64_t N, int64_t K, const float* x, int64_t M, float* y) {
   const bool int4 = lanes.scalar_type() == at::kByte;
-  TORCH_CHECK(M <= lane_rows(), "expected at most ", lane_rows(), " activation rows for lanes, got ", M);
+  check_lane_rows(M);
 #if defined(__AVX512VNNI__)
   if (int4) lanes_i16(lanes.data_ptr<uint8_t>(), x, M, N, K, y);
   else lanes_i16(lanes.data_ptr<int8_t>(), x, M, N, K, y);

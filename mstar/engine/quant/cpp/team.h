@@ -83,15 +83,16 @@ class Team {
 // The team's threads going through one whole computation together (`Gang::run`), each
 // running the same code: a `share` within hands each thread its own run of the pieces
 // (thread i the i-th of `size()` equal runs; a thread done with its own takes what is left
-// of the others') and returns when all are done (`sync`, a spin barrier). One hand-off a computation instead of one a `share`: a decode
-// step's ~150 shares cost ~3.7 us each on Zen 4 through `Team::run` (the helper woken,
-// pieces handed out one at a time), a barrier a fraction of a microsecond. Every thread
-// must make the same `share`s and `sync`s in the same order.
+// of the others') and returns when all are done (`sync`, a spin barrier). One hand-off a
+// computation instead of one a `share`: a decode step's ~150 shares cost ~3.7 us each on
+// Zen 4 through `Team::run` (the helper woken, pieces handed out one at a time), a barrier
+// a fraction of a microsecond. Every thread must make the same `share`s and `sync`s in the
+// same order.
 class Gang {
  public:
-  // body(gang) on `threads` (<= the team's size) at once, the caller one of them; returns
-  // when all have, rethrowing the first exception one threw (the others stop at their next
-  // sync). Not within another gang.
+  // body() on `threads` (<= the team's size) at once, the caller one of them, each in its
+  // own gang place (`current()`); returns when all have, rethrowing the first exception one
+  // threw (the others stop at their next sync). Not within another gang.
   template <typename F>
   static void run(int threads, const F& body) {
     TORCH_CHECK(current_ == nullptr, "a gang within a gang");
@@ -100,7 +101,7 @@ class Gang {
       Gang gang(shared, index);
       current_ = &gang;
       try {
-        body(gang);
+        body();
       } catch (const Broken&) {  // another thread's exception stopped this one
       } catch (...) {
         shared.fail(std::current_exception());
@@ -115,7 +116,6 @@ class Gang {
   // The gang this thread is in (nullptr: none).
   static Gang* current() { return current_; }
 
-  int index() const { return index_; }
   int size() const { return shared_.size; }
 
   // Returns when every thread of the gang has called it.
@@ -153,6 +153,7 @@ class Gang {
     }
     sync();
   }
+
  private:
   static constexpr int SPINS = 1000;
   struct Broken {};
