@@ -55,7 +55,7 @@ double passes_us(at::TensorList layers, bool lanes, bool gang, const at::Tensor&
   };
   const auto start = std::chrono::steady_clock::now();
   for (int64_t p = 0; p < passes; ++p) {
-    if (gang) Gang::run(static_cast<int>(team_threads()), [&] { pass(); });
+    if (gang) Gang::run(static_cast<int>(team_threads()), [&](int) { pass(); });
     else pass();
   }
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() / passes;

@@ -105,31 +105,45 @@ at::Tensor run_layers(at::Tensor h, at::TensorList weights, at::TensorList cache
     }
   }
   // the ops' outputs, made once (each read before the next layer writes it; mlp, the previous
-  // layer's MLP output, returned at the end)
+  // layer's MLP output, returned at the end); and each thread's own residual stream (the
+  // first's h itself), norm output and activation: the rows are few, so each thread computes
+  // the norms and the SiLU whole (the same sums), and no barrier waits on them
   auto buffer = [&](int64_t width) { return at::empty({M, width}, h.options()); };
-  at::Tensor x = buffer(hidden), qkv = buffer(linears[0].N), q = buffer(heads * dim),
-             out = buffer(heads * dim), o = buffer(hidden), gate_up = buffer(linears[2].N),
-             act = buffer(linears[3].K), mlp = buffer(hidden);
+  at::Tensor qkv = buffer(linears[0].N), q = buffer(heads * dim), out = buffer(heads * dim),
+             o = buffer(hidden), gate_up = buffer(linears[2].N), mlp = buffer(hidden);
+  std::vector<at::Tensor> own_h{h}, own_x, own_act;
+  for (int t = 0; t < threads; ++t) {
+    if (t > 0) own_h.push_back(h.clone());
+    own_x.push_back(buffer(hidden));
+    own_act.push_back(buffer(linears[3].K));
+  }
   for (int64_t i = 0; i < layers; ++i) {
     TORCH_CHECK(caches[i].scalar_type() == caches[0].scalar_type() && caches[i].is_contiguous(),
                 "expected every layer's cache contiguous, of the first's dtype");
     attention.check(qkv, cos, sin, caches[i]);
   }
-  float *hp = h.data_ptr<float>(), *xp = x.data_ptr<float>(), *qkvp = qkv.data_ptr<float>(),
-        *qp = q.data_ptr<float>(), *outp = out.data_ptr<float>(), *op = o.data_ptr<float>(),
-        *gp = gate_up.data_ptr<float>(), *ap = act.data_ptr<float>(), *mp = mlp.data_ptr<float>();
+  float *qkvp = qkv.data_ptr<float>(), *qp = q.data_ptr<float>(), *outp = out.data_ptr<float>(),
+        *op = o.data_ptr<float>(), *gp = gate_up.data_ptr<float>(), *mp = mlp.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  Gang::run(threads, [&] {
+  const int64_t inner = linears[3].K;
+  Gang::run(threads, [&](int thread) {
+    float *hp = own_h[thread].data_ptr<float>(), *xp = own_x[thread].data_ptr<float>(),
+          *ap = own_act[thread].data_ptr<float>();
+    auto norm = [&](const float* delta, const at::Tensor& weight) {
+      for (int64_t r = 0; r < M; ++r)
+        norm_row(hp + r * hidden, delta == nullptr ? nullptr : delta + r * hidden,
+                 weight.data_ptr<float>(), hidden, eps, xp + r * hidden);
+    };
     for (int64_t i = 0; i < layers; ++i) {
       const at::Tensor* w = weights.data() + i * LAYER_TENSORS;
       const StackLinear* linear = linears.data() + 4 * i;
-      norm_rows(hp, i == 0 ? nullptr : mp, w[0].data_ptr<float>(), M, hidden, eps, xp);
+      norm(i == 0 ? nullptr : mp, w[0]);
       linear[0](xp, M, qkvp);
       attention(qkvp, cp, sp, static_cast<T*>(caches[i].data_ptr()), qp, outp);
       linear[1](outp, M, op);
-      norm_rows(hp, op, w[7].data_ptr<float>(), M, hidden, eps, xp);
+      norm(op, w[7]);
       linear[2](xp, M, gp);
-      silu_rows(gp, M, linear[3].K, ap);
+      for (int64_t r = 0; r < M; ++r) silu_row(gp + r * 2 * inner, inner, ap + r * inner);
       linear[3](ap, M, mp);
     }
   });

@@ -77,24 +77,26 @@ void check_f32(const at::Tensor& t, const char* name) {
 
 namespace {
 
+// One row of `norm_rows`: row += delta (null: nothing added), out = weight * row / rms(row).
+inline void norm_row(float* row, const float* delta, const float* weight, int64_t n, double eps,
+                     float* out) {
+  if (delta != nullptr) {
+    for (int64_t i = 0; i < n; ++i) row[i] += delta[i];
+  }
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += row[i] * row[i];
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + static_cast<float>(eps));
+  for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (row[i] * inv);
+}
+
 // out = rms_norm(x += delta) for rows [T, n] (delta nullptr: nothing added), `spread` (within
 // a gang: shared by its threads).
 void norm_rows(float* x, const float* delta, const float* weight, int64_t rows, int64_t n, double eps,
                float* out) {
   spread(rows, grain(rows, n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* row = x + r * n;
-      if (delta != nullptr) {
-        const float* d = delta + r * n;
-        for (int64_t i = 0; i < n; ++i) row[i] += d[i];
-      }
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < n; ++i) sum += row[i] * row[i];
-      const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + static_cast<float>(eps));
-      float* o = out + r * n;
-      for (int64_t i = 0; i < n; ++i) o[i] = weight[i] * (row[i] * inv);
-    }
+    for (int64_t r = begin; r < end; ++r)
+      norm_row(x + r * n, delta == nullptr ? nullptr : delta + r * n, weight, n, eps, out + r * n);
   });
 }
 
@@ -148,22 +150,23 @@ void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t
   });
 }
 
+// One row of `silu_rows`: out [I] = silu(g) * u for x = [g | u] [2I].
+inline void silu_row(const float* x, int64_t inner, float* out) {
+  const float* u = x + inner;
+  int64_t i = 0;
+  for (; i + 8 <= inner; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(x + i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
+                                            _mm256_loadu_ps(u + i)));
+  }
+  for (; i < inner; ++i) out[i] = x[i] / (1.f + std::exp(-x[i])) * u[i];
+}
+
 // out [T, I] = silu(g) * u for x = [g | u] [T, 2I], rows shared as `norm_rows` shares them.
 void silu_rows(const float* x, int64_t rows, int64_t inner, float* out) {
   spread(rows, grain(rows, inner), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* g = x + r * 2 * inner;
-      const float* u = g + inner;
-      float* o = out + r * inner;
-      int64_t i = 0;
-      for (; i + 8 <= inner; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
-                                              _mm256_loadu_ps(u + i)));
-      }
-      for (; i < inner; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
+    for (int64_t r = begin; r < end; ++r) silu_row(x + r * 2 * inner, inner, out + r * inner);
   });
 }
 

@@ -90,9 +90,9 @@ class Team {
 // same order.
 class Gang {
  public:
-  // body() on `threads` (<= the team's size) at once, the caller one of them, each in its
-  // own gang place (`current()`); returns when all have, rethrowing the first exception one
-  // threw (the others stop at their next sync). Not within another gang.
+  // body(thread) on `threads` (<= the team's size) at once, numbered from 0 (the caller),
+  // each in its own gang place (`current()`); returns when all have, rethrowing the first
+  // exception one threw (the others stop at their next sync). Not within another gang.
   template <typename F>
   static void run(int threads, const F& body) {
     TORCH_CHECK(current_ == nullptr, "a gang within a gang");
@@ -101,7 +101,7 @@ class Gang {
       Gang gang(shared, index);
       current_ = &gang;
       try {
-        body();
+        body(index);
       } catch (const Broken&) {  // another thread's exception stopped this one
       } catch (...) {
         shared.fail(std::current_exception());
