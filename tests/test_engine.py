@@ -2,6 +2,7 @@
 alone (HF ``generate``, or its own forward replayed through the sampler)."""
 
 import copy
+import functools
 import random
 from dataclasses import replace
 
@@ -66,6 +67,39 @@ def test_greedy_equals_hf_generate_with_chunked_prefill(models):
         assert out.finish_reason == "length" and out.text is None
     assert eng.stats.mixed_steps > 0
     assert eng.mgr.num_free_pages == eng.mgr.num_pages and not eng.has_unfinished()
+
+
+def test_a_decode_step_gets_no_logits_index_unless_the_forward_is_compiled(models):
+    """A step whose every token is chosen, in order (a decode step), runs the
+    head over the whole step: the forward gets ``logits_at`` None (no index
+    made, checked and gathered), a prefill step the index; a forward replaced
+    on the model (compiled) always gets the index. The tokens: HF's greedy."""
+    reference, _ = models
+    prompt = prompts(1)[0]
+    for replaced in (False, True):
+        eng = engine(models)
+        if replaced:
+            eng.model.forward = functools.partial(type(eng.model).forward, eng.model)
+        seen = recorded_logits_at(eng)
+        (done,) = eng.generate([prompt], SamplingParams(max_new_tokens=NEW))
+        assert done.outputs[0].token_ids == hf_greedy(reference, prompt)
+        prefills = len(seen) - (NEW - 1)
+        none = [at is None for at in seen]
+        assert none == (
+            [False] * len(seen) if replaced else [False] * prefills + [True] * (NEW - 1)
+        )
+
+
+def recorded_logits_at(eng: Engine) -> list:
+    """The ``logits_at`` of each forward ``eng`` runs from now on."""
+    seen, forward = [], eng._forward_step
+
+    def recording(*args, logits_at=None, **kwargs):
+        seen.append(logits_at)
+        return forward(*args, logits_at=logits_at, **kwargs)
+
+    eng._forward_step = recording
+    return seen
 
 
 def test_eos_ends_a_sample_and_ignore_eos_runs_on(models):

@@ -448,10 +448,17 @@ class Engine:
     def _logits(self, ids: list[int], plan: Any, at: list[int]) -> torch.Tensor:
         """Logits ``[len(at), vocab]`` at packed positions ``at`` of the step."""
         input_ids = torch.tensor(ids, device=self.device)
-        index = torch.tensor(at, dtype=torch.int64)
+        index = None if self._every_token(ids, at) else torch.tensor(at, dtype=torch.int64)
         return self._forward_step(
             self.model, input_ids, plan, self.cache, flashinfer=self.flashinfer, logits_at=index
         )
+
+    def _every_token(self, ids: list[int], at: list[int]) -> bool:
+        """Whether ``at`` is every token of the step in order (a decode step's),
+        for an eager forward: then the head runs over the whole step, with no
+        index made, checked and gathered (a compiled forward always gets the
+        index: another input would compile it again)."""
+        return at == list(range(len(ids))) and "forward" not in vars(self.model)
 
     def _fork(self, req: Request, logits: torch.Tensor) -> None:
         """The prompt is in: fork ``main`` into a stream per unfinished sample
