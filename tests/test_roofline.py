@@ -3,6 +3,8 @@ reads and the floor it cannot beat (no timing here)."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from mstar.bench.roofline import (
     _Config,
     _time_forward,
     _turn,
+    _x_turns,
     floor_s,
     format_roofline,
     linear_alone_s,
@@ -76,12 +79,13 @@ def test_linear_bytes_of_packed_layers_are_what_their_rows_read():
     assert linear_bytes(torch.nn.Sequential(PackedLinear(packed)), rows=32) == stored
 
 
-def test_the_table_names_the_cpu_both_read_probes_and_the_cold_step():
+def test_the_table_names_the_cpu_the_read_probes_and_the_cold_step():
     pytest.importorskip("rich")
     from rich.console import Console
 
     row = dict(batch=1, config="bfloat16 gguf eager", step_s=4.84e-3, cold_step_s=5.86e-3,
                linear_s=4.5e-3, x_linear=1.08, floor_s=2.7e-3, x_own_floor=1.8,
+               x_turns=1.1, turn_read_bytes_s=[31e9, 58e9],
                machine_floor_s=7.6e-3, x_floor=0.6, host_share=0.1)  # fmt: skip
     result = {
         "rates": {"read_bytes_s": 52e9, "gemm_flop_s_float32": 190e9},
@@ -97,6 +101,10 @@ def test_the_table_names_the_cpu_both_read_probes_and_the_cold_step():
     assert "CPU: Some CPU (flags avx2)" in text
     assert "step ms ┃ cold ms" in text
     assert "│ 4.8 │ 5.9 │ 4.5 │ 1.08x │" in text  # the step, the cold step, the linear layers
+    assert "in the steps' turns 31-58 GB/s (x turns)" in text
+    assert (
+        "│ 2.7 │ 1.8x │ 1.1x │ 7.6 │" in text
+    )  # the floor, against the run's and the turns' reads
 
 
 class _Engine:
@@ -122,10 +130,17 @@ def test_a_turn_times_a_step_after_its_own_and_the_cold_one_apart(monkeypatch):
     engine = _Engine(clock)
     config = _Config(torch.float32, "none", False, engine)
     _time_forward(config)
+    reads = iter([30e9, 33e9, 55e9, 50e9])
     for _ in range(2):
-        _turn(config, rows=2)
+        _turn(config, rows=2, probe=lambda: next(reads))
     assert engine.steps == 12  # six steps a turn
     assert config.cold_s == [1.0, 7.0]  # each turn's first step: after the others'
     assert config.step_s == [5.0, 6.0, 11.0, 12.0]  # its last two: settled after its own
     assert config.forward_s == config.step_s  # the host's share from the timed steps
     assert len(config.linear_s) == 2
+    assert config.read_s == [33e9, 55e9]  # the better of two probes after each turn's steps
+    # each step against the floor of its own turn's read: 1 GB read at 33, then 55 GB/s
+    rates = {"read_bytes_s": 99e9, "gemm_flop_s_float32": 1e20}
+    assert _x_turns(config, rates, 10, torch.float32, 2, 10**9) == pytest.approx(
+        statistics.median([5 * 33, 6 * 33, 11 * 55, 12 * 55])
+    )

@@ -20,8 +20,12 @@ engine's step). ``host`` is the share of a step spent outside the model's
 forward (planning, sampling, detokenizing, completions). ``linear`` is the model's linear layers alone at the step's
 rows (``linear_alone_s``: each ``linear_modules`` module called in turn on
 ``B`` rows, eager, timed in turns with the steps), so ``step / linear`` says
-how much of a step is not its linear layers. Every table names the CPU
-(``mstar.engine.cpu``).
+how much of a step is not its linear layers. The read bandwidth of a shared
+machine moves within a run (29-59 GB/s seen on one VM, the two probes of
+one run 33 and 59): ``x floor`` takes the better of the two probes (before
+and after loading), ``x turns`` each timed step against a probe read right
+after its turn's steps (the median over the steps), the floor of the
+bandwidth the step had. Every table names the CPU (``mstar.engine.cpu``).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class _Config:
     cold_s: list[float] = field(default_factory=list)  # steps after the other configs'
     forward_s: list[float] = field(default_factory=list)  # the forwards of step_s's steps
     linear_s: list[float] = field(default_factory=list)
+    read_s: list[float] = field(default_factory=list)  # bytes/s read right after each turn's steps
 
     @property
     def name(self) -> str:
@@ -72,15 +77,30 @@ def machine_rates(
     ``dtypes``, best of ``repeats``. A 2048^3 matmul, or 512^3 in a dtype
     the CPU has no native matmul for (bfloat16 on AVX2 is emulated: 2048^3
     takes minutes there)."""
-    big = torch.ones(READ_BYTES // 4, dtype=torch.float32)
-    rates = {"read_bytes_s": READ_BYTES / _best(big.sum, repeats)}
-    del big
+    probe = read_probe()
+    rates = {"read_bytes_s": max(probe() for _ in range(repeats))}
+    del probe
     for dtype in dtypes:
         n = 512 if dtype == torch.bfloat16 and native_cpu_bf16() is None else 2048
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         seconds = _best(functools.partial(torch.mm, a, b), repeats)
         rates[f"gemm_flop_s_{str(dtype).removeprefix('torch.')}"] = 2 * n**3 / seconds
     return rates
+
+
+def read_probe() -> Callable[[], float]:
+    """A probe of the read bandwidth now (bytes/s: one sum of a float32
+    tensor of ``READ_BYTES``, far past the caches, made once and summed once
+    at the start)."""
+    big = torch.ones(READ_BYTES // 4, dtype=torch.float32)
+    big.sum()
+
+    def probe() -> float:
+        start = time.perf_counter()
+        big.sum()
+        return READ_BYTES / (time.perf_counter() - start)
+
+    return probe
 
 
 def _best(fn: Callable[[], Any], repeats: int) -> float:
@@ -229,25 +249,26 @@ def run_roofline(
     rates = {k: max(v, first[k]) for k, v in second.items()}
     best_floor = {b: min(floor_s(rates, params, d, b) for d in rated) for b in batches}
     rows = []
+    probe = read_probe()
     for batch in batches:
         stage(f"batch {batch}: prefill")
         for c in configs:
             _start(c.engine, batch, new_tokens)
         stage(f"batch {batch}: {steps} decode steps per config, in turns")
         for c in configs:
-            for times in (c.step_s, c.cold_s, c.forward_s, c.linear_s):
+            for times in (c.step_s, c.cold_s, c.forward_s, c.linear_s, c.read_s):
                 times.clear()
         for _ in range(turns):
             for c in configs:
-                _turn(c, batch)
+                _turn(c, batch, probe)
         for c in configs:
             step = statistics.median(c.step_s)
             forward = statistics.median(c.forward_s)
             linear = statistics.median(c.linear_s)
             arithmetic = torch.float32 if emulated else c.dtype
-            own_floor = floor_s(
-                rates, params, arithmetic, batch, linear_bytes(c.engine.model, batch)
-            )
+            weight_bytes = linear_bytes(c.engine.model, batch)
+            own_floor = floor_s(rates, params, arithmetic, batch, weight_bytes)
+            x_turns = _x_turns(c, rates, params, arithmetic, batch, weight_bytes)
             rows.append(
                 {
                     "batch": batch,
@@ -259,6 +280,8 @@ def run_roofline(
                     "host_share": max(step - forward, 0.0) / step,
                     "floor_s": own_floor,
                     "x_own_floor": step / own_floor,
+                    "x_turns": x_turns,
+                    "turn_read_bytes_s": list(c.read_s),
                     "machine_floor_s": best_floor[batch],
                     "x_floor": step / best_floor[batch],
                     "compiled": c.engine.compiled,
@@ -278,19 +301,39 @@ def run_roofline(
     }
 
 
-def _turn(config: _Config, rows: int) -> None:
+def _turn(config: _Config, rows: int, probe: Callable[[], float]) -> None:
     """One turn of ``config`` (its forward timed by ``_time_forward``): a
     step after the other configs' work (``cold_s``), ``SETTLE_STEPS``
     untimed, ``TIMED_STEPS`` timed (``step_s``, their forwards in
-    ``forward_s``), then its linear layers alone at ``rows`` rows
-    (``linear_s``)."""
+    ``forward_s``), the read bandwidth then (``read_s``: the better of two
+    ``probe`` calls),
+    then its linear layers alone at ``rows`` rows (``linear_s``)."""
     config.cold_s.append(_timed_step(config.engine))
     for _ in range(SETTLE_STEPS):
         config.engine.step()
     for _ in range(TIMED_STEPS):
         config.step_s.append(_timed_step(config.engine))
         config.forward_s.append(config.last_forward_s)
+    config.read_s.append(max(probe(), probe()))  # the first may share a core with the kernels' spin
     config.linear_s.append(linear_alone_s(config.engine.model, rows, repeats=1))
+
+
+def _x_turns(
+    config: _Config,
+    rates: dict[str, float],
+    params: int,
+    dtype: torch.dtype,
+    rows: int,
+    weight_bytes: int,
+) -> float:
+    """The median over ``config``'s timed steps of each step's time against
+    its floor (``floor_s``) at the read rate probed right after its turn's
+    steps (``read_s``)."""
+    reads = [read for read in config.read_s for _ in range(TIMED_STEPS)]
+    return statistics.median(
+        step / floor_s({**rates, "read_bytes_s": read}, params, dtype, rows, weight_bytes)
+        for step, read in zip(config.step_s, reads, strict=True)
+    )
 
 
 def _timed_step(engine: Engine) -> float:
@@ -341,18 +384,23 @@ def format_roofline(result: dict) -> Any:
         f"decode steps of SmolLM2 ({result['linear_parameters'] / 1e6:.0f}M linear parameters)"
         f" vs the machine's floor: read {r['read_bytes_s'] / 1e9:.0f} GB/s{probes}, GEMM {gemm} GFLOP/s"
     )
+    turns = [r for row in result["rows"] for r in row.get("turn_read_bytes_s", ())]
+    if turns:
+        title += (
+            f"; in the steps' turns {min(turns) / 1e9:.0f}-{max(turns) / 1e9:.0f} GB/s (x turns)"
+        )
     title += f"\nCPU: {result['cpu']}"
     table = Table(title=title, min_width=100)
     # floor: of this config's own weight bytes; machine: the best dtype's (see the module)
     for col in ("batch", "config", "step ms", "cold ms", "linear ms", "x linear",
-                "floor ms", "x floor", "mach. ms", "x mach.", "host %"):  # fmt: skip
+                "floor ms", "x floor", "x turns", "mach. ms", "x mach.", "host %"):  # fmt: skip
         table.add_column(col, justify="left" if col == "config" else "right", no_wrap=True)
     for row in result["rows"]:
         table.add_row(
             str(row["batch"]), row["config"], f"{row['step_s'] * 1e3:.1f}",
             f"{row['cold_step_s'] * 1e3:.1f}", f"{row['linear_s'] * 1e3:.1f}",
             f"{row['x_linear']:.2f}x",
-            f"{row['floor_s'] * 1e3:.1f}", f"{row['x_own_floor']:.1f}x",
+            f"{row['floor_s'] * 1e3:.1f}", f"{row['x_own_floor']:.1f}x", f"{row['x_turns']:.1f}x",
             f"{row['machine_floor_s'] * 1e3:.1f}", f"{row['x_floor']:.1f}x",
             f"{row['host_share'] * 100:.0f}",
         )  # fmt: skip
