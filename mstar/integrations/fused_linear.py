@@ -20,6 +20,7 @@ copy).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -173,10 +174,12 @@ def _main_slot(layer: torch.nn.Module) -> tuple[dict[str, torch.Tensor], str]:
 
 
 def _joined(layers: Sequence[torch.nn.Module]) -> torch.nn.Module:
-    """One layer of ``layers``' rows in order (copies)."""
+    """One layer of ``layers``' rows in order (packed tensors lying one after
+    another in one allocation, as ``quant.arena.gather`` leaves them, joined
+    as a view of it; else copies)."""
     bias = _bias(layers)
     if isinstance(layers[0], PackedLinear):
-        parts = [None if getattr(layers[0], n) is None else torch.cat([getattr(m, n) for m in layers])
+        parts = [None if getattr(layers[0], n) is None else _rows([getattr(m, n) for m in layers])
                  for n in _PACKED_TENSORS]  # fmt: skip
         first = layers[0]
         lanes_alone = parts[0] is None  # the layers hold no row-major copy
@@ -192,6 +195,26 @@ def _joined(layers: Sequence[torch.nn.Module]) -> torch.nn.Module:
     if bias is not None:
         joined.bias = torch.nn.Parameter(bias, requires_grad=False)
     return joined
+
+
+def _rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(tensors)``: a view where each contiguous tensor starts in
+    the same storage where the one before ends (the same dtype and row
+    shape), else a copy."""
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    adjacent = all(
+        t.is_contiguous()
+        and t.dtype == first.dtype
+        and t.shape[1:] == first.shape[1:]
+        and t.untyped_storage().data_ptr() == storage
+        for t in tensors
+    ) and all(
+        b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in pairwise(tensors)
+    )
+    if not adjacent:
+        return torch.cat(list(tensors))
+    return first.as_strided((sum(t.shape[0] for t in tensors), *first.shape[1:]), first.stride())
 
 
 def _bias(layers: Sequence[torch.nn.Module]) -> torch.Tensor | None:

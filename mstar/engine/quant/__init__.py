@@ -40,7 +40,9 @@ With AVX512-VNNI the int4 and int8 layers also hold their weights as lanes
 packed weights' bytes again), which those rows multiply with VNNI's dot
 products: int4 about half the instructions, int8 about a fifth, so the
 step's stream runs at the memory's rate; int8 at 1-8 rows there, not one
-(``cpp/lanes.h``).
+(``cpp/lanes.h``). Then each kind of the packed tensors (lanes, panels,
+...) is moved into one allocation on transparent huge pages, in model order
+(``arena.gather``): the step's stream one run, a TLB entry every 2 MiB.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from typing import Any
 
 import torch
 
+from mstar.engine.quant.arena import gather
 from mstar.engine.quant.at_load import quantize_int4, quantize_int8
 from mstar.engine.quant.gguf import cached_packed_weights
 from mstar.engine.quant.kernels import bf16_or_why, kernel_or_why
@@ -143,6 +146,7 @@ def quantize_model(
     layers = _linear_layers(model)
     if choice.mode == "bf16":
         model.mstar_quantization = _as_panels(model, choice, layers)
+        gather(model)
         return model.mstar_quantization
     if choice.mode == "gguf":
         packed, unpacked = _gguf_layers(
@@ -158,6 +162,7 @@ def quantize_model(
     panels = rounded and bf16_or_why() is None
     for name, (weights, _) in packed.items():
         _swap(model, name, weights, use_kernel=why is None, panels=panels, int16=rounded)
+    gather(model)  # each kind of the packed tensors in one allocation, in the step's order
     summary = _summary(choice, packed, unpacked)
     if why is not None:
         summary += f"; run as float32 (dequantized): {why}"
