@@ -79,6 +79,20 @@ def test_gather_keeps_values_and_a_shared_tensor_shared(kernels, monkeypatch):
     assert layers[0]._buffers[kind].data_ptr() == layers[1]._buffers[kind].data_ptr()
 
 
+def test_gather_gives_views_of_one_start_but_another_shape_their_own_copy(kernels, monkeypatch):
+    """A layer holding a prefix of another's tensor (the same start, fewer
+    rows) keeps its own rows, not a view of the other's shape."""
+    model = packed_tiny(gathered=False, monkeypatch=monkeypatch)
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    kind = "lanes" if layers[0].lanes is not None else "qweight"
+    whole = layers[0]._buffers[kind]
+    layers[1]._buffers[kind] = prefix = whole[: whole.shape[0] // 2]
+    before = whole.clone(), prefix.clone()
+    gather(model)
+    assert torch.equal(layers[0]._buffers[kind], before[0])
+    assert torch.equal(layers[1]._buffers[kind], before[1])
+
+
 def test_allocation_is_aligned_to_a_huge_page_and_writable():
     if getattr(mmap, "MADV_HUGEPAGE", None) is None:
         assert allocation(4096) is None

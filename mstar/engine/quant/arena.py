@@ -43,28 +43,34 @@ def gather(model: Any) -> int:
     with torch.no_grad():
         for kind in KINDS:
             held = [m._buffers.get(kind) for m in layers]
-            held = [t if t is not None and t.numel() else None for t in held]
-            unique = list({t.data_ptr(): t for t in held if t is not None}.values())
+            # a tensor by where it starts and what it holds: two views of one start but of
+            # another shape or dtype get a copy each, never one the other's
+            unique = {_key(t): t for t in held if t is not None and t.numel()}
             if not unique:
                 continue
             offsets, total = {}, 0
-            for t in unique:
-                offsets[t.data_ptr()] = total
+            for key, t in unique.items():
+                offsets[key] = total
                 total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-            arena = allocation(total) if unique[0].device.type == "cpu" else None
+            device = next(iter(unique.values())).device
+            arena = allocation(total) if device.type == "cpu" else None
             if arena is None:
-                arena = torch.empty(total, dtype=torch.uint8, device=unique[0].device)
+                arena = torch.empty(total, dtype=torch.uint8, device=device)
             views = {}
-            for t in unique:
-                at = offsets[t.data_ptr()]
+            for key, t in unique.items():
+                at = offsets[key]
                 view = arena[at : at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
                 view.copy_(t)
-                views[t.data_ptr()] = view
+                views[key] = view
             for m, t in zip(layers, held):
-                if t is not None:
-                    m._buffers[kind] = views[t.data_ptr()]
+                if t is not None and t.numel():
+                    m._buffers[kind] = views[_key(t)]
             moved += total
     return moved
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
 
 
 def allocation(nbytes: int) -> torch.Tensor | None:
