@@ -306,8 +306,8 @@ def _turn(config: _Config, rows: int, probe: Callable[[], float]) -> None:
     step after the other configs' work (``cold_s``), ``SETTLE_STEPS``
     untimed, ``TIMED_STEPS`` timed (``step_s``, their forwards in
     ``forward_s``), the read bandwidth then (``read_s``: the better of two
-    ``probe`` calls),
-    then its linear layers alone at ``rows`` rows (``linear_s``)."""
+    ``probe`` calls), then its linear layers alone at ``rows`` rows
+    (``linear_s``)."""
     config.cold_s.append(_timed_step(config.engine))
     for _ in range(SETTLE_STEPS):
         config.engine.step()
