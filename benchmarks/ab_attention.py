@@ -10,7 +10,7 @@ shuffled turns, ``turns_us``):
 before, after, and HF's sdpa path on the same rows (the new K/V
 concatenated onto a padded cache, then sdpa: grouped query heads for
 decode, repeated KV heads and a mask for prefill). End to end: ``Engine`` serves each
-workload with either (swapped into ``mstar.integrations.hf_attention``, the only
+workload with either (swapped into ``mstar.models.hf_attention``, the only
 caller), and HF ``generate`` on left-padded batches serves it too, the
 three in turns for ``--rounds`` rounds (default 3); each path's best round
 counts. Workloads: the 16 chat prompts of ``bench --e2e`` (32 new tokens,
@@ -36,12 +36,13 @@ from transformers import GenerationConfig
 from mstar.bench import turns_us
 from mstar.bench.attention import HEAD_DIM, HEADS, KV_HEADS, PAGE_SIZE, Case
 from mstar.bench.serving import Job, mixed_jobs, serve_engine, serve_padded
-from mstar.demo import CHAT_QUESTIONS
+from mstar.cli.demo import CHAT_QUESTIONS
 from mstar.engine import Engine
-from mstar.engine.loader import chat_prompt, load
+from mstar.engine.prompts import chat_prompt
 from mstar.engine.resources.attn import paged as after
 from mstar.engine.resources.attn.options import AttentionOptions
-from mstar.integrations import hf_attention
+from mstar.models import hf_attention
+from mstar.models.loader import load
 
 # Decode and prefill steps (HF runs no step mixing the two): rows as (stored, new).
 LAYER_CASES = [

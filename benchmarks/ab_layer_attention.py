@@ -27,9 +27,9 @@ import time
 import numpy as np
 import torch
 
-from mstar.engine.cpp_build import build
-from mstar.engine.layer_ops import layer_ops_or_why
-from mstar.engine.quant.kernels import headers
+from mstar.cpu.build import build
+from mstar.cpu.layer_ops import layer_ops_or_why
+from mstar.cpu.quant.kernels import headers
 
 HEADS, KV_HEADS, DIM, PAGE, LAYERS = 9, 3, 64, 16, 30
 
@@ -40,7 +40,7 @@ def build_ref(ref: str) -> object:
     ``torch.ops.mstar_layer_ref``, with this tree's kernel headers beside
     them (a version that shares the kernels' threads gets a team of its
     own: the two teams' waiting threads then share the cores)."""
-    for path in ("mstar/engine/layer_ops.cpp", "mstar/integrations/layer_ops.cpp"):
+    for path in ("mstar/cpu/csrc/layer_ops.cpp", "mstar/integrations/layer_ops.cpp"):
         shown = subprocess.run(["git", "show", f"{ref}:{path}"], capture_output=True, text=True)
         if shown.returncode == 0:
             break
@@ -120,9 +120,9 @@ def engine_turns(ref_ops: object, rows: int) -> dict[str, float]:
     attention through this tree's build and the ref's on alternating steps."""
     from mstar.bench.roofline import _start
     from mstar.engine import Engine
-    from mstar.engine.dtypes import resolve_dtype
-    from mstar.engine.loader import load
-    from mstar.integrations import step_attention
+    from mstar.models.dtypes import resolve_dtype
+    from mstar.models.llama import attention as step_attention
+    from mstar.models.loader import load
 
     dtype = resolve_dtype("auto", packed=True).dtype  # the default serving mode here
     model, tokenizer = load("smollm2", dtype=dtype, quantization="gguf")

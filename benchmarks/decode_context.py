@@ -23,10 +23,10 @@ import statistics
 import time
 from collections.abc import Callable
 
+from mstar.cpu.info import cpu_info
 from mstar.engine import Engine, SamplingParams
-from mstar.engine.cpu import cpu_info
-from mstar.integrations.layer_stack import LayerStack
-from mstar.integrations.step_attention import StepAttention
+from mstar.models.llama.attention import StepAttention
+from mstar.models.llama.stack import LayerStack
 
 
 def main() -> None:

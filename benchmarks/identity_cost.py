@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import torch
 
-from mstar.engine.loader import load
 from mstar.engine.resources.kv.tiers.codec import model_identity, model_tensors
+from mstar.models.loader import load
 
 # SmolLM2-135M's cache geometry (the identity hashes it; its cost is nil)
 CACHE = SimpleNamespace(

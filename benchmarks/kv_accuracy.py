@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 
 from mstar.bench.quant import PASSAGE
-from mstar.demo import CHAT_QUESTIONS
+from mstar.cli.demo import CHAT_QUESTIONS
+from mstar.cpu.info import cpu_info
 from mstar.engine import Engine, SamplingParams
-from mstar.engine.cpu import cpu_info
 
 
 def main() -> None:

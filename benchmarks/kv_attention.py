@@ -20,8 +20,8 @@ import time
 import torch
 from ab_layer_attention import DIM, KV_HEADS, LAYERS, PAGE, decode_call
 
-from mstar.engine.cpu import cpu_info
-from mstar.engine.layer_ops import layer_ops_or_why
+from mstar.cpu.info import cpu_info
+from mstar.cpu.layer_ops import layer_ops_or_why
 
 
 def turns(rows: int, keys: int, rounds: int) -> dict[str, float]:

@@ -41,9 +41,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mstar.engine.cpu import cpu_info
-from mstar.engine.quant.kernels import PARTS, SOURCE, bf16_or_why, build_under, kernel_or_why
-from mstar.engine.quant.packed import LANES, PANEL, Packed, bf16_panels
+from mstar.cpu.info import cpu_info
+from mstar.cpu.quant.kernels import bf16_or_why, build_under, kernel_or_why
+from mstar.cpu.quant.packed import LANES, PANEL, Packed, bf16_panels
 
 SHAPES = {
     "q": (576, 576),
@@ -68,8 +68,11 @@ def baseline_ops(ref: str) -> object | None:
         run = subprocess.run(["git", *args], capture_output=True, text=True, check=True, cwd=root)
         return run.stdout
 
-    relative = SOURCE.relative_to(root)
-    folder = PARTS.relative_to(root)
+    # the sources' folder at ``ref``: csrc/ since the house moved, before that quant/ and quant/cpp/
+    layouts = (("mstar/cpu/csrc/kernels.cpp", "mstar/cpu/csrc"),
+               ("mstar/engine/quant/kernels.cpp", "mstar/engine/quant/cpp"))  # fmt: skip
+    files = set(git("ls-tree", "-r", "--name-only", ref, "mstar/").split())
+    relative, folder = next(layout for layout in layouts if layout[0] in files)
     listed = git("ls-tree", "--name-only", ref, f"{folder}/").split()  # nothing before the split
     parts = {Path(n).name: git("show", f"{ref}:{n}") for n in listed if n.endswith(".h")}
     return build_under("mstar_quant_base", git("show", f"{ref}:{relative}"), parts=parts)

@@ -25,9 +25,9 @@ import time
 
 import torch
 
-from mstar.engine.cpu import cpu_info
-from mstar.engine.quant.at_load import quantize_int4
-from mstar.engine.quant.kernels import SOURCE, build_under, kernel_or_why
+from mstar.cpu.info import cpu_info
+from mstar.cpu.quant.at_load import quantize_int4
+from mstar.cpu.quant.kernels import SOURCE, build_under, kernel_or_why
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30

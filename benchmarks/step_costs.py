@@ -17,7 +17,7 @@ layers and head (oneDNN's or aten's GEMMs), the attention op, the graph's
 own kernels, dynamo's guards and the rest (wall time of the ops). Then the
 linear layers alone (``mstar.bench.roofline.linear_alone_s``) at the same
 rows on the same clock, for the ratio.
-Prints the CPU (``mstar.engine.cpu``) and the load. Without ``--fused`` it
+Prints the CPU (``mstar.cpu.info``) and the load. Without ``--fused`` it
 breaks down HF's eager forward (``Engine(fused=False)``). ``--fused``: the
 forward eager engines run by default (``serve``'s with ``--dtype auto
 --quantization auto``), whose layers are one ``decode_layers`` call at a
@@ -42,14 +42,14 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import mstar.integrations.hf_attention as hf_attention
-import mstar.integrations.llama_step as llama_step
+import mstar.models.hf_attention as hf_attention
+import mstar.models.llama.step as llama_step
 from mstar.bench.roofline import linear_alone_s, linear_modules
+from mstar.cpu.info import cpu_info
 from mstar.engine import Engine, SamplingParams
-from mstar.engine.cpu import cpu_info
-from mstar.engine.loader import load
-from mstar.integrations.llama_layer import FusedLlamaLayer
-from mstar.integrations.llama_step import fused_step
+from mstar.models.llama.layer import FusedLlamaLayer
+from mstar.models.llama.step import fused_step
+from mstar.models.loader import load
 
 PROMPT_TOKENS = 32
 

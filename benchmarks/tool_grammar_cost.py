@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from toolcases import TOOLS
 
 from mstar.bench.serve import ANSWER_SCHEMA
+from mstar.cpu.info import cpu_info
 from mstar.engine import Engine, SamplingParams, StructuredOutputs
-from mstar.engine.cpu import cpu_info
 from mstar.serve.tools.hermes import Hermes
 from mstar.serve.tools.plan import ToolPlan
 from mstar.serve.tools.render import ToolPrompt

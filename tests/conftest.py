@@ -95,7 +95,7 @@ def smollm2():
     (``copy.deepcopy`` it for an ``Engine``, which switches its attention)."""
     pytest.importorskip("transformers")
     pytest.importorskip("gguf")
-    from mstar.engine.loader import load, smollm2_path
+    from mstar.models.loader import load, smollm2_path
 
     try:
         smollm2_path()
@@ -113,7 +113,7 @@ def tok(smollm2):
 @pytest.fixture(scope="module")
 def text_model(tok):
     """A tiny random Llama over SmolLM2's vocabulary (tests deepcopy it)."""
-    from mstar.demo import build_model
+    from mstar.models.seeded import build_model
 
     return build_model(seed=0, vocab_size=len(tok))[1]
 

@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from mstar.demo import build_model
 from mstar.engine import Engine, EngineStats, SamplingParams
+from mstar.models.seeded import build_model
 
 
 def test_counts_go_to_the_stats_the_engine_holds_now():

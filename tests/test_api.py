@@ -17,10 +17,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mstar.demo import build_model
 from mstar.engine import Engine, RequestTooLarge, SamplingParams, StepFailed
 from mstar.engine.detokenizer import TextStream
-from mstar.engine.logprobs import TokenNames
+from mstar.engine.sampling.logprobs import TokenNames
+from mstar.models.seeded import build_model
 
 EMOJI_CJK = st.text(
     st.one_of(
@@ -360,7 +360,7 @@ def test_a_streamed_emoji_is_never_split(tiny, text_model, tok, monkeypatch):
     waves = tok.encode("🌊🌊🌊")
     assert len(waves) == 9  # three tokens each
     script = iter(waves)
-    monkeypatch.setattr("mstar.engine.logits.sample_token", lambda *args: next(script))
+    monkeypatch.setattr("mstar.engine.sampling.logits.sample_token", lambda *args: next(script))
     eng = text_engine(text_model, tok)
     deltas = [c.outputs[0].delta for c in eng.stream([1, 2], SamplingParams(max_new_tokens=9))]
     assert deltas == ["", "", "🌊"] * 3
@@ -369,7 +369,7 @@ def test_a_streamed_emoji_is_never_split(tiny, text_model, tok, monkeypatch):
 def test_a_cut_inside_a_character_leaves_it_out(text_model, tok, monkeypatch):
     """max_new_tokens=4 of three 3-token waves: one wave, no U+FFFD."""
     script = iter(tok.encode("🌊🌊🌊"))
-    monkeypatch.setattr("mstar.engine.logits.sample_token", lambda *args: next(script))
+    monkeypatch.setattr("mstar.engine.sampling.logits.sample_token", lambda *args: next(script))
     eng = text_engine(text_model, tok)
     outs = [c.outputs[0] for c in eng.stream([1, 2], SamplingParams(max_new_tokens=4))]
     assert [o.delta for o in outs] == ["", "", "🌊", ""]

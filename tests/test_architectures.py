@@ -25,7 +25,7 @@ from test_hf_manager import ManagedRunner  # noqa: E402
 from mstar.engine.resources.kv.cache import KVCache  # noqa: E402
 from mstar.engine.resources.kv.manager import KVManager  # noqa: E402
 from mstar.engine.resources.step import KVStep, Segment  # noqa: E402
-from mstar.integrations.hf import forward_step, register, supports  # noqa: E402
+from mstar.models.hf import forward_step, register, supports  # noqa: E402
 
 COMMON = {
     "vocab_size": 128,

@@ -1,4 +1,4 @@
-"""``mstar.engine.quant.arena``: the packed layers' tensors of a kind in one
+"""``mstar.cpu.quant.arena``: the packed layers' tensors of a kind in one
 allocation in model order, the same values and logits; joins of layers
 lying side by side taken as views (``fused_linear``)."""
 
@@ -9,12 +9,12 @@ import mmap
 import pytest
 import torch
 
-from mstar.demo import build_model
-from mstar.engine.quant import QuantChoice, quantize_model
-from mstar.engine.quant.arena import HUGE_PAGE, KINDS, allocation, gather
-from mstar.engine.quant.kernels import kernel_or_why
-from mstar.engine.quant.linear import PackedLinear
-from mstar.integrations.fused_linear import RowConcat, _rows
+from mstar.cpu.quant import QuantChoice, quantize_model
+from mstar.cpu.quant.arena import HUGE_PAGE, KINDS, allocation, gather
+from mstar.cpu.quant.kernels import kernel_or_why
+from mstar.cpu.quant.linear import PackedLinear
+from mstar.models.llama.fused_linear import RowConcat, _rows
+from mstar.models.seeded import build_model
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def packed_tiny(mode: str = "int4", gathered: bool = True, monkeypatch=None) -> 
     ``quantize_model`` leaves them; else each tensor its own allocation)."""
     model = build_model(0)[1].eval()
     if not gathered:
-        monkeypatch.setattr("mstar.engine.quant.gather", lambda model: 0)
+        monkeypatch.setattr("mstar.cpu.quant.gather", lambda model: 0)
     quantize_model(model, QuantChoice(mode, "as asked", "bfloat16"))
     return model
 

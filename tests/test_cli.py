@@ -13,8 +13,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("rich")
 
 from mstar.cli import main
-from mstar.demo import build_model, check, random_workload, serve
+from mstar.cli.demo import check, random_workload, serve
 from mstar.engine import Engine
+from mstar.models.seeded import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -268,7 +269,7 @@ def test_every_serving_path_gives_hf_generate_tokens(smollm2):
         serve_padded,
     )
     from mstar.engine import Engine
-    from mstar.engine.loader import chat_prompt
+    from mstar.engine.prompts import chat_prompt
 
     model, tokenizer = smollm2
     eos = tokenizer.eos_token_id

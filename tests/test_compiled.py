@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from mstar.cli import main
-from mstar.demo import build_model
 from mstar.engine import Engine, SamplingParams
-from mstar.engine import compiled as compiled_module
+from mstar.models import compiled as compiled_module
+from mstar.models.seeded import build_model
 
 OPTIONS = {"num_pages": 64, "page_size": 8, "token_budget": 32}
 
@@ -89,7 +89,7 @@ def test_the_cli_compiles_unless_told_not_to_or_fused(flag, fused, compiles, mon
     monkeypatch.delenv("MSTAR_KV_ENFORCE_EAGER", raising=False)
     monkeypatch.setattr("mstar.engine.build.compiled_or_why", record)
     if not fused:  # as the CLI decides it (make_engine) and as the engine says it
-        monkeypatch.setattr("mstar.integrations.hf.runs_fused", lambda model: False)
+        monkeypatch.setattr("mstar.models.hf.runs_fused", lambda model: False)
         monkeypatch.setattr("mstar.engine.engine.runs_fused", lambda model: False)
     # float32: the fused forward's dtype (auto is bfloat16 on a CPU with a native one)
     args = ["demo", "--model", "random", "--dtype", "float32", "--quiet", "--requests", "2"]

@@ -1,4 +1,4 @@
-"""Building a C++ extension at first use (``mstar.engine.cpp_build``): a
+"""Building a C++ extension at first use (``mstar.cpu.build``): a
 source and the headers it includes, the build named by all of them."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar.engine import cpp_build
+from mstar.cpu import build as cpp_build
 
 SOURCE = """
 #include <ATen/ATen.h>

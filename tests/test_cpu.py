@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mstar.engine.cpu import cpu_info, family_of
+from mstar.cpu.info import cpu_info, family_of
 
 ZEN3 = "fpu sse sse2 avx avx2 fma f16c"
 ZEN4 = ZEN3 + " avx512f avx512bw avx512_vnni avx512_bf16"

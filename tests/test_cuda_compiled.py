@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from mstar.demo import build_model
 from mstar.engine import Engine, SamplingParams
+from mstar.models.seeded import build_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 OPTIONS = {"num_pages": 64, "page_size": 8, "token_budget": 32, "flashinfer": None}

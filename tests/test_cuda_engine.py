@@ -13,11 +13,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from mstar.demo import build_model
 from mstar.engine import Engine, SamplingParams
 from mstar.engine.resources.kv.manager import KVManager
 from mstar.engine.resources.step import KVStep, Segment
-from mstar.integrations.hf import forward_step
+from mstar.models.hf import forward_step
+from mstar.models.seeded import build_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

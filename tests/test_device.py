@@ -12,9 +12,9 @@ pytest.importorskip("transformers")
 import torch
 
 import mstar.engine.resources.attn.flashinfer as flashinfer_module
-from mstar.demo import build_model
-from mstar.engine.device import flashinfer_or_none
 from mstar.engine.resources.kv.cache import indexed_device
+from mstar.models.device import flashinfer_or_none
+from mstar.models.seeded import build_model
 
 
 @pytest.fixture

@@ -103,8 +103,8 @@ def run(code: str) -> str:
 @pytest.fixture(scope="module")
 def tiny_engine(smollm2):
     """An engine on a tiny seeded Llama over SmolLM2's tokenizer (its chat template)."""
-    from mstar.demo import build_model
     from mstar.engine import Engine
+    from mstar.models.seeded import build_model
 
     tok = smollm2[1]
     model = build_model(seed=0, vocab_size=len(tok))[1]

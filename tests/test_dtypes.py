@@ -10,7 +10,7 @@ import torch
 
 from mstar.cli import main
 from mstar.engine import Engine, SamplingParams
-from mstar.engine.dtypes import DTYPE_CHOICES, resolve_dtype
+from mstar.models.dtypes import DTYPE_CHOICES, resolve_dtype
 
 # bfloat16 against HF in bfloat16 on SmolLM2 (the demo's questions): the
 # first token's logits within LOGIT_TOL of HF's (their spread is ~30), and
@@ -46,8 +46,8 @@ def test_auto_for_packed_weights_takes_the_packed_kernels_arithmetic(monkeypatch
     wherever the packed kernels run (the panels with AVX512-BF16, int16
     activations without), and says which; without the kernels the
     native-bfloat16 rule holds."""
-    from mstar.engine import dtypes
-    from mstar.options import resolved_dtype
+    from mstar.models import dtypes
+    from mstar.serve.options import resolved_dtype
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.setattr(dtypes, "_packed_kernels_run", lambda: True)
@@ -92,8 +92,8 @@ def test_cli_refuses_a_bad_dtype_in_one_line(command, capsys):
 
 
 def test_bfloat16_matches_hf_in_bfloat16(smollm2):
-    from mstar.demo import CHAT_QUESTIONS
-    from mstar.engine.loader import chat_prompt
+    from mstar.cli.demo import CHAT_QUESTIONS
+    from mstar.engine.prompts import chat_prompt
 
     model, tokenizer = smollm2
     reference = copy.deepcopy(model).to(torch.bfloat16)

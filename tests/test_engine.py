@@ -11,9 +11,9 @@ import pytest
 pytest.importorskip("transformers")
 import torch
 
-from mstar.demo import build_model
 from mstar.engine import Engine, RequestTooLarge, SamplingParams, StepFailed
-from mstar.engine.sampling import make_generator, sample_token
+from mstar.engine.sampling.params import make_generator, sample_token
+from mstar.models.seeded import build_model
 
 NEW = 12
 
@@ -279,7 +279,7 @@ def test_draws_follow_the_probabilities_and_never_take_a_zero():
     """``draw`` (the inverted cumulative sum) against the probabilities it
     was given: 40000 draws within 4 standard deviations of each expected
     count, a token of probability 0 never, the same draws from the same seed."""
-    from mstar.engine.sampling import draw
+    from mstar.engine.sampling.params import draw
 
     probs = torch.tensor([0.05, 0.0, 0.25, 0.6, 0.0, 0.1]) * 3  # unnormalized
     generator = torch.Generator().manual_seed(3)
@@ -297,7 +297,7 @@ def test_the_greedy_token_is_torchs_argmax_ties_and_nan_included():
     """``greedy_token`` (numpy's argmax on a CPU float32 row) picks what
     ``torch.argmax`` picks: the first of equal maxima, a NaN, any dtype,
     a strided row."""
-    from mstar.engine.sampling import greedy_token
+    from mstar.engine.sampling.params import greedy_token
 
     rows = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
     rows[1, [7, 40, 299]] = 9.0  # ties: the first
@@ -311,7 +311,7 @@ def test_the_greedy_token_is_torchs_argmax_ties_and_nan_included():
 
 
 def test_smollm2_greedy_equals_hf_generate_and_stops_at_eos(smollm2):
-    from mstar.engine.loader import chat_prompt
+    from mstar.engine.prompts import chat_prompt
 
     reference, tokenizer = smollm2
     questions = [
@@ -363,8 +363,8 @@ def test_engine_on_cuda_equals_hf_generate(models):
 @needs_cuda
 def test_engine_on_cuda_through_flashinfer_answers_smollm2(smollm2):
     pytest.importorskip("flashinfer")
-    from mstar.engine.device import flashinfer_or_none
-    from mstar.engine.loader import chat_prompt
+    from mstar.engine.prompts import chat_prompt
+    from mstar.models.device import flashinfer_or_none
 
     reference, tokenizer = smollm2
     model = copy.deepcopy(reference).to("cuda", torch.bfloat16)
@@ -397,7 +397,7 @@ def test_a_budget_smaller_than_the_rows_still_serves_everything(models):
 
 
 def test_num_pages_none_sizes_the_pool_from_memory(models):
-    from mstar.engine.device import HOST_POOL_BYTES
+    from mstar.models.device import HOST_POOL_BYTES
 
     eng = Engine(copy.deepcopy(models[1]), page_size=8)
     cache = eng.cache
@@ -450,7 +450,7 @@ def test_a_repeated_prompt_computes_only_its_last_token(models, new):
 
 
 def test_smollm2_chat_prompts_share_the_system_prompt_from_cache(smollm2):
-    from mstar.engine.loader import chat_prompt
+    from mstar.engine.prompts import chat_prompt
 
     reference, tokenizer = smollm2
     batch = [chat_prompt(tokenizer, q) for q in ("What is 2 + 2?", "Name a red fruit.")]

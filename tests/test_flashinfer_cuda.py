@@ -98,8 +98,8 @@ def test_engine_forward_through_flashinfer(adapter):
     ``forward_step``: FlashInfer's logits against paged_attention's, step
     after step (decode and mixed)."""
     transformers = pytest.importorskip("transformers")
-    from mstar.demo import build_model
-    from mstar.integrations.hf import forward_step, kv_spec, register
+    from mstar.models.hf import forward_step, kv_spec, register
+    from mstar.models.seeded import build_model
 
     config = copy.deepcopy(build_model(seed=0)[0].config)
     config.hidden_size, config.intermediate_size, config.head_dim = 256, 512, 64
@@ -129,7 +129,7 @@ def test_engine_forward_through_flashinfer(adapter):
 def test_flashinfer_adapter_is_the_engines_default_on_cuda():
     """``flashinfer_or_none("cuda")`` builds the adapter when flashinfer imports."""
     pytest.importorskip("flashinfer")
-    from mstar.engine.device import flashinfer_or_none
+    from mstar.models.device import flashinfer_or_none
 
     assert isinstance(flashinfer_or_none("cuda"), FlashInferPagedAttention)
 

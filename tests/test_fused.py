@@ -1,4 +1,4 @@
-"""The fused Llama forward (``mstar.integrations.llama_step``) against HF's
+"""The fused Llama forward (``mstar.models.llama.step``) against HF's
 own: the same logits step by step (float32 and packed weights, with and
 without the layer ops), the same greedy tokens as ``generate``, and HF's
 forward for whatever it refuses."""
@@ -13,17 +13,18 @@ from oracles import Streams
 
 transformers = pytest.importorskip("transformers")
 
-from mstar.engine.layer_ops import layer_ops_or_why  # noqa: E402
-from mstar.engine.quant.at_load import quantize_int4, quantize_int8  # noqa: E402
-from mstar.engine.quant.kernels import bf16_or_why, kernel_or_why  # noqa: E402
-from mstar.engine.quant.linear import BF16_ROWS, PackedLinear  # noqa: E402
-from mstar.engine.quant.packed import bf16_panels, pack_bf16  # noqa: E402
+from mstar.cpu.layer_ops import layer_ops_or_why  # noqa: E402
+from mstar.cpu.quant.at_load import quantize_int4, quantize_int8  # noqa: E402
+from mstar.cpu.quant.kernels import bf16_or_why, kernel_or_why  # noqa: E402
+from mstar.cpu.quant.linear import BF16_ROWS, PackedLinear  # noqa: E402
+from mstar.cpu.quant.packed import bf16_panels, pack_bf16  # noqa: E402
 from mstar.engine.resources.kv.cache import KVCache  # noqa: E402
-from mstar.integrations import hf, llama_step  # noqa: E402
-from mstar.integrations.fused_linear import RowConcat, StorageCheck, concat_refusal  # noqa: E402
-from mstar.integrations.hf import forward_step, register  # noqa: E402
-from mstar.integrations.layer_stack import LayerStack  # noqa: E402
-from mstar.integrations.llama_step import fused_refusal, fused_step  # noqa: E402
+from mstar.models import hf  # noqa: E402
+from mstar.models.hf import forward_step, register  # noqa: E402
+from mstar.models.llama import step as llama_step  # noqa: E402
+from mstar.models.llama.fused_linear import RowConcat, StorageCheck, concat_refusal  # noqa: E402
+from mstar.models.llama.stack import LayerStack  # noqa: E402
+from mstar.models.llama.step import fused_refusal, fused_step  # noqa: E402
 
 SIZES = {
     "vocab_size": 96,
@@ -435,7 +436,7 @@ def test_step_rotary_tables_are_hf_s_bit_for_bit():
     """``StepRotary``'s tables are HF's ``cos`` and ``sin`` with the first
     half of ``sin`` negated, bit for bit; the ``signs`` passed back in serve
     the next step, and ones of another width or dtype are made anew."""
-    from mstar.integrations.rotary import StepRotary
+    from mstar.models.llama.rotary import StepRotary
 
     config = transformers.LlamaConfig(**SIZES)
     rotary_emb = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
@@ -461,8 +462,8 @@ def test_rotary_table_rows_are_the_module_s_bit_for_bit():
     positions bit for bit (default and llama3 rope), grown past the largest
     position asked, made anew when ``inv_freq`` changes in place, None past
     ``TABLE_BYTES``; dynamic rope types are not served."""
-    from mstar.integrations import rotary as rotary_module
-    from mstar.integrations.rotary import RotaryTable, StepRotary
+    from mstar.models.llama import rotary as rotary_module
+    from mstar.models.llama.rotary import RotaryTable, StepRotary
 
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}  # fmt: skip
@@ -537,8 +538,8 @@ def test_layer_ops_attention_matches_paged_attention(rows, heads, kv_heads, dim,
     every key read back as float32)."""
     if layer_ops_or_why() is not None:
         pytest.skip(f"layer ops: {layer_ops_or_why()}")
-    from mstar.integrations.rotary import StepRotary
-    from mstar.integrations.step_attention import StepAttention
+    from mstar.models.llama.attention import StepAttention
+    from mstar.models.llama.rotary import StepRotary
 
     torch.manual_seed(2)
     config = transformers.LlamaConfig(
@@ -592,7 +593,7 @@ def test_long_prefill_rows_attend_through_sdpa():
     the op's rows unset; 511 tokens, or one query over more keys, do not."""
     if layer_ops_or_why() is not None:
         pytest.skip(f"layer ops: {layer_ops_or_why()}")
-    from mstar.integrations.step_attention import StepAttention
+    from mstar.models.llama.attention import StepAttention
 
     streams = Streams(64 + 2, 16, seed=1)
     cache = KVCache(num_layers=1, num_pages=66, page_size=16, num_kv_heads=1, head_dim=8)
@@ -645,7 +646,7 @@ def test_smollm2_fused_matches_hf(smollm2, quantization):
     greedy tokens and log-probabilities fused are those through HF's
     forward, and float32's are ``generate``'s."""
     from mstar.engine import SamplingParams
-    from mstar.engine.loader import load
+    from mstar.models.loader import load
 
     model, tok = smollm2 if quantization == "none" else load("smollm2", quantization="gguf")
     prompts = ["The capital of France is", "def fibonacci(n):"]

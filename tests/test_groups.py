@@ -20,7 +20,7 @@ from test_architectures import _pair  # noqa: E402
 from test_hf import _check_stream, _prompt  # noqa: E402
 from test_hf_manager import ManagedRunner  # noqa: E402
 
-from mstar.integrations.hf import forward_step, kv_spec  # noqa: E402
+from mstar.models.hf import forward_step, kv_spec  # noqa: E402
 
 W = 5
 # sliding, full, sliding: a group's layers need not be contiguous
@@ -228,8 +228,8 @@ def test_the_engine_serves_a_hybrid_through_groups_on_one_pool():
     holds every page, and admission counts every group's pages. A long
     generation a per-group pool of ``num_pages`` would refuse is admitted and
     exact. With the prefix cache on it keeps one manager for all."""
+    from mstar.cli.report import windows_note
     from mstar.engine import Engine, RequestTooLarge, SamplingParams
-    from mstar.report import windows_note
 
     reference, paged = _pair(*HYBRID["gemma2"])
     prompts = [_prompt(10, seed=31), _prompt(7, seed=32)]

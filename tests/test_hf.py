@@ -15,8 +15,8 @@ transformers = pytest.importorskip("transformers")
 from mstar.engine.resources.attn.flashinfer import FlashInferPagedAttention  # noqa: E402
 from mstar.engine.resources.kv.cache import KVCache  # noqa: E402
 from mstar.engine.resources.kv.plan import KVPlanOutput  # noqa: E402
-from mstar.integrations import hf, hf_attention  # noqa: E402
-from mstar.integrations.hf import forward_step, register  # noqa: E402
+from mstar.models import hf, hf_attention  # noqa: E402
+from mstar.models.hf import forward_step, register  # noqa: E402
 
 SIZES = {
     "vocab_size": 128,

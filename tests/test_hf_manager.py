@@ -16,7 +16,7 @@ from mstar.engine.resources.kv.cache import KVCache  # noqa: E402
 from mstar.engine.resources.kv.manager import KVManager  # noqa: E402
 from mstar.engine.resources.kv.plan import KVPlanOutputs  # noqa: E402
 from mstar.engine.resources.step import KVStep, Segment  # noqa: E402
-from mstar.integrations.hf import forward_step, kv_spec  # noqa: E402
+from mstar.models.hf import forward_step, kv_spec  # noqa: E402
 
 Stream = tuple[str, str]  # (request_id, label)
 

@@ -82,3 +82,48 @@ def test_the_walk_finds_a_circle_and_relative_imports():
     assert cycles(graph) == [["a", "b", "c"]]
     real = import_graph()
     assert "mstar.engine.resources.kv.plan" in real["mstar.engine.resources.kv.manager"]
+
+
+# The rooms, lowest first: a module imports its own room's and lower rooms' modules only.
+# The plan layer is the floor everyone reads; the command line, demo and benchmarks sit on top.
+ROOMS = (
+    "mstar.engine.resources",
+    "mstar.cpu",
+    "mstar.models",
+    "mstar.engine",
+    "mstar.serve",
+    "mstar",
+)
+
+
+def room(module: str) -> int:
+    """The rank of ``module``'s room in ``ROOMS`` (the first, longest, prefix that matches)."""
+    return next(i for i, r in enumerate(ROOMS) if module == r or module.startswith(f"{r}."))
+
+
+def upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Every import from a lower room into a higher one."""
+    return sorted((a, b) for a, targets in graph.items() for b in targets if room(b) > room(a))
+
+
+def test_no_module_imports_from_a_room_above_it():
+    assert upward(import_graph()) == []
+
+
+def test_the_rooms_check_sees_an_upward_import():
+    assert (
+        room("mstar.engine.resources.kv.plan") < room("mstar.cpu.quant") < room("mstar.models.hf")
+    )
+    assert room("mstar.models.hf") < room("mstar.engine.engine") < room("mstar.serve.app")
+    assert room("mstar.serve.app") < room("mstar.cli")
+    graph = {"mstar.cpu.quant": {"mstar.models.loader"}, "mstar.models.hf": {"mstar.cpu.build"}}
+    assert upward(graph) == [("mstar.cpu.quant", "mstar.models.loader")]
+    real = import_graph()
+    assert "mstar.models.hf" in real["mstar.engine.engine"]  # the walk sees the real arrows
+
+
+def test_the_engine_top_level_holds_the_serving_loop_and_the_cpp_one_folder():
+    top = sorted(p.name for p in (PACKAGE / "engine").iterdir() if p.is_file())
+    assert len(top) <= 15, top
+    sources = {p.parent for p in PACKAGE.rglob("*") if p.suffix in {".cpp", ".h"}}
+    assert sources == {PACKAGE / "cpu" / "csrc"}

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar.demo import build_model
-from mstar.engine.quant import QuantChoice, quantize_model
-from mstar.engine.quant.at_load import quantize_int4, quantize_int8
-from mstar.engine.quant.kernels import bf16_or_why, kernel_or_why
-from mstar.engine.quant.linear import BF16_ROWS, PackedLinear
-from mstar.engine.quant.packed import Packed, bf16_panels, pack_bf16
+from mstar.cpu.quant import QuantChoice, quantize_model
+from mstar.cpu.quant.at_load import quantize_int4, quantize_int8
+from mstar.cpu.quant.kernels import bf16_or_why, kernel_or_why
+from mstar.cpu.quant.linear import BF16_ROWS, PackedLinear
+from mstar.cpu.quant.packed import Packed, bf16_panels, pack_bf16
+from mstar.models.seeded import build_model
 
 LIMIT = 32767.0
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from oracles import Streams
 
-from mstar.demo import build_model
 from mstar.engine import Engine, SamplingParams
 from mstar.engine.resources.kv.cache import KVCache
+from mstar.models.seeded import build_model
 
 OPTIONS = {"num_pages": 48, "page_size": 8, "token_budget": 32}
 

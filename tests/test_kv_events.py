@@ -14,9 +14,9 @@ pytest.importorskip("msgspec")
 from servers import wait_until
 from vllm_events import AllBlocksCleared, BlockRemoved, BlockStored, Subscriber
 
-from mstar.demo import build_model
 from mstar.engine import Engine, SamplingParams
 from mstar.engine.resources.kv.keys import ChainHasher
+from mstar.models.seeded import build_model
 from mstar.serve import free_port
 from mstar.serve.kv_events import EventsConfig, KVEventPublisher, attach, offset_port
 

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from mstar.demo import build_model
 from mstar.engine import Engine, SamplingParams
 from mstar.engine.resources.kv import tiers as kv_tiers
 from mstar.engine.resources.kv.tiers.codec import PageRecord, decode, encode, model_identity
+from mstar.models.seeded import build_model
 
 PARAMS = SamplingParams(max_new_tokens=8)
 

@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from mstar.demo import build_model
 from mstar.engine import Engine, SamplingParams
+from mstar.models.seeded import build_model
 
 POOL = {"num_pages": 48, "page_size": 8, "token_budget": 8}  # prompts span chunks
 

@@ -1,4 +1,4 @@
-"""Quantized weights (mstar.engine.quant): GGUF blocks decoded bit for bit,
+"""Quantized weights (mstar.cpu.quant): GGUF blocks decoded bit for bit,
 the packed linear kernels against F.linear on the dequantized weights, the
 float32 fallback, the engine on SmolLM2's own Q4_1/Q8_0 weights, float
 weights held as bfloat16 panels (bf16), refusals."""
@@ -12,15 +12,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mstar.demo import build_model
-from mstar.engine import Engine, SamplingParams, cpp_build
-from mstar.engine.loader import model_folder
-from mstar.engine.quant import QuantChoice, quantize_model, resolve_quantization
-from mstar.engine.quant.at_load import quantize_int4, quantize_int8
-from mstar.engine.quant.gguf import BLOCK_BYTES, PACKED_FILE, decode_blocks
-from mstar.engine.quant.kernels import SOURCE, bf16_or_why, build_under, kernel_or_why
-from mstar.engine.quant.linear import BF16_ROWS, PackedLinear
-from mstar.engine.quant.packed import Packed, bf16_panels, pack_bf16, pack_int4
+from mstar.cpu import build as cpp_build
+from mstar.cpu.quant import QuantChoice, quantize_model, resolve_quantization
+from mstar.cpu.quant.at_load import quantize_int4, quantize_int8
+from mstar.cpu.quant.gguf import BLOCK_BYTES, PACKED_FILE, decode_blocks
+from mstar.cpu.quant.kernels import SOURCE, bf16_or_why, build_under, kernel_or_why
+from mstar.cpu.quant.linear import BF16_ROWS, PackedLinear
+from mstar.cpu.quant.packed import Packed, bf16_panels, pack_bf16, pack_int4
+from mstar.engine import Engine, SamplingParams
+from mstar.models.loader import model_folder
+from mstar.models.seeded import build_model
 
 gguf = pytest.importorskip("gguf")
 
@@ -46,7 +47,7 @@ def test_gguf_blocks_decode_as_gguf_dequantizes_bit_for_bit(type_name):
 
 
 def test_smollm2_file_tensors_decode_bit_for_bit():
-    from mstar.engine.loader import smollm2_path
+    from mstar.models.loader import smollm2_path
 
     try:
         reader = gguf.GGUFReader(smollm2_path())
@@ -211,7 +212,7 @@ def test_tiny_model_quantized_matches_its_dequantized_twin(kernels, mode):
 
 
 def test_without_the_kernels_the_layers_stay_float32_with_the_same_values(monkeypatch, kernels):
-    import mstar.engine.quant as quant
+    import mstar.cpu.quant as quant
 
     fast = tiny()
     quantize_model(fast, QuantChoice("int4", "as asked"))
@@ -260,7 +261,7 @@ def test_bad_or_inapplicable_quantization_is_refused(value, kwargs, match):
 
 
 def test_auto_is_the_files_own_format_where_the_kernels_serve_it(monkeypatch):
-    import mstar.engine.quant as quant
+    import mstar.cpu.quant as quant
 
     assert resolve_quantization("auto", gguf=True) == QuantChoice(
         "gguf", "auto: the file's own format", "float32"
@@ -432,7 +433,7 @@ def test_auto_holds_float_weights_in_bfloat16_arithmetic_as_panels(monkeypatch):
     where the kernels have them; float32 stays exact (none), and ``none``,
     tensor parallelism or a CPU without AVX512-BF16 keep the float weights,
     the reason saying why; ``bf16`` asked is that or refused."""
-    import mstar.engine.quant as quant
+    import mstar.cpu.quant as quant
 
     monkeypatch.setattr(quant, "kernel_or_why", lambda: None)
     monkeypatch.setattr(quant, "bf16_or_why", lambda: None)
@@ -511,7 +512,7 @@ def test_smollm2_folder_in_bfloat16_runs_on_its_panels_fused_and_checked(smollm2
     the model stays float32, every linear layer bf16, the step fused (one
     ``decode_layers`` call a decode step), the start-up check passed, and it
     answers as float32 does."""
-    from mstar.integrations.llama_step import fused_step
+    from mstar.models.llama.step import fused_step
 
     chat = [[{"role": "user", "content": "What is the capital of France?"}]]
     params = SamplingParams(max_new_tokens=8)

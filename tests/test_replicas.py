@@ -28,8 +28,8 @@ from ray import serve  # noqa: E402
 from servers import ServerThread, stream_token_ids, wait_until  # noqa: E402
 from vllm_events import BlockRemoved, BlockStored, Subscriber  # noqa: E402
 
-from mstar.demo import build_model  # noqa: E402
 from mstar.engine import Engine, SamplingParams  # noqa: E402
+from mstar.models.seeded import build_model  # noqa: E402
 from mstar.serve import free_port  # noqa: E402
 from mstar.serve.app import create_app  # noqa: E402
 from mstar.serve.kv_events import EventsConfig  # noqa: E402

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from mstar.cli import main
-from mstar.demo import build_model
 from mstar.engine import Engine, RequestTooLarge, SamplingParams
+from mstar.models.seeded import build_model
 
 pytest.importorskip("fastapi")
 from servers import ServerThread

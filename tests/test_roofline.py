@@ -20,7 +20,7 @@ from mstar.bench.roofline import (
     linear_modules,
     linear_parameters,
 )
-from mstar.demo import build_model
+from mstar.models.seeded import build_model
 
 
 def test_linear_parameters_count_a_tied_head_once():
@@ -67,9 +67,9 @@ def test_linear_modules_take_any_linear_layer_and_its_own_bytes():
 
 
 def test_linear_bytes_of_packed_layers_are_what_their_rows_read():
-    from mstar.engine.quant.at_load import quantize_int4
-    from mstar.engine.quant.linear import BF16_ROWS, PackedLinear
-    from mstar.engine.quant.packed import bf16_panels
+    from mstar.cpu.quant.at_load import quantize_int4
+    from mstar.cpu.quant.linear import BF16_ROWS, PackedLinear
+    from mstar.cpu.quant.packed import bf16_panels
 
     packed = quantize_int4(torch.randn(64, 96))
     stored = 64 * 48 + 2 * (64 * 3 * 2)  # nibbles, float16 scales and mins

@@ -6,7 +6,7 @@ import numpy as np
 
 from mstar.engine.request import Request
 from mstar.engine.resources.step import Segment
-from mstar.engine.sampling import SamplingParams
+from mstar.engine.sampling.params import SamplingParams
 from mstar.engine.scheduler import PLAN_LABEL, requests_before, schedule
 
 

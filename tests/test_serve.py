@@ -20,8 +20,8 @@ pytest.importorskip("fastapi")
 
 from servers import ServerThread, stream_token_ids, wait_until  # noqa: E402
 
-from mstar.demo import build_model  # noqa: E402
 from mstar.engine import Engine, SamplingParams  # noqa: E402
+from mstar.models.seeded import build_model  # noqa: E402
 from mstar.serve.app import create_app  # noqa: E402
 
 MODEL = "random"

@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from mstar.demo import build_model
 from mstar.engine import AsyncEngine, Engine, SamplingParams
 from mstar.engine.async_engine import Overloaded, RequestFailed
+from mstar.models.seeded import build_model
 
 POOL = {"num_pages": 48, "page_size": 8, "token_budget": 32}
 PROMPTS = [[(5 * i + j) % 250 + 1 for j in range(4 + i)] for i in range(6)]

@@ -13,9 +13,9 @@ import threading
 import httpx
 import pytest
 
-from mstar.demo import build_model
 from mstar.engine import AsyncEngine, Engine, SamplingParams
 from mstar.engine.async_engine import Overloaded
+from mstar.models.seeded import build_model
 
 POOL = {"num_pages": 32, "page_size": 8, "token_budget": 8}
 LONG = [(3 * j) % 250 + 1 for j in range(40)]  # 5 prefill chunks of 8

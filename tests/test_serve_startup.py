@@ -19,9 +19,9 @@ pytest.importorskip("fastapi")
 from servers import ServerThread
 
 from mstar.cli import main
-from mstar.demo import build_model
 from mstar.engine import Engine, SamplingParams
-from mstar.engine import compiled as compiled_module
+from mstar.models import compiled as compiled_module
+from mstar.models.seeded import build_model
 from mstar.serve import free_port
 from mstar.serve.app import create_app
 from mstar.serve.startup import Starting, bind, compile_in_background
@@ -39,7 +39,7 @@ def test_a_port_in_use_is_refused_before_the_model_loads(capsys, monkeypatch):
     def never(*args, **kwargs):
         raise AssertionError("the model loaded")
 
-    monkeypatch.setattr("mstar.options.build_engine", never)
+    monkeypatch.setattr("mstar.serve.options.build_engine", never)
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         assert main(["serve", "--model", "random", "--port", str(port)]) == 2
@@ -63,7 +63,7 @@ def test_generate_refuses_an_impossible_request_before_compiling(capsys, monkeyp
 
     monkeypatch.delenv("MSTAR_KV_ENFORCE_EAGER", raising=False)
     monkeypatch.setattr("mstar.engine.engine.runs_fused", lambda model: False)  # one to compile
-    monkeypatch.setattr("mstar.cli.compile_now", never)
+    monkeypatch.setattr("mstar.cli.commands.compile_now", never)
     assert main(["generate", "hi", "--max-new-tokens", "100000000"]) == 2
     assert "exceeds the model's max_position_embeddings" in capsys.readouterr().err
 
@@ -150,7 +150,7 @@ def test_serve_compiles_in_the_background_only_an_unfused_forward(fused, monkeyp
     (faster eager than HF's compiled forward)."""
     import argparse
 
-    from mstar.options import build_engine
+    from mstar.serve.options import build_engine
 
     if not fused:
         monkeypatch.setattr("mstar.engine.engine.runs_fused", lambda model: False)

@@ -153,7 +153,7 @@ def test_a_matcher_in_free_text_leaves_the_logits_untouched(tok):
     once the start is written, the row is masked."""
     import torch
 
-    from mstar.engine.structured import Grammars, StructuredOutputs
+    from mstar.engine.sampling.structured import Grammars, StructuredOutputs
 
     grammars = Grammars(tok, len(tok), [tok.convert_tokens_to_ids("<|im_end|>")])
     tag = Hermes().structural_tag([("add", {"type": "object"})], False, True)

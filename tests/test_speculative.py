@@ -10,12 +10,12 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from mstar.demo import build_model
 from mstar.engine import Engine, SamplingParams
 from mstar.engine.resources.groups import KVGroups
 from mstar.engine.resources.kv.manager import InvalidStep, KVManager
 from mstar.engine.resources.step import KVStep, Segment
-from mstar.engine.speculative import ngram_draft
+from mstar.engine.sampling.speculative import ngram_draft
+from mstar.models.seeded import build_model
 
 
 def run(mgr, segments, tokens=None, kept=None, **kwargs):

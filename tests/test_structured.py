@@ -18,9 +18,9 @@ pytest.importorskip("fastapi")
 
 from servers import ServerThread  # noqa: E402
 
-from mstar.demo import build_model  # noqa: E402
 from mstar.engine import Engine, SamplingParams  # noqa: E402
-from mstar.engine.structured import StructuredOutputs  # noqa: E402
+from mstar.engine.sampling.structured import StructuredOutputs  # noqa: E402
+from mstar.models.seeded import build_model  # noqa: E402
 from mstar.serve.app import create_app  # noqa: E402
 
 POOL = {"num_pages": 64, "page_size": 16}

@@ -19,7 +19,7 @@ import torch
 from mstar.cli import main
 from mstar.engine import Engine, SamplingParams, StepFailed
 from mstar.engine.resources.step import KVStep, Segment
-from mstar.engine.tp import TensorParallelUnsupported, WorkerFailed
+from mstar.models.tp import TensorParallelUnsupported, WorkerFailed
 
 OPTIONS = {"num_pages": 24, "page_size": 4, "token_budget": 16}
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,7 +113,7 @@ def test_greedy_tokens_equal_over_chunks_forks_and_preemption(engines):
 
 
 def test_speculative_drafts_under_tensor_parallelism(engines):
-    from mstar.engine.speculative import speculator
+    from mstar.engine.sampling.speculative import speculator
 
     one, two = engines
     copies = [p[:8] * 3 for p in prompts()]  # drafts found in the prompt

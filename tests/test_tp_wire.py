@@ -11,7 +11,7 @@ from mstar.engine.resources.kv.cache import _write_slots
 from mstar.engine.resources.kv.manager import KVManager
 from mstar.engine.resources.position import positions
 from mstar.engine.resources.step import KVStep, Segment
-from mstar.engine.tp.wire import Command, Forward, copy_message, forward_message, read_copy
+from mstar.models.tp.wire import Command, Forward, copy_message, forward_message, read_copy
 
 PAGE = 4
 

@@ -9,10 +9,10 @@ import copy
 import pytest
 import torch
 
-from mstar.demo import build_model
 from mstar.engine import Engine
-from mstar.engine import compiled as compiled_module
 from mstar.engine.verify import ModeMismatch, Tolerance, check_mode, float32_reference
+from mstar.models import compiled as compiled_module
+from mstar.models.seeded import build_model
 
 OPTIONS = {"num_pages": 64, "page_size": 8, "token_budget": 32}
 
@@ -109,7 +109,7 @@ def _serve_args(**overrides):
 def test_the_cli_serves_float32_when_half_precision_disagrees_and_says_why(monkeypatch):
     from mstar.engine import build
     from mstar.engine.verify import ModeCheck
-    from mstar.options import build_engine
+    from mstar.serve.options import build_engine
 
     real = build.check_mode
 
@@ -127,7 +127,7 @@ def test_the_cli_serves_float32_when_half_precision_disagrees_and_says_why(monke
 
 
 def test_the_start_up_line_names_the_check_and_speculation():
-    from mstar.options import build_engine
+    from mstar.serve.options import build_engine
 
     engine, line = build_engine(_serve_args(speculative="ngram", num_speculative_tokens=3))
     assert engine.dtype == torch.bfloat16
@@ -140,7 +140,7 @@ def test_a_half_kv_cache_that_disagrees_falls_back_to_float32_throughout(monkeyp
     over a float32 cache (the exact mode), the line saying why."""
     from mstar.engine import build
     from mstar.engine.verify import ModeCheck
-    from mstar.options import build_engine
+    from mstar.serve.options import build_engine
 
     real = build.check_mode
 
@@ -161,7 +161,7 @@ def test_a_half_kv_cache_that_disagrees_falls_back_to_float32_throughout(monkeyp
 def test_a_half_kv_cache_is_checked_and_named_on_the_start_up_line():
     """``--kv-cache-dtype bfloat16`` under float32 weights: not exact, so
     checked against eager float32; the line names the cache."""
-    from mstar.options import build_engine
+    from mstar.serve.options import build_engine
 
     engine, line = build_engine(_serve_args(dtype="float32", kv_cache_dtype="bfloat16"))
     assert engine.dtype == torch.float32 and engine.cache.dtype == torch.bfloat16
@@ -171,7 +171,7 @@ def test_a_half_kv_cache_is_checked_and_named_on_the_start_up_line():
 
 @pytest.fixture(scope="module")
 def packed_kernels():
-    from mstar.engine.quant.kernels import kernel_or_why
+    from mstar.cpu.quant.kernels import kernel_or_why
 
     if (why := kernel_or_why()) is not None:
         pytest.skip(f"the packed kernels are not built here: {why}")
@@ -181,7 +181,7 @@ def packed_kernels():
 def test_a_packed_mode_is_checked_exactly_against_its_dequantized_weights(
     paged, packed_kernels, mode
 ):
-    from mstar.engine.quant import QuantChoice, quantize_model
+    from mstar.cpu.quant import QuantChoice, quantize_model
 
     model = copy.deepcopy(paged)
     quantize_model(model, QuantChoice(mode, "as asked"))
@@ -196,9 +196,9 @@ def test_a_packed_mode_is_checked_exactly_against_its_dequantized_weights(
 def test_bfloat16_arithmetic_on_packed_weights_is_checked_at_the_half_precision_bound(
     paged, packed_kernels
 ):
+    from mstar.cpu.quant import QuantChoice, quantize_model
+    from mstar.cpu.quant.kernels import bf16_or_why
     from mstar.engine.build import float32_arithmetic, weights_mode
-    from mstar.engine.quant import QuantChoice, quantize_model
-    from mstar.engine.quant.kernels import bf16_or_why
 
     model = copy.deepcopy(paged)
     quantize_model(model, QuantChoice("int4", "as asked", "bfloat16"))
@@ -213,8 +213,8 @@ def test_bfloat16_arithmetic_on_packed_weights_is_checked_at_the_half_precision_
 
 
 def test_a_packed_kernel_that_disagrees_is_refused(paged, packed_kernels, monkeypatch):
-    from mstar.engine.quant import QuantChoice, quantize_model
-    from mstar.engine.quant.linear import PackedLinear
+    from mstar.cpu.quant import QuantChoice, quantize_model
+    from mstar.cpu.quant.linear import PackedLinear
 
     model = copy.deepcopy(paged)
     quantize_model(model, QuantChoice("int8", "as asked"))

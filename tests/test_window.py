@@ -20,7 +20,7 @@ from test_architectures import _pair  # noqa: E402
 from test_hf import _check_stream, _prompt  # noqa: E402
 from test_hf_manager import ManagedRunner  # noqa: E402
 
-from mstar.integrations.hf import forward_step, kv_spec  # noqa: E402
+from mstar.models.hf import forward_step, kv_spec  # noqa: E402
 
 W = 5
 WINDOWED = {

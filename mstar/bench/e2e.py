@@ -27,9 +27,10 @@ def run_e2e(
     ``stage`` hears what is running (for a progress display)."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    from mstar.demo import CHAT_QUESTIONS
+    from mstar.cli.demo import CHAT_QUESTIONS
     from mstar.engine import Engine, EngineStats, SamplingParams
-    from mstar.engine.loader import chat_prompt, load
+    from mstar.engine.prompts import chat_prompt
+    from mstar.models.loader import load
 
     stage("loading SmolLM2")
     model, tokenizer = load("smollm2")

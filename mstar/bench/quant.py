@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from mstar.cpu.quant.at_load import quantize_int4
+from mstar.cpu.quant.linear import PackedLinear
 from mstar.engine import Engine, SamplingParams
-from mstar.engine.loader import load
-from mstar.engine.quant.at_load import quantize_int4
-from mstar.engine.quant.linear import PackedLinear
+from mstar.models.loader import load
 
 # quantization [dtype]: ``none bfloat16`` the model in bfloat16, ``bf16`` its float weights as
 # bfloat16 panels (float32 activations)
@@ -118,7 +118,7 @@ def accuracy(modes: tuple[str, ...] = MODES, new_tokens: int = 48) -> dict[str, 
     """Per mode: greedy tokens agreeing with float32, and the passage's
     log-likelihood at once and one token a forward. A mode that needs what
     this CPU lacks (``ValueError``) is left out."""
-    from mstar.demo import CHAT_QUESTIONS
+    from mstar.cli.demo import CHAT_QUESTIONS
 
     results: dict[str, dict[str, Any]] = {}
     reference: list[list[int]] = []

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import httpx
 
 from mstar.bench.serve import REQUEST_TIMEOUT_S, arrivals, one_request, summarize
-from mstar.demo import CHAT_QUESTIONS
+from mstar.cli.demo import CHAT_QUESTIONS
 
 DOMAINS = ("a railway timetable office", "a hospital pharmacy", "a mountain weather station",
            "a public library's archive")  # fmt: skip

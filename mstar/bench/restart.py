@@ -48,7 +48,7 @@ STORE_START_S = 10.0
 
 def context_ids(model: str, tokens: int) -> list[int]:
     """``tokens`` token ids of the workload's system prompts, for ``model``."""
-    from mstar.engine.loader import load_tokenizer, model_folder
+    from mstar.models.loader import load_tokenizer, model_folder
 
     tokenizer = load_tokenizer(model_folder(model))
     ids: list[int] = []
@@ -213,7 +213,7 @@ def format_restart(result: dict) -> str:
 def run_restart(args: argparse.Namespace) -> int:
     """``bench --serve --workload shared-prefix --restart``: 0 when every
     phase's tokens equal the cold run's."""
-    from mstar.options import UsageError
+    from mstar.serve.options import UsageError
 
     if args.context_tokens < 2 or args.max_tokens < 1 or args.bench_pages < 1:
         raise UsageError("--context-tokens must be >= 2, --max-tokens and --bench-pages >= 1")

@@ -25,7 +25,7 @@ machine moves within a run (29-59 GB/s seen on one VM, the two probes of
 one run 33 and 59): ``x floor`` takes the better of the two probes (before
 and after loading), ``x turns`` each timed step against a probe read right
 after its turn's steps (the median over the steps), the floor of the
-bandwidth the step had. Every table names the CPU (``mstar.engine.cpu``).
+bandwidth the step had. Every table names the CPU (``mstar.cpu.info``).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from typing import Any
 
 import torch
 
+from mstar.cpu.info import cpu_info
 from mstar.engine import Engine, SamplingParams
-from mstar.engine.cpu import cpu_info
-from mstar.engine.dtypes import native_cpu_bf16
-from mstar.engine.loader import load
+from mstar.models.dtypes import native_cpu_bf16
+from mstar.models.loader import load
 
 PROMPT_TOKENS = 32
 READ_BYTES = 1 << 29
@@ -206,7 +206,7 @@ def run_roofline(
     """The table's rows (one per batch and config) and the machine's rates;
     ``dtypes`` None: float32 and bfloat16, float32 alone without a native
     bfloat16 matmul; each dtype loaded as each of ``quantizations`` allows
-    (``mstar.engine.quant``: one that resolves to a config already there is
+    (``mstar.cpu.quant``: one that resolves to a config already there is
     left out)."""
     native = native_cpu_bf16() is not None
     # without a native bfloat16 matmul, bfloat16 by default only as packed weights'

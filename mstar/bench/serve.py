@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from mstar.demo import CHAT_QUESTIONS
+from mstar.cli.demo import CHAT_QUESTIONS
 
 BURST = math.inf
 SERIAL = 0.0  # one request at a time
@@ -332,7 +332,7 @@ def run_serve_bench(
     """Every target at every rate; the rows and each target's peak memory."""
     from rich.progress import Progress
 
-    from mstar.engine.cpu import cpu_info
+    from mstar.cpu.info import cpu_info
 
     targets = (["mstar-kv serve"] if self_server else []) + list(urls)
     rows, memory, modes, peers = [], {}, {}, {}

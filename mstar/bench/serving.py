@@ -79,8 +79,8 @@ def mixed_jobs(
     """``num`` chat prompts: a question (0-3 asides added), every other one
     behind ``PREAMBLE``; ``max_new_tokens`` uniform in ``new_tokens``;
     arrivals ``mean_gap`` seconds apart on average (0: all at once)."""
-    from mstar.demo import CHAT_QUESTIONS
-    from mstar.engine.loader import chat_prompt
+    from mstar.cli.demo import CHAT_QUESTIONS
+    from mstar.engine.prompts import chat_prompt
 
     rng, gaps = random.Random(seed), random.Random(seed + 1)  # the same prompts at any gap
     jobs, arrival = [], 0.0
@@ -251,7 +251,7 @@ def run_mixed(
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     from mstar.engine import Engine, SamplingParams
-    from mstar.engine.loader import load
+    from mstar.models.loader import load
 
     stage("loading SmolLM2")
     model, tokenizer = load("smollm2")

@@ -43,9 +43,10 @@ def run_speculative(
 ) -> dict[str, Any]:
     """Per workload: tokens/s with and without drafts (the best of ``repeat``
     turns each), their ratio, acceptance and whether the outputs agree."""
-    from mstar.demo import CHAT_QUESTIONS
+    from mstar.cli.demo import CHAT_QUESTIONS
     from mstar.engine import Engine, SamplingParams
-    from mstar.engine.loader import chat_prompt, load
+    from mstar.engine.prompts import chat_prompt
+    from mstar.models.loader import load
 
     model, tokenizer = load("smollm2")
     copy_prompts = [chat_prompt(tokenizer, copy_prompt(t)) for t in TEXTS]

@@ -68,7 +68,7 @@ def run_startup_bench(
     max_tokens: int = 16,
 ) -> dict:
     """The three starts; see the module docstring."""
-    from mstar.engine.cpu import cpu_info
+    from mstar.cpu.info import cpu_info
 
     args = ["--model", model, *server_args]
     with tempfile.TemporaryDirectory(prefix="mstar-kv-cache-") as empty:
@@ -115,7 +115,7 @@ def format_startup(result: dict) -> str:
 def run_startup(args: argparse.Namespace) -> int:
     """``bench --startup``: 0 when every start answered its chat and the
     third exited on the port in use."""
-    from mstar.options import UsageError
+    from mstar.serve.options import UsageError
 
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")

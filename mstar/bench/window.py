@@ -31,7 +31,7 @@ from mstar.engine.resources.groups import KVGroups
 from mstar.engine.resources.kv.errors import AllocationFailed
 from mstar.engine.resources.kv.manager import KVManager
 from mstar.engine.resources.step import KVStep, Segment
-from mstar.engine.sampling import SamplingParams
+from mstar.engine.sampling.params import SamplingParams
 
 PAGE = 16
 CHUNK = 256

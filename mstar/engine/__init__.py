@@ -18,9 +18,9 @@ _EXPORTS = MappingProxyType(
         "Engine": "mstar.engine.engine",
         "EngineStats": "mstar.engine.records",
         "RequestTooLarge": "mstar.engine.intake",
-        "SamplingParams": "mstar.engine.sampling",
+        "SamplingParams": "mstar.engine.sampling.params",
         "StepFailed": "mstar.engine.records",
-        "StructuredOutputs": "mstar.engine.structured",
+        "StructuredOutputs": "mstar.engine.sampling.structured",
     }
 )
 __all__ = sorted(_EXPORTS)

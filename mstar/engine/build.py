@@ -3,23 +3,21 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
-from mstar.engine.compiled import compiled_or_why, restore_eager
-from mstar.engine.device import checked_device, flashinfer_or_none
-from mstar.engine.dtypes import resolve_dtype
-from mstar.engine.loader import asks_packed
 from mstar.engine.resources.groups import KVGroups, group_size
 from mstar.engine.resources.kv.cache import KVCache, cache_serves
 from mstar.engine.resources.kv.manager import KVManager
 from mstar.engine.resources.kv.ring import PinnedIndexRing
-from mstar.engine.tp import TensorParallel, check_size, load_sharded, shard
+from mstar.engine.sampling.params import SamplingParams
 from mstar.engine.verify import (
     ModeCheck,
     ModeMismatch,
@@ -28,6 +26,11 @@ from mstar.engine.verify import (
     float32_reference,
     is_packed,
 )
+from mstar.models.compiled import WARM_UP_ID, compile_forward, compile_refusal, restore_eager
+from mstar.models.device import checked_device, flashinfer_or_none
+from mstar.models.dtypes import resolve_dtype
+from mstar.models.loader import asks_packed
+from mstar.models.tp import TensorParallel, check_size, load_sharded, shard
 
 Built = TypeVar("Built")
 
@@ -132,7 +135,7 @@ def from_pretrained(
 ) -> Built:
     """``make(model, tokenizer, **kwargs)`` on the model ``name`` names,
     loaded in ``dtype`` on ``device``, quantized as ``quantization`` says
-    (``mstar.engine.quant``; refused up front where it cannot apply) (each rank's shard only with
+    (``mstar.cpu.quant``; refused up front where it cannot apply) (each rank's shard only with
     ``tensor_parallel_size > 1``; FlashInfer attached on CUDA unless
     ``kwargs`` say). Workers started for it stop when ``make`` raises. A
     half-precision or quantized mode that disagrees with eager float32
@@ -188,11 +191,11 @@ def _loaded(
     make: Callable[..., Built], name: str, device: torch.device, dtype: torch.dtype,
     kwargs: dict[str, Any], quantization: str,
 ) -> Built:  # fmt: skip
-    from mstar.engine.loader import load
+    from mstar.models.loader import load
 
     size = check_size(kwargs.get("tensor_parallel_size", 1))
     if size > 1:
-        from mstar.engine.quant import resolve_quantization
+        from mstar.cpu.quant import resolve_quantization
 
         resolve_quantization(quantization, gguf=False, device=device, tensor_parallel_size=size)
         model, tokenizer = load_sharded(name, size, device, dtype)
@@ -333,3 +336,31 @@ def float32_arithmetic(model: Any) -> bool:
         and packed_float32
         and all(p.dtype == torch.float32 for p in model.parameters())
     )
+
+
+def compiled_or_why(engine: Any) -> str:
+    """Compile ``engine``'s forward and run a warm-up request through it
+    (the compile happens there), leaving the engine's counters as they were.
+    Returns ``"compiled (N s)"``, or ``"eager: why"`` when the model cannot be
+    compiled (its eager forward restored, nothing else changed)."""
+    model = engine.model
+    reason = compile_refusal(model, engine.tp is not None)
+    if reason is not None:
+        return f"eager: {reason}"
+    start = time.perf_counter()
+    stats = copy.deepcopy(engine.stats)
+    compile_forward(model, freezing=True)
+    try:
+        # three prompt tokens: the step's token and logit counts differ at the first trace
+        engine.add_request([0, 1, 2], SamplingParams(max_new_tokens=2, ignore_eos=True),
+                           request_id=WARM_UP_ID)  # fmt: skip
+        while engine.has_unfinished():
+            engine.step()
+    except Exception as failed:  # any failure to compile: serve eager, never wrong
+        restore_eager(model)
+        err = failed.__cause__ or failed  # the engine's StepFailed names the step's error
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        return f"eager: the forward does not compile ({type(err).__name__}: {first})"
+    finally:
+        engine.stats = stats
+    return f"compiled ({time.perf_counter() - start:.0f} s)"

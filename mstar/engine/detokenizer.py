@@ -14,7 +14,7 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from mstar.engine.logprobs import TokenNames
+from mstar.engine.sampling.logprobs import TokenNames
 
 SKIP_SPECIAL_TOKENS = True  # as vLLM and the OpenAI API: no <|im_end|> in the text
 UNFINISHED = "\ufffd"  # what a decode shows for the bytes of a split character

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from mstar.engine.logits import LogitsPipeline
 from mstar.engine.request import GUIDED, Request, Sample
+from mstar.engine.sampling.logits import LogitsPipeline
 
 
 class Emitter:

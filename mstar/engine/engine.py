@@ -33,19 +33,19 @@ from mstar.engine.build import (
     kv_managers,
     stops_workers_on_error,
 )
-from mstar.engine.device import check_pool_fits, pool_pages
 from mstar.engine.emitter import Emitter
 from mstar.engine.intake import Intake
-from mstar.engine.logits import LogitsPipeline
 from mstar.engine.prompts import NOT_A_SEQUENCE, chat_ids, chat_list, prompt_list
 from mstar.engine.records import EngineStats, StepFailed
 from mstar.engine.request import Completion, Request
 from mstar.engine.resources.groups import KVGroups
 from mstar.engine.resources.step import KVStep
-from mstar.engine.sampling import SamplingParams
-from mstar.engine.speculative import speculator
-from mstar.engine.tp import shard
-from mstar.integrations.hf import forward_step, kv_spec, register, runs_fused
+from mstar.engine.sampling.logits import LogitsPipeline
+from mstar.engine.sampling.params import SamplingParams
+from mstar.engine.sampling.speculative import speculator
+from mstar.models.device import check_pool_fits, pool_pages
+from mstar.models.hf import forward_step, kv_spec, register, runs_fused
+from mstar.models.tp import shard
 
 Prompt = str | Sequence[int]
 Message = dict[str, str]
@@ -74,14 +74,14 @@ class Engine:
     request's peak counts each group's) share.
 
     With ``tensor_parallel_size=N > 1`` the model is sharded over N ranks
-    (``mstar.engine.tp``): this process plans, samples and runs rank 0;
+    (``mstar.models.tp``): this process plans, samples and runs rank 0;
     N - 1 worker processes run the other shards, each with a ``KVCache`` of
     its own KV heads. ``close()`` (or ``with Engine(...)``) stops them.
 
     ``compile=True`` runs the model's forward under ``torch.compile``
     (compiled at once, on a warm-up request; ``engine.compiled`` says
     ``"compiled (N s)"`` or why it fell back to eager; None: eager as asked):
-    see ``mstar.engine.compiled``. Any mode but eager float32 (half-precision
+    see ``mstar.models.compiled``. Any mode but eager float32 (half-precision
     weights, compiled) is checked at start-up against an eager float32 copy
     of the model on a few fixed prompts (``mstar.engine.verify``;
     ``engine.mode_check`` holds the result): a compiled forward that
@@ -94,7 +94,7 @@ class Engine:
     start-up check compares with eager float32.
 
     ``fused`` (the default) runs an eager Llama-family model on the CPU
-    through fused decoder layers (``mstar.integrations.llama_step``: the same
+    through fused decoder layers (``mstar.models.llama.step``: the same
     logits up to float32 rounding, a fraction of the host work);
     ``fused=False`` runs HF's own forward, for comparison. ``engine.fused``
     says whether it runs (a compiled forward is HF's, compiled).
@@ -176,7 +176,7 @@ class Engine:
 
     @property
     def fused(self) -> bool:
-        """Whether steps run the fused forward (``mstar.integrations.llama_step``):
+        """Whether steps run the fused forward (``mstar.models.llama.step``):
         asked for, and the model (as it is now: not compiled) one it serves."""
         return self._fused and runs_fused(self.model)
 
@@ -194,11 +194,11 @@ class Engine:
         ``dtype``: ``"auto"`` (bfloat16 on CUDA and on CPUs with a native
         bfloat16 matmul, else float32), ``"float32"`` (the default: exact
         against HF), ``"bfloat16"``, ``"float16"`` or a torch dtype; see
-        ``mstar.engine.dtypes``. ``quantization``: ``"none"`` (the default:
+        ``mstar.models.dtypes``. ``quantization``: ``"none"`` (the default:
         float weights, a GGUF dequantized to float32), ``"gguf"`` (a GGUF's
         own 4/8-bit weights), ``"int8"``/``"int4"`` (quantized at load) or
-        ``"auto"``; see ``mstar.engine.quant``. ``compile=True`` compiles the forward
-        (``mstar.engine.compiled``).
+        ``"auto"``; see ``mstar.cpu.quant``. ``compile=True`` compiles the forward
+        (``mstar.models.compiled``).
         ``device="cuda"`` uses FlashInfer when it is installed and serves the
         model (fp16/bf16 weights, head width 64/128/256); else ``paged_attention``.
         With ``tensor_parallel_size=N > 1`` each rank loads only its shard."""

@@ -13,8 +13,8 @@ import torch
 from mstar.engine.detokenizer import TextStream
 from mstar.engine.prompts import token_ids
 from mstar.engine.request import GUIDED, Request, Sample
-from mstar.engine.sampling import SamplingParams, make_generator
-from mstar.engine.structured import Grammars
+from mstar.engine.sampling.params import SamplingParams, make_generator
+from mstar.engine.sampling.structured import Grammars
 
 
 class RequestTooLarge(ValueError):

@@ -117,3 +117,8 @@ def _check_text(what: str, text: str) -> None:
         raise ValueError(
             f"expected {what} valid UTF-8 text, got an unpaired surrogate at {err.start}"
         ) from None
+
+
+def chat_prompt(tokenizer: Any, text: str) -> list[int]:
+    """``text`` as a user turn in the tokenizer's chat template, ready for the answer."""
+    return chat_ids(tokenizer, [{"role": "user", "content": text}])

@@ -8,8 +8,8 @@ from typing import Any, Literal
 import torch
 
 from mstar.engine.detokenizer import TextStream
-from mstar.engine.logprobs import TokenLogprobs
-from mstar.engine.sampling import SamplingParams
+from mstar.engine.sampling.logprobs import TokenLogprobs
+from mstar.engine.sampling.params import SamplingParams
 
 FinishReason = Literal["stop", "length"]
 GUIDED = ("cond", "uncond")

@@ -120,7 +120,7 @@ def float32_reference(model: Any) -> Reference:
 
 def is_packed(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a linear layer on packed weights
-    (``mstar.engine.quant``): one with ``dequantized()``, its float32 ``nn.Linear``."""
+    (``mstar.cpu.quant``): one with ``dequantized()``, its float32 ``nn.Linear``."""
     return callable(getattr(module, "dequantized", None))
 
 
@@ -147,7 +147,7 @@ def check_mode(engine: Any, reference: Reference, tolerance: Tolerance) -> ModeC
     """Greedy tokens and top log-probabilities of ``engine`` on the fixed
     prompts against ``reference`` (see the module). Leaves the engine's
     counters as they were; nothing stays queued."""
-    from mstar.engine.sampling import SamplingParams
+    from mstar.engine.sampling.params import SamplingParams
 
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP)
     stats = copy.deepcopy(engine.stats)

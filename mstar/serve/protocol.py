@@ -14,8 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from mstar.engine import SamplingParams
-from mstar.engine.sampling import MAX_LOGPROBS
-from mstar.engine.structured import StructuredOutputs
+from mstar.engine.sampling.params import MAX_LOGPROBS
+from mstar.engine.sampling.structured import StructuredOutputs
 from mstar.serve.tools.protocol import Tool, ToolCallIn, ToolChoice
 
 # fields with no effect at these values; any other value is refused

@@ -94,8 +94,8 @@ class EngineReplica:
     """One engine in ``create_app``'s app, driven in-process over ASGI."""
 
     async def __init__(self, config: ReplicaConfig) -> None:
-        from mstar.options import build_engine, model_name
         from mstar.serve.app import create_app
+        from mstar.serve.options import build_engine, model_name
         from mstar.serve.startup import compile_in_background
 
         self.rank = _rank()
@@ -407,7 +407,7 @@ def _tokenizer(model: str) -> Any:
     """The model's tokenizer alone (None for the random model or a folder without one)."""
     if model == "random":
         return None
-    from mstar.engine.loader import load_tokenizer, model_folder
+    from mstar.models.loader import load_tokenizer, model_folder
 
     return load_tokenizer(model_folder(model))
 
@@ -420,9 +420,9 @@ def run_replicas(args: argparse.Namespace) -> int:
 
     import ray
 
-    from mstar.options import UsageError
     from mstar.serve.kv_events import offset_port
     from mstar.serve.kv_tiers import tier_options
+    from mstar.serve.options import UsageError
 
     if args.replicas < 1:
         raise UsageError(f"--replicas must be >= 1, got {args.replicas}")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from mstar.engine import Completion, CompletionOutput
-from mstar.engine.logprobs import Logprob, TokenLogprobs, TokenNames
+from mstar.engine.sampling.logprobs import Logprob, TokenLogprobs, TokenNames
 from mstar.serve.tools.stream import CallReader, CallStream, finish_reason
 
 DONE = "data: [DONE]\n\n"

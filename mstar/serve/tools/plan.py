@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mstar.engine.structured import StructuredOutputs
+from mstar.engine.sampling.structured import StructuredOutputs
 from mstar.serve.protocol import ParamError
 from mstar.serve.tools.calls import ParsedCall
 from mstar.serve.tools.format import Function, ToolFormat

@@ -1,0 +1,332 @@
+"""``mstar-kv serve`` and ``mstar-kv bench --serve``: their options and runs.
+Imports nothing heavy until a command runs."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+DEFAULT_MAX_WAITING = 256
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``serve`` on ``mstar-kv``'s subparsers."""
+    p = subparsers.add_parser("serve", help="an OpenAI-compatible server over the engine")
+    p.add_argument(
+        "--model", default="smollm2",
+        help="smollm2 (default), random (a seeded tiny Llama, token ids only), a GGUF file or a folder",
+    )  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--pages", type=int, help="KV pages in the pool (default: a memory share)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    # 512, not the Python API's 256: 32 chats at once got their first token ~20% sooner
+    # (p50) at the same tokens/s (docs/performance.md)
+    p.add_argument("--budget", type=int, default=512, help="tokens per step (default 512)")
+    p.add_argument(
+        "--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
+        help=f"requests without a first token before 503 (default {DEFAULT_MAX_WAITING})",
+    )  # fmt: skip
+    p.add_argument("--no-prefix-cache", action="store_true", help="no KV reuse across requests")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (FlashInfer when installed)")
+    p.add_argument("--seed", type=int, default=0, help="the random model's seed")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds to finish at shutdown")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: --model's)")
+    p.add_argument(
+        "--tool-call-parser", default="auto",
+        choices=("auto", "hermes", "llama3_json", "mistral", "pythonic"),
+        help="how chat tool calls are written and read (default auto: the chat template's)",
+    )  # fmt: skip
+    from mstar.serve.options import add_speculative_options, add_tensor_parallel_option
+
+    add_tensor_parallel_option(p)
+    add_speculative_options(p)
+    add_replica_options(p)
+    from mstar.serve.kv_tiers import add_tier_options
+
+    add_tier_options(p)
+
+
+def add_replica_options(p: argparse.ArgumentParser) -> None:
+    """``serve --replicas N`` and the options of replicas on Ray Serve."""
+    g = p.add_argument_group("replicas on Ray Serve (pip install 'mstar-kv[replicas]')")
+    g.add_argument("--replicas", type=int, help="serve N engine replicas through Ray Serve")
+    g.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
+    g.add_argument(
+        "--router", default="prefix", choices=("prefix", "round-robin", "least-loaded"),
+        help="how requests pick a replica (default prefix: the longest cached prefix)",
+    )  # fmt: skip
+    g.add_argument(
+        "--balance-threshold", type=int, default=8,
+        help="prefix router: past this gap in requests in flight, the least loaded (default 8)",
+    )  # fmt: skip
+    g.add_argument("--autoscaling-config", help="Ray Serve's autoscaling_config, as JSON")
+    g.add_argument(
+        "--replica-options", default="{}",
+        help='Ray actor options of each replica, as JSON (e.g. {"num_gpus": 1})',
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-events-endpoint",
+        help="publish KV-cache events (vLLM's format) on ZMQ: replica i on tcp://HOST:PORT+i",
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-events-replay-endpoint", help="the events' replay socket: replica i on PORT+i"
+    )
+
+
+def add_bench_options(bench: argparse.ArgumentParser) -> None:
+    """``bench --serve`` and its options, on ``mstar-kv bench``'s parser."""
+    bench.add_argument("--serve", action="store_true", help="load-test OpenAI-compatible servers")
+    bench.add_argument(
+        "--url", action="append", default=[],
+        help="--serve: also measure this server (its /v1 base URL; repeatable)",
+    )  # fmt: skip
+    bench.add_argument("--no-self", action="store_true", help="--serve: only the --url servers")
+    bench.add_argument("--requests", type=int, default=32, help="--serve: requests per rate")
+    bench.add_argument("--max-tokens", type=int, default=64, help="--serve: per request")
+    bench.add_argument(
+        "--rates", default="burst,0.5",
+        help="--serve: requests/s, comma-separated; burst: all at once, serial: one at a time"
+    )  # fmt: skip
+    bench.add_argument(
+        "--replicas", type=int, default=2, help="--workload shared-prefix: on Ray Serve"
+    )
+    bench.add_argument(
+        "--routers", default="prefix,round-robin", help="--workload shared-prefix: comma-separated"
+    )  # fmt: skip
+    bench.add_argument(
+        "--systems", type=int, default=4, help="--workload shared-prefix: system prompts"
+    )  # fmt: skip
+    bench.add_argument(
+        "--bench-model", default="smollm2", help="--workload shared-prefix, --startup"
+    )  # fmt: skip
+    bench.add_argument(
+        "--bench-pages", type=int, default=512, help="--workload shared-prefix: pages a replica"
+    )  # fmt: skip
+    bench.add_argument(
+        "--startup", action="store_true", help="how soon serve answers a chat: a first start"
+        " on an empty cache, a second, and a third on a port in use",
+    )  # fmt: skip
+    bench.add_argument(
+        "--startup-cache", choices=("empty", "current"), default="empty",
+        help="--startup: the first start on an empty $MSTAR_KV_CACHE (default) or the current",
+    )  # fmt: skip
+    from mstar.serve.kv_tiers import add_restart_options
+
+    add_restart_options(bench)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``mstar-kv serve``: serve until SIGINT/SIGTERM, then exit 0."""
+    from mstar.serve.options import UsageError, build_engine, check_model_exists
+    from mstar.serve.startup import Starting, bind
+
+    for name in ("port", "pages", "page_size", "budget", "max_waiting"):
+        least, value = int(name != "port"), getattr(args, name)
+        if value is not None and value < least:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+    if args.replicas is not None:
+        try:
+            from mstar.serve.replicas import run_replicas
+        except ImportError as err:
+            msg = f"--replicas needs pip install 'mstar-kv[replicas]' ({err.name} is missing)"
+            raise UsageError(msg) from None
+        return run_replicas(args)
+    check_model_exists(args.model)
+    attach_tiers = _tiers(args)  # checked before the model loads
+    try:  # first: a port in use is reported before anything loads
+        sock = bind(args.host, args.port)
+    except OSError as err:
+        raise UsageError(f"--port {args.port}: {args.host}:{args.port} {reason(err)}") from None
+    with contextlib.closing(sock):
+        with Starting(sock):  # 503 starting while the imports and the engine load
+            with serve_extra("serve"):
+                import uvicorn  # noqa: F401
+
+                import mstar.serve.app  # noqa: F401
+            engine, mode = build_engine(args, enforce_eager=True, compiling_later=compiling(args))
+            tiers = attach_tiers(engine) if attach_tiers else None
+        return _serve(args, sock, engine, mode, tiers)
+
+
+def compiling(args: argparse.Namespace) -> bool:
+    """Whether ``serve`` compiles the forward behind the eager one."""
+    return not args.enforce_eager and args.tensor_parallel_size == 1
+
+
+def reason(err: OSError) -> str:
+    """Why a port could not be bound, in a few words."""
+    return "is in use" if err.errno == errno.EADDRINUSE else f"cannot be bound ({err.strerror})"
+
+
+def _serve(args: argparse.Namespace, sock: Any, engine: Any, mode: str, tiers: Any) -> int:
+    """Serve ``engine`` on the bound ``sock``: its eager forward at once,
+    the compiled one swapped in when ready (``mstar.serve.startup``) unless
+    ``--enforce-eager``."""
+    import uvicorn
+
+    from mstar.cli.report import windows_note
+    from mstar.serve.app import GracefulServer, create_app
+    from mstar.serve.kv_tiers import close_tiers
+    from mstar.serve.options import model_name, say
+    from mstar.serve.startup import compile_in_background
+
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("mstar").setLevel(logging.INFO)  # a line per request
+    name = model_name(args)
+    app = create_app(
+        engine, model_name=name, max_waiting=args.max_waiting,
+        tool_call_parser=args.tool_call_parser,
+    )  # fmt: skip
+    mgr = engine.mgr
+    print(
+        f"mstar-kv serve: {name} on http://{args.host}:{args.port}/v1 ({args.device}, "
+        f"{mode}, "
+        f"{mgr.num_pages} KV pages of {mgr.page_size} tokens, {engine.budget} tokens/step, "
+        f"prefix cache {'on' if engine.prefix_cache else 'off'}, max waiting {args.max_waiting})",
+        flush=True,
+    )
+    if tiers is not None:
+        print(f"KV tiers: {tiers.describe()}", flush=True)
+    print(app.state.tools.describe(), flush=True)
+    if (windows := windows_note(engine)) != "none":
+        print(f"sliding windows: {windows}", flush=True)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
+        log_level="info", access_log=False,
+    )  # fmt: skip
+    # uvicorn re-raises the signal it stopped on once it has shut down: let that be a no-op
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    later = compiling(args) and not engine.fused  # the fused forward stays: faster than compiled
+    compile_thread = compile_in_background(engine, say) if later else None
+    GracefulServer(config, app.state.engine).run(sockets=[sock])
+    close_tiers(tiers)  # the pool's pages stored before any early exit below
+    if compile_thread is not None and compile_thread.is_alive():
+        # a compile in flight cannot be stopped, and a thread inside C++ at the
+        # interpreter's exit aborts it: leave at once, the server is shut down
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0
+
+
+def _tiers(args: argparse.Namespace) -> Any:
+    """None without ``--kv-disk``/``--kv-remote``, else what puts their
+    tiers below an engine's pool; ``UsageError`` for a bad option."""
+    from mstar.serve.kv_tiers import tier_options
+    from mstar.serve.options import UsageError
+
+    try:
+        options = tier_options(args)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    if options is None:
+        return None
+
+    def attach_to(engine: Any) -> Any:
+        from mstar.engine.resources.kv.tiers import attach
+
+        try:
+            return attach(engine, **options)
+        except (ValueError, ImportError) as err:
+            raise UsageError(str(err)) from err
+
+    return attach_to
+
+
+@contextlib.contextmanager
+def serve_extra(command: str) -> Iterator[None]:
+    """Imports under it that fail for a missing package raise ``UsageError``
+    naming it and the extra that brings it."""
+    from mstar.serve.options import UsageError
+
+    try:
+        yield
+    except ImportError as err:
+        missing = err.name or str(err)
+        raise UsageError(
+            f"{command} needs the serve extra ({missing} is not installed):"
+            " pip install 'mstar-kv[serve]'"
+        ) from None
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """``mstar-kv bench --serve``."""
+    import json
+
+    from mstar.serve.options import UsageError
+
+    with serve_extra("bench --serve"):
+        from mstar.bench.serve import format_serve, parse_rates, plot_serve, run_serve_bench
+
+    try:
+        rates = parse_rates(args.rates)
+    except ValueError as err:
+        raise UsageError(f"--rates: {err}") from err
+    if args.no_self and not args.url:
+        raise UsageError("--no-self needs at least one --url")
+    if args.requests < 1 or args.max_tokens < 1:
+        raise UsageError("--requests and --max-tokens must be >= 1")
+    if args.workload == "shared-prefix":
+        return _run_shared_prefix(args, rates)
+    if args.workload != "chat":
+        raise UsageError(f"--workload {args.workload} goes with --e2e, not --serve")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as err:
+            raise UsageError("--plot needs matplotlib: pip install 'mstar-kv[plot]'") from err
+    result = run_serve_bench(
+        args.url, rates, requests=8 if args.quick else args.requests,
+        max_tokens=16 if args.quick else args.max_tokens, self_server=not args.no_self,
+        server_args=[*(["--dtype", args.dtype] if args.dtype else []),
+                     *(["--enforce-eager"] if args.enforce_eager else []),
+                     "--quantization", args.quantization],
+    )  # fmt: skip
+    print(format_serve(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.plot:
+        plot_serve(result, args.plot)
+    return 0 if all(r["completed"] == r["requests"] for r in result["rows"]) else 1
+
+
+def _run_shared_prefix(args: argparse.Namespace, rates: list[float]) -> int:
+    """``bench --serve --workload shared-prefix``: routers side by side."""
+    import json
+
+    from mstar.serve.options import UsageError
+
+    if args.restart:
+        from mstar.bench.restart import run_restart
+
+        return run_restart(args)
+    routers = [r.strip() for r in args.routers.split(",")]
+    if bad := [r for r in routers if r not in ("prefix", "round-robin", "least-loaded")]:
+        raise UsageError(f"--routers: expected prefix, round-robin or least-loaded, got {bad[0]!r}")
+    if args.replicas < 1 or args.systems < 1 or args.bench_pages < 1:
+        raise UsageError("--replicas, --systems and --bench-pages must be >= 1")
+    try:
+        from mstar.bench.replicas import format_replicas, run_replicas_bench
+    except ImportError as err:
+        msg = f"--workload shared-prefix needs pip install 'mstar-kv[replicas]': {err}"
+        raise UsageError(msg) from err
+    result = run_replicas_bench(
+        model=args.bench_model, replicas=args.replicas, routers=routers,
+        requests=8 if args.quick else args.requests, systems=args.systems,
+        max_tokens=16 if args.quick else args.max_tokens, rates=rates, pages=args.bench_pages,
+    )  # fmt: skip
+    print(format_replicas(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if all(r["completed"] == r["requests"] for r in result["rows"]) else 1

@@ -1,0 +1,282 @@
+"""Quantized weights: ``quantization`` = ``auto``, ``none``, ``gguf``, ``int8`` or ``int4``.
+
+- ``gguf``: a GGUF file's own quantized tensors, served as they stand where
+  a kernel takes them exactly (Q4_0/Q4_1 -> int4 groups of 32, Q8_0 -> int8
+  groups of 32: ``mstar.cpu.quant.gguf``); the linear layers of other
+  types keep their float32 dequantization, listed in the description.
+- ``int8`` / ``int4``: the float weights quantized at load (int8 per output
+  channel, int4 groups of 32: ``mstar.cpu.quant.at_load``).
+- ``bf16`` (CPUs with AVX512-BF16): the float weights rounded to bfloat16
+  and held as panels (``packed.pack_bf16``), which every row count
+  multiplies in bfloat16 on float32 activations, the model float32 around
+  them.
+- ``none``: float weights (a GGUF dequantized to float32), in the model's dtype.
+- ``auto``: ``gguf`` for a GGUF file where the kernels serve it (the CPU,
+  one process, float32 or bfloat16 arithmetic); ``bf16`` for float weights
+  in bfloat16 arithmetic where it applies (a one-row decode step of
+  SmolLM2 4.7x a bfloat16 model's, whose products stream its weights at a
+  quarter of the bandwidth: docs/quantization.md); else ``none``.
+
+Every linear layer (the head too; a tied embedding keeps its float weights)
+becomes a ``PackedLinear``: float32 activations through the AVX2 kernels of
+``kernels.cpp``. Where they cannot run (no AVX2, no compiler), the layers
+stay ``nn.Linear`` holding the dequantized weights: the same values, not
+smaller, and the description says why.
+
+Arithmetic: ``dtype`` float32 (the model's activations, exact against the
+dequantized weights), or bfloat16: the model stays float32 and what rounds
+is the packed layers' products. Where the CPU has AVX512-BF16 each packed
+layer also holds its weights as bfloat16 panels, which inputs of
+``linear.BF16_ROWS`` rows or more (prefill, batched decode) multiply in
+bfloat16, ~2.5x faster at 32 rows (the panels cost two bytes a weight
+beside the packed ones); elsewhere those rows stay float32. Few rows
+(decode) stream the packed weights on their activations rounded to int16
+per group of 32 (``PackedLinear.int16_rows`` of them: int4 1-8 with AVX512-VNNI's
+16-bit dot products, which every CPU with AVX512-BF16 has, at one row
+~1.1-1.3x the float32 kernel from memory, ~1.5x in cache; 1-4 with AVX2's,
+1.0-1.4x on Zen 1; int8 one, AVX2's; ~20x closer to float32 than the panels).
+With AVX512-VNNI the int4 and int8 layers also hold their weights as lanes
+(``Packed.lanes``: 16 rows to a vector, scales and minimums beside them, the
+packed weights' bytes again), which those rows multiply with VNNI's dot
+products: int4 about half the instructions, int8 about a fifth, so the
+step's stream runs at the memory's rate; int8 at 1-8 rows there, not one
+(``cpp/lanes.h``). Then each kind of the packed tensors (lanes, panels,
+...) is moved into one allocation on transparent huge pages, in model order
+(``arena.gather``): the step's stream one run, a TLB entry every 2 MiB.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mstar.cpu.quant.arena import gather
+from mstar.cpu.quant.at_load import quantize_int4, quantize_int8
+from mstar.cpu.quant.gguf import cached_packed_weights
+from mstar.cpu.quant.kernels import bf16_or_why, kernel_or_why
+from mstar.cpu.quant.linear import BF16_ROWS, PackedLinear
+from mstar.cpu.quant.packed import GROUP, LANES, PANEL, Packed, bf16_panels, pack_bf16
+
+__all__ = ["QUANTIZATIONS", "QuantChoice", "quantize_model", "resolve_quantization"]
+
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4", "bf16")
+
+
+@dataclass(frozen=True)
+class QuantChoice:
+    """A resolved quantization, why it was chosen, and the arithmetic of
+    its many-row products (``float32``, or ``bfloat16`` on bfloat16 panels)."""
+
+    mode: str
+    reason: str
+    arithmetic: str = "float32"
+
+
+def resolve_quantization(
+    value: object,
+    *,
+    gguf: bool,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    tensor_parallel_size: int = 1,
+) -> QuantChoice:
+    """``value`` as the quantization to load with (``gguf``: the model is a
+    GGUF file); ``ValueError`` naming it when it is not one of
+    ``QUANTIZATIONS`` or cannot apply here."""
+    if not isinstance(value, str) or value not in QUANTIZATIONS:
+        raise ValueError(f"expected quantization one of {', '.join(QUANTIZATIONS)}, got {value!r}")
+    if value == "none":
+        return QuantChoice("none", "as asked")
+    blocker = _blocker(torch.device(device), dtype, tensor_parallel_size)
+    arithmetic = str(dtype).removeprefix("torch.")
+    if value == "auto":
+        if not gguf:
+            return _float_weights(blocker, dtype)
+        if blocker:
+            return QuantChoice("none", f"auto: {blocker}")
+        return QuantChoice("gguf", "auto: the file's own format", arithmetic)
+    if blocker:
+        raise ValueError(f"quantization={value!r} cannot apply: {blocker}")
+    if value == "gguf" and not gguf:
+        raise ValueError("quantization='gguf' needs a GGUF file, got a model folder")
+    if value == "bf16":
+        if (why := kernel_or_why() or bf16_or_why()) is not None:
+            raise ValueError(f"quantization='bf16' cannot apply: {why}")
+        return QuantChoice("bf16", "as asked", "bfloat16")  # whatever the dtype: the panels'
+    return QuantChoice(value, "as asked", arithmetic)
+
+
+def _float_weights(blocker: str | None, dtype: torch.dtype) -> QuantChoice:
+    """``auto`` for float weights: bfloat16 panels (``bf16``) where the
+    arithmetic is bfloat16 and the CPU's kernels multiply them, else none."""
+    if dtype != torch.bfloat16:
+        return QuantChoice("none", "auto: not a GGUF file")
+    why = blocker or kernel_or_why() or bf16_or_why()
+    if why is not None:
+        return QuantChoice("none", f"auto: not a GGUF file, no bfloat16 panels: {why}")
+    reason = "auto: bfloat16 arithmetic on float weights, the CPU has AVX512-BF16"
+    return QuantChoice("bf16", reason, "bfloat16")
+
+
+def _blocker(device: torch.device, dtype: torch.dtype, tensor_parallel_size: int) -> str | None:
+    if device.type != "cpu":
+        return f"the quantized kernels run on the CPU, not {device.type}"
+    if tensor_parallel_size != 1:
+        return "tensor parallelism shards float weights"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"the quantized kernels take float32 activations, not {str(dtype).removeprefix('torch.')}"
+    return None
+
+
+def quantize_model(
+    model: Any, choice: QuantChoice, gguf_path: Path | None = None, cache: Path | None = None
+) -> str:
+    """Switch ``model``'s linear layers to ``choice``'s packed weights (a GGUF's
+    own from ``gguf_path``, its packing cached in the folder ``cache``);
+    returns the description for the start-up line, also kept as
+    ``model.mstar_quantization``. ``ValueError`` before any change when a
+    layer's shape does not fit the packing."""
+    if choice.mode == "none":
+        model.mstar_quantization = f"none ({choice.reason})"
+        return model.mstar_quantization
+    layers = _linear_layers(model)
+    if choice.mode == "bf16":
+        model.mstar_quantization = _as_panels(model, choice, layers)
+        gather(model)
+        return model.mstar_quantization
+    if choice.mode == "gguf":
+        packed, unpacked = _gguf_layers(
+            model, layers, cached_packed_weights(gguf_path, model, cache)
+        )
+    else:
+        _check_shapes(layers, choice.mode)
+        quantize = quantize_int4 if choice.mode == "int4" else quantize_int8
+        packed = {name: (quantize(mod.weight), "float") for name, mod in layers.items()}
+        unpacked = {}
+    why = kernel_or_why()
+    rounded = why is None and choice.arithmetic == "bfloat16"
+    panels = rounded and bf16_or_why() is None
+    for name, (weights, _) in packed.items():
+        _swap(model, name, weights, use_kernel=why is None, panels=panels, int16=rounded)
+    gather(model)  # each kind of the packed tensors in one allocation, in the step's order
+    summary = _summary(choice, packed, unpacked)
+    if why is not None:
+        summary += f"; run as float32 (dequantized): {why}"
+    elif rounded:
+        summary += f"; {_rounded_summary(model, packed)}"
+    model.mstar_quantization = summary
+    return summary
+
+
+def _linear_layers(model: Any) -> dict[str, torch.nn.Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def _as_panels(model: Any, choice: QuantChoice, layers: dict[str, torch.nn.Linear]) -> str:
+    """The layers whose shape the panels take (rows a multiple of ``PANEL``,
+    width of ``GROUP``) as bf16 (``pack_bf16``); the summary."""
+    fits = [n for n, m in layers.items() if not (m.out_features % PANEL or m.in_features % GROUP)]
+    for name in fits:
+        _swap(
+            model, name, pack_bf16(layers[name].weight), use_kernel=True, panels=False, int16=False
+        )
+    summary = f"bf16 ({choice.reason}): {len(fits)} layer{'s' * (len(fits) != 1)} as bfloat16"
+    summary += " panels, every row count multiplied in bfloat16 on float32 activations"
+    if kept := [n for n in layers if n not in fits]:
+        summary += (
+            f"; float32 for {', '.join(kept)} (rows not a multiple of {PANEL} or width of {GROUP})"
+        )
+    return summary
+
+
+def _check_shapes(layers: dict[str, torch.nn.Linear], mode: str) -> None:
+    for name, mod in layers.items():
+        if mod.in_features % GROUP or mod.out_features % 4:
+            raise ValueError(
+                f"quantization={mode!r} needs every linear layer's input width divisible by"
+                f" {GROUP} and output width by 4, got {name} of {mod.in_features} -> {mod.out_features}"
+            )
+
+
+def _gguf_layers(
+    model: Any, layers: dict[str, torch.nn.Linear], weights: dict[str, tuple[Packed | None, str]]
+) -> tuple[dict[str, tuple[Packed, str]], dict[str, str]]:
+    """The layers the GGUF's packed weights serve (``{name: (packed, gguf type)}``),
+    and the others with their GGUF type (kept float32)."""
+    embedding = model.get_input_embeddings()
+    packed, unpacked = {}, {}
+    for name, mod in layers.items():
+        key = f"{name}.weight"
+        if key not in weights and embedding is not None and mod.weight is embedding.weight:
+            key = next(k for k, p in model.named_parameters() if p is embedding.weight)
+        weight, type_name = weights.get(key, (None, "not in the file"))
+        fits = (
+            weight is not None
+            and weight.shape == tuple(mod.weight.shape)
+            and weight.shape[0] % 4 == 0
+        )
+        if fits and torch.equal(weight.dequantize(), mod.weight.detach().float()):
+            packed[name] = (weight, type_name)
+        else:
+            unpacked[name] = type_name
+    return packed, unpacked
+
+
+def _swap(
+    model: Any, name: str, weights: Packed, use_kernel: bool, panels: bool, int16: bool
+) -> None:
+    parent, _, attr = name.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    old = getattr(owner, attr)
+    if use_kernel:
+        held = bf16_panels(weights) if panels and weights.shape[0] % PANEL == 0 else None
+        laned = int16 and weights.shape[0] % LANES == 0
+        lanes = weights.lanes() if laned and torch.ops.mstar_quant.lanes_rows() else None
+        setattr(owner, attr, PackedLinear(weights, old.bias, held, int16, lanes))
+    else:  # a parameter of its own: a tied embedding keeps its weights
+        old.weight = torch.nn.Parameter(weights.dequantize(), requires_grad=False)
+
+
+def _rounded_summary(model: Any, packed: dict[str, tuple[Packed, str]]) -> str:
+    """The summary's clause on bfloat16 arithmetic: the rows on int16
+    activations, per kind of layer, and how many layers take them on lanes;
+    the rows on bfloat16 panels (naming the layers ``_swap`` left without),
+    or why there are none."""
+    if (why := bf16_or_why()) is not None:
+        many = f"more rows float32 ({why})"
+    else:
+        odd = [name for name in packed if model.get_submodule(name).panels is None]
+        kept = f" (float32 for {', '.join(odd)}: rows not a multiple of {PANEL})" if odd else ""
+        many = f"{BF16_ROWS}+ rows multiply in bfloat16{kept}"
+    layers = [m for m in map(model.get_submodule, packed) if m.int16_activations]
+    kinds = Counter((m.kind, m.int16_rows) for m in layers)
+    by_rows: dict[int, list[str]] = {}
+    for (kind, rows), n in sorted(kinds.items()):
+        by_rows.setdefault(rows, []).append(f"the {n} {kind} layer{'s' * (n > 1)}")
+    few = [
+        f"{'1 row' if rows == 1 else f'1-{rows} rows'} ({', '.join(names)})"
+        for rows, names in sorted(by_rows.items(), reverse=True)
+    ]
+    if not few:
+        return many
+    laned = sum(m.lanes is not None for m in layers)
+    on = f" ({laned} of them on lanes, 16 rows a vector)" if laned else ""
+    return f"int16 activations at {', '.join(few)}{on}, {many}"
+
+
+def _summary(
+    choice: QuantChoice, packed: dict[str, tuple[Packed, str]], unpacked: dict[str, str]
+) -> str:
+    counts: dict[str, int] = {}
+    for weights, type_name in packed.values():
+        label = f"{weights.kind} ({type_name})" if choice.mode == "gguf" else weights.kind
+        counts[label] = counts.get(label, 0) + 1
+    parts = [f"{n} layer{'s' * (n > 1)} {label}" for label, n in counts.items()]
+    if unpacked:
+        listed = ", ".join(f"{name} ({t})" for name, t in unpacked.items())
+        parts.append(f"float32 (dequantized): {listed}")
+    return f"{choice.mode} ({choice.reason}): {', '.join(parts)}"

@@ -1,0 +1,164 @@
+"""``PackedLinear``: a linear layer on packed weights (``packed.Packed``),
+float32 activations in and out, through the kernels of ``kernels.cpp``
+(bf16: every row count on the panels, rounded to bfloat16);
+with bfloat16 panels of the same weights (``packed.bf16_panels``), inputs
+of ``BF16_ROWS`` rows or more multiply in bfloat16 instead; with
+``int16_activations``, up to ``int16_rows(bits)`` rows (the kernels'
+``torch.ops.mstar_quant.int16_rows``: int4 8 with AVX512-VNNI, 4 on AVX2;
+int8 1) are rounded to int16 per group of 32 and multiplied in integers;
+weights also held as ``lanes`` (``Packed.lanes``, where the kernels'
+``lanes_rows()``: 1-8 with AVX512-VNNI, int8 too) multiply those rows there."""
+
+from __future__ import annotations
+
+import torch
+
+from mstar.cpu.quant.packed import PANEL, Packed, lanes_shape
+
+# fewest input rows for the bfloat16 panels; fewer stream the packed weights, faster up to
+# 8 rows on AVX512-BF16 (1536x576 from memory: 48 against 67 us at 8 rows, 36 against 54 at 5)
+BF16_ROWS = 9
+
+
+class PackedLinear(torch.nn.Module):
+    """``y = x @ W.T (+ bias)`` with ``W`` held packed; the same result as
+    ``F.linear`` on ``packed.dequantize()`` up to the order of the sums,
+    or, with ``panels`` (``bf16_panels(packed)``) at ``BF16_ROWS`` rows or
+    more, as on ``x`` and ``W`` rounded to bfloat16 (sums in float32), and
+    with ``int16_activations`` up to ``int16_rows(bits)`` rows, as on ``x``
+    rounded to int16 per group of 32 (``scale = max |x| / 32767``; int4's
+    minimums times the float32 sums of ``x``): ~1e-4 of the float32 result
+    on SmolLM2, ~20x closer than the bfloat16 panels; with ``lanes``
+    (``packed.lanes()``, with int16 activations) those rows multiply
+    on them, the same integers in another order of float32 sums; with
+    lanes and panels, which then take every row count, it holds no
+    row-major copy (``qweight``, ``scales``, ``mins`` None). bf16
+    weights (the panels themselves) take every row count as the panels do."""
+
+    def __init__(
+        self,
+        packed: Packed,
+        bias: torch.Tensor | None = None,
+        panels: torch.Tensor | None = None,
+        int16_activations: bool = False,
+        lanes: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        if packed.kind == "bf16" and (panels is not None or int16_activations):
+            raise ValueError(
+                "expected bf16 weights (the panels themselves) without panels or int16"
+                f" activations, got panels={panels is not None}, int16={int16_activations}"
+            )
+        if lanes is not None and (packed.kind == "bf16" or not int16_activations):
+            raise ValueError(
+                f"expected lanes only for int4/int8 weights with int16 activations, got {packed.kind}"
+                f" weights, int16={int16_activations}"
+            )
+        self.kind = packed.kind
+        self._int16 = int16_activations
+        self.out_features, self.in_features = packed.shape
+        want = (self.out_features // PANEL, self.in_features // 2, PANEL, 2)
+        if panels is not None and (panels.dtype != torch.bfloat16 or tuple(panels.shape) != want):
+            raise ValueError(
+                f"expected bfloat16 panels of shape {list(want)} for weights {list(packed.shape)},"
+                f" got {str(panels.dtype).removeprefix('torch.')} {list(panels.shape)}"
+            )
+        self.register_buffer("panels", panels)
+        if lanes is not None:
+            want = lanes_shape(packed)
+            if lanes.dtype != packed.qweight.dtype or tuple(lanes.shape) != want:
+                raise ValueError(
+                    f"expected {str(packed.qweight.dtype).removeprefix('torch.')} lanes of shape {list(want)} for weights {list(packed.shape)},"
+                    f" got {str(lanes.dtype).removeprefix('torch.')} {list(lanes.shape)}"
+                )
+        self.register_buffer("lanes", lanes)
+        self._lane_rows = 0 if lanes is None else torch.ops.mstar_quant.lanes_rows()
+        # the row-major bytes, where a row count reads them: not where the lanes take every
+        # count below the panels' (``packed()`` then rebuilds them from the lanes)
+        row_major = panels is None or self._lane_rows + 1 < BF16_ROWS
+        for name in ("qweight", "scales", "mins"):
+            self.register_buffer(name, getattr(packed, name) if row_major else None)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+
+    @property
+    def int16_rows(self) -> int:
+        """Most input rows rounded to int16 (0: none): the lanes' rows where
+        it holds lanes, else the kernels' ``int16_rows(bits)``."""
+        if not self._int16:
+            return 0
+        if self._lane_rows:
+            return self._lane_rows
+        return torch.ops.mstar_quant.int16_rows(4 if self.kind == "int4" else 8)
+
+    @property
+    def int16_activations(self) -> bool:
+        """Whether up to ``int16_rows(bits)`` rows are rounded to int16 (fixed
+        at construction: a one-call layer stack reads it once)."""
+        return self._int16
+
+    @property
+    def arithmetic(self) -> str:
+        """``float32`` (exact against the dequantized weights), else what
+        rounds: ``bfloat16`` (many rows on the panels), ``int16`` (few rows'
+        activations), or ``bfloat16+int16``."""
+        panels = self.panels is not None or self.kind == "bf16"
+        rounded = ["bfloat16"] * panels + ["int16"] * self.int16_activations
+        return "+".join(rounded) or "float32"
+
+    def _panelled(self, rows: int) -> bool:
+        """Whether ``rows`` input rows multiply on the bfloat16 panels."""
+        return self._buffers["panels"] is not None and rows >= BF16_ROWS
+
+    def _laned(self, rows: int) -> bool:
+        """Whether ``rows`` input rows multiply on the lanes."""
+        return rows <= self._lane_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # ~150 calls a decode step: the buffers read from ``_buffers`` and the ops called
+        # by their overload, not through ``nn.Module.__getattr__`` and overload
+        # resolution (~2 us a call between them)
+        b, ops = self._buffers, torch.ops.mstar_quant
+        rows = x.numel() // self.in_features
+        if self.kind == "bf16":
+            y = ops.bf16_linear.default(x, b["qweight"])
+        elif self._panelled(rows):
+            y = ops.bf16_linear.default(x, b["panels"])
+        elif self._laned(rows):
+            y = ops.lanes_i16.default(x, b["lanes"])
+        elif self.kind == "int4":
+            op = ops.int4_linear_i16 if self._int16 else ops.int4_linear
+            y = op.default(x, b["qweight"], b["scales"], b["mins"])
+        else:
+            op = ops.int8_linear_i16 if self._int16 else ops.int8_linear
+            y = op.default(x, b["qweight"], b["scales"])
+        return y if self.bias is None else y + self.bias
+
+    def read_tensors(self, rows: int) -> list[torch.Tensor]:
+        """The tensors a call on ``rows`` input rows reads (the panels, or
+        the packed weights; the bias)."""
+        if self._panelled(rows):
+            tensors = [self.panels]
+        elif self._laned(rows):
+            tensors = [self.lanes]
+        else:
+            tensors = [t for t in (self.qweight, self.scales, self.mins) if t is not None]
+        return tensors + ([] if self.bias is None else [self.bias])
+
+    def packed(self) -> Packed:
+        """The weights row-major (rebuilt from the lanes where it holds only them)."""
+        if self.qweight is None:
+            return Packed.from_lanes(self.kind, self.lanes)
+        return Packed(self.kind, self.qweight, self.scales, self.mins)
+
+    def dequantized(self) -> torch.nn.Linear:
+        """A float32 ``nn.Linear`` of the same weights, dequantized (the mode
+        check's reference)."""
+        weight = self.packed().dequantize()
+        linear = torch.nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if self.bias is not None:
+            linear.bias = torch.nn.Parameter(self.bias.detach().float(), requires_grad=False)
+        return linear
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, {self.kind}, {self.arithmetic}"

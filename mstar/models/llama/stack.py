@@ -1,0 +1,111 @@
+"""A small step's ``FusedLlamaLayer`` stack as one call of the layer ops'
+``decode_layers`` (``mstar/cpu/csrc/decode_layers.cpp``).
+
+Per layer it calls the same C++ functions in the same order as
+``FusedLlamaLayer`` with the layer ops does (norm, q/k/v, attention,
+o, norm, gate/up, SiLU times up, down), so the same results bit for bit,
+without ~8 Python calls into the dispatcher a layer and the Python between
+them. It serves steps the layer ops' attention serves (``StepAttention.rows``:
+decode, short prefills) of fewer than ``BF16_ROWS`` tokens (more may multiply
+on bfloat16 panels), on layers whose linear layers are all packed, without
+bias, with SiLU; any other step runs layer by layer. The weights are read
+from the layers at every step, as the layer-by-layer path reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import repeat
+from operator import attrgetter, is_, is_not
+
+import torch
+
+from mstar.cpu.quant.linear import BF16_ROWS, PackedLinear
+from mstar.models.llama.attention import StepAttention
+from mstar.models.llama.layer import FusedLlamaLayer
+from mstar.models.llama.rotary import StepRotary
+
+__all__ = ["LayerStack"]
+
+_BIAS = attrgetter("bias")
+
+
+class LayerStack:
+    """``layers`` (fused with the layer ops) as one ``decode_layers`` call."""
+
+    def __init__(self, layers: Sequence[FusedLlamaLayer]) -> None:
+        self.layers = tuple(layers)
+        self.eps = self.layers[0].norm1.variance_epsilon
+        self.heads = self.layers[0].heads
+        self._none = torch.empty(0, dtype=torch.float16)  # an int8 layer's (absent) minimums
+        self._absent = {"-": self._none}  # the slot of a tensor decode_layers takes empty
+        # where each weight lives (a module's ``_parameters`` or ``_buffers``, and its
+        # name), in ``decode_layers``' order: read every step, as they are then
+        slots: list[tuple[dict[str, torch.Tensor | None], str]] = []
+        self._linears = tuple(m for layer in self.layers for m in _linears(layer))
+        self.int16_activations = any(m.int16_activations for m in self._linears)
+        for layer in self.layers:
+            slots.append((layer.norm1._parameters, "weight"))
+            for i, module in enumerate(_linears(layer)):
+                if i == 2:
+                    slots.append((layer.norm2._parameters, "weight"))
+                if module.lanes is not None:  # decode_layers takes them alone, scales empty
+                    slots += [(module._buffers, "lanes"), (self._absent, "-"), (self._absent, "-")]
+                else:
+                    slots += [(module._buffers, n) for n in ("qweight", "scales", "mins")]
+        self._held = tuple(held for held, _ in slots)
+        self._names = tuple(name for _, name in slots)
+
+    @staticmethod
+    def refusal(layers: Sequence[FusedLlamaLayer]) -> str | None:
+        """Why ``layers`` cannot run as one call (None: they can)."""
+        if not layers or not all(layer.kernels and layer.silu for layer in layers):
+            return "has no layer ops or an activation other than SiLU"
+        first = layers[0]
+        for layer in layers:
+            if not all(isinstance(m, PackedLinear) for m in _linears(layer)):
+                return "has linear layers that are not packed"
+            norms = (layer.norm1.variance_epsilon, layer.norm2.variance_epsilon)
+            if norms != (first.norm1.variance_epsilon,) * 2 or layer.heads != first.heads:
+                return "has layers of different norm epsilons or head counts"
+        if len({m.int16_activations for layer in layers for m in _linears(layer)}) > 1:
+            return "has layers with and without int16 activations"
+        return None
+
+    def __call__(
+        self,
+        h: torch.Tensor,
+        rotary: StepRotary,
+        attention: StepAttention,
+    ) -> torch.Tensor | None:
+        """Every layer over ``h`` ``[T, hidden]`` in place, as ``FusedLlamaLayer``
+        calls in turn do (no MLP output pending before the first); returns the
+        last layer's MLP output, or None (nothing done) when the step is not
+        one this call serves."""
+        if attention.rows is None or h.shape[0] >= BF16_ROWS:
+            return None
+        weights = self._weights()
+        if weights is None:
+            return None
+        caches = [attention.cache.layer(layer.index) for layer in self.layers]
+        return torch.ops.mstar_layer.decode_layers.default(
+            h, weights, caches, self.eps, rotary.cos_rows, rotary.sin_rows,
+            *attention.rows, self.heads, attention.scaling, self.int16_activations,
+        )  # fmt: skip
+
+    def _weights(self) -> list[torch.Tensor] | None:
+        """The layers' weights as ``decode_layers`` takes them, as they are now
+        (None: a linear layer got a bias)."""
+        if any(map(is_not, map(_BIAS, self._linears), repeat(None))):
+            return None
+        # one pass at C speed (~420 tensors for SmolLM2), not a Python loop
+        weights = list(map(dict.__getitem__, self._held, self._names))
+        if any(map(is_, weights, repeat(None))):
+            none = self._none
+            weights = [none if t is None else t for t in weights]
+        return weights
+
+
+def _linears(layer: FusedLlamaLayer) -> tuple[torch.nn.Module, ...]:
+    """The layer's linear modules in the order it calls them."""
+    return (layer.qkv.module, layer.o_proj, layer.gate_up.module, layer.down)
