@@ -5,7 +5,7 @@
 // Python between them: a sixth of a one-row step on SmolLM2); the linear layers write
 // into buffers made once a call, not new tensors (~4 us a call on Zen 1). Every layer is
 // checked before any runs; then the kernels' threads go through the layers together (a
-// `Gang`, quant/cpp/team.h), each op shared among them and a spin barrier after it: one
+// `Gang`, team.h), each op shared among them and a spin barrier after it: one
 // hand-off a step instead of ~150 (the products of a step's SmolLM2 layers 1.7 ms instead
 // of 2.15 on Zen 4 in benchmarks/stack_products.py).
 //
@@ -16,7 +16,7 @@
 // post-attention norm weight, gate/up, down, each linear as (qweight, scales, mins):
 // qweight uint8 for int4 (mins its float16 minimums), int8 for int8 (mins empty),
 // bfloat16 panels [N/32, K/2, 32, 2] for bf16 (scales and mins empty); int4 or int8 weights
-// laid out as lanes (quant/cpp/lanes.h: uint8 [N/16, K/32 * 320] or int8 [N/16, K/32 * 544])
+// laid out as lanes (lanes.h: uint8 [N/16, K/32 * 320] or int8 [N/16, K/32 * 544])
 // with scales and mins empty;
 // int16_activations: they take their activations rounded to int16 (int4/int8_linear_i16).
 // caches: per layer its KV tensor [P, 2, S, H_kv, D] (float32 or bfloat16); the rest as

@@ -56,7 +56,7 @@ std::vector<float> group_sums(const float* x, int64_t K) {
 }
 
 #if defined(__AVX512F__)
-// AVX-512 (built so where torch sees it, `cpp_build.flags`): 1-8 activation rows in
+// AVX-512 (built so where torch sees it, `mstar.cpu.build.flags`): 1-8 activation rows in
 // their own order, each group of 32 weights dequantized into two 16-lane vectors
 // exactly as `dequantize` does, and multiplied in place.
 

@@ -5,7 +5,7 @@
 // rounds to int8, 256x coarser); the weights' minimums still meet the float32 sums of the
 // activations. The nibbles need no float conversion (no permute a group, as `gemv1_int4`
 // has): ~1.5x its speed in cache, and at 2 threads the weights' stream is the limit. Built
-// where the CPU has AVX512-BF16 (cpp_build.BF16_FLAGS), which every CPU with it has; an
+// where the CPU has AVX512-BF16 (mstar/cpu/build.py: BF16_FLAGS), which every CPU with it has; an
 // AVX2 version of the same rounding below it for every other build (rows: see I16_ROWS),
 // and int8 weights on one row so rounded, in AVX2 for every build.
 #pragma once

@@ -6,7 +6,7 @@
 // each row's queries over that row's pages, causal (a row's i-th of n queries sees all but
 // its last n - 1 - i keys), softmax in float32; query heads h read KV head h / (H / H_kv).
 // A query at a time: what a decode step or a short prefill needs (long prompts go to SDPA's
-// blocked kernel instead: step_attention.py); fewer queries than threads: each query's keys
+// blocked kernel instead: mstar/models/llama/attention.py); fewer queries than threads: each query's keys
 // in parts, merged by their softmax sums.
 #pragma once
 

@@ -9,7 +9,7 @@
 // attention:     the step's q/k/v through rotary, the cache write and each query over its
 //                row's pages (layer_attention.h).
 // Rows (tokens; for attention, queries or parts of their keys) are spread over the kernels'
-// threads (`Team`, quant/cpp/team.h: built into one extension with them, awake
+// threads (`Team`, team.h: built into one extension with them, awake
 // through a step) where the work repays handing it out (`grain`); exponentials run eight
 // at a time (`exp8`, within 2 ulp of std::exp).
 #include <ATen/ATen.h>
