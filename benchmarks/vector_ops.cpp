@@ -1,7 +1,7 @@
 // What one AVX2 instruction of the packed kernels costs on this CPU: nanoseconds per
 // instruction in a stream of 8 independent chains (throughput, not latency), and as a
 // multiple of a 256-bit FMA's (a VM's clock varies from run to run; the ratios do not).
-// The int4 kernel on int16 activations (quant/cpp/i16_gemv.h) issues, per 64 weights,
+// The int4 kernel on int16 activations (mstar/cpu/csrc/i16_gemv.h) issues, per 64 weights,
 // 4 vpmaddwd, 3 shifts, 3 ands, 3 adds, a conversion, a multiply and an FMA: where the
 // 256-bit ones take two FMAs' time (Zen 1), those bound a core's speed, not the memory.
 //
