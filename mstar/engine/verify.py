@@ -98,15 +98,18 @@ class ModeCheck:
 
 
 def float32_reference(model: Any) -> Reference:
-    """An eager float32 forward over ``model``'s weights (a copy, upcast,
-    packed layers dequantized; the model itself unchanged), as a function of
-    token ids returning log-probabilities. Free it by dropping the function."""
-    reference = copy.deepcopy(model)
+    """An eager float32 forward over ``model``'s weights, as a function of
+    token ids returning log-probabilities; the model itself unchanged. It
+    shares the model's float32 and packed tensors (only half-precision
+    weights are copied, upcast): each packed layer dequantizes its weights
+    as it runs, so one layer's float32 weights exist at a time, not the
+    model's. Free it by dropping the function."""
+    reference = copy.deepcopy(model, memo=_shared_tensors(model))
     for attr in ("forward", "_mstar_eager_forward"):  # a compiled forward is not copied
         vars(reference).pop(attr, None)
     for name, module in list(reference.named_modules()):
         if is_packed(module):
-            reference.set_submodule(name, module.dequantized())
+            reference.set_submodule(name, Dequantizing(module))
     reference = reference.float().eval()
     reference.set_attn_implementation("sdpa")
 
@@ -116,6 +119,33 @@ def float32_reference(model: Any) -> Reference:
             return torch.log_softmax(reference(tensor).logits[0].float(), dim=-1)
 
     return forward
+
+
+class Dequantizing(torch.nn.Module):
+    """A packed layer as the reference runs it: float32 ``F.linear`` on its
+    weights dequantized at each call (``dequantized()``), freed after. It
+    holds the layer's method, not the layer: ``.float()`` on the reference
+    must not upcast the layer's bfloat16 panels into copies."""
+
+    def __init__(self, packed: torch.nn.Module) -> None:
+        super().__init__()
+        self.dequantized = packed.dequantized
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dequantized()(x.float())
+
+
+def _shared_tensors(model: Any) -> dict[int, torch.Tensor]:
+    """A ``deepcopy`` memo that keeps ``model``'s packed layers' tensors and
+    its float32 ones as they are (the reference reads them, never writes)."""
+    packed = {
+        id(t)
+        for m in model.modules()
+        if is_packed(m)
+        for t in m.state_dict(keep_vars=True).values()
+    }
+    tensors = [*model.parameters(), *model.buffers()]
+    return {id(t): t for t in tensors if id(t) in packed or t.dtype == torch.float32}
 
 
 def is_packed(module: torch.nn.Module) -> bool:
