@@ -173,3 +173,14 @@ def test_a_layer_the_panels_cannot_shape_stays_float32_and_is_named(files):
         " of 32"
     )
     assert type(model.lm_head) is torch.nn.Linear
+
+
+def test_the_converted_float32_model_is_gguf_pys_dequantization(mixed):
+    """The float32 weights the panels round (the file converted by
+    transformers) are gguf-py's dequantization bit for bit, every type here."""
+    path, _ = mixed
+    model = load(str(path))[0]
+    reference = gguf_reference(path, model)
+    assert {t for t, _ in reference.values()} == {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+    for name, (_, expected) in reference.items():
+        assert torch.equal(model.get_submodule(name).weight, expected), name
