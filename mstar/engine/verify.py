@@ -101,12 +101,11 @@ def float32_reference(model: Any) -> Reference:
     """An eager float32 forward over ``model``'s weights (a copy, upcast,
     packed layers dequantized; the model itself unchanged), as a function of
     token ids returning log-probabilities. Free it by dropping the function."""
-    reference = copy.deepcopy(model)
+    # packed layers go in dequantized, never copied packed first (a 1B model's panels: 2 GiB)
+    memo: dict[int, Any] = {id(m): m.dequantized() for m in model.modules() if is_packed(m)}
+    reference = copy.deepcopy(model, memo)
     for attr in ("forward", "_mstar_eager_forward"):  # a compiled forward is not copied
         vars(reference).pop(attr, None)
-    for name, module in list(reference.named_modules()):
-        if is_packed(module):
-            reference.set_submodule(name, module.dequantized())
     reference = reference.float().eval()
     reference.set_attn_implementation("sdpa")
 
