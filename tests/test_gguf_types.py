@@ -184,3 +184,28 @@ def test_the_converted_float32_model_is_gguf_pys_dequantization(mixed):
     assert {t for t, _ in reference.values()} == {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
     for name, (_, expected) in reference.items():
         assert torch.equal(model.get_submodule(name).weight, expected), name
+
+
+def mapped(path: Path) -> bool:
+    """Whether this process maps the file ``path`` (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as maps:
+        return any(line.rstrip().endswith(str(path)) for line in maps)
+
+
+def test_packed_weights_leave_no_mapping_of_the_converted_float32_file(files):
+    """Once every linear layer is packed, nothing keeps the converted model
+    file mapped (the embedding and norms are copied out of it), so the pages
+    packing read are not resident for the model's lifetime."""
+    import gc
+
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("no /proc/self/maps here")
+    path = write_llama_gguf(files / "owned.gguf", q4_k_m_types, LlamaShape(layers=1))
+    weights = (model_folder(str(path)) / "model.safetensors").resolve()
+    model = load(str(path), quantization="gguf")[0]
+    gc.collect()
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert not mapped(weights)
+    plain = load(str(path))[0]  # float32: the weights stay views of the file
+    assert mapped(weights)
+    del plain
