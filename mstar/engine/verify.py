@@ -104,12 +104,9 @@ def float32_reference(model: Any) -> Reference:
     weights are copied, upcast): each packed layer dequantizes its weights
     as it runs, so one layer's float32 weights exist at a time, not the
     model's. Free it by dropping the function."""
-    reference = copy.deepcopy(model, memo=_shared_tensors(model))
+    reference = copy.deepcopy(model, memo=_shared(model))
     for attr in ("forward", "_mstar_eager_forward"):  # a compiled forward is not copied
         vars(reference).pop(attr, None)
-    for name, module in list(reference.named_modules()):
-        if is_packed(module):
-            reference.set_submodule(name, Dequantizing(module))
     reference = reference.float().eval()
     reference.set_attn_implementation("sdpa")
 
@@ -135,17 +132,13 @@ class Dequantizing(torch.nn.Module):
         return self.dequantized()(x.float())
 
 
-def _shared_tensors(model: Any) -> dict[int, torch.Tensor]:
-    """A ``deepcopy`` memo that keeps ``model``'s packed layers' tensors and
-    its float32 ones as they are (the reference reads them, never writes)."""
-    packed = {
-        id(t)
-        for m in model.modules()
-        if is_packed(m)
-        for t in m.state_dict(keep_vars=True).values()
-    }
-    tensors = [*model.parameters(), *model.buffers()]
-    return {id(t): t for t in tensors if id(t) in packed or t.dtype == torch.float32}
+def _shared(model: Any) -> dict[int, Any]:
+    """A ``deepcopy`` memo: each packed layer enters the copy as
+    ``Dequantizing`` over the layer itself (never copied), and the float32
+    tensors as they are (the reference reads them, never writes)."""
+    packed = {id(m): Dequantizing(m) for m in model.modules() if is_packed(m)}
+    floats = {id(t): t for t in (*model.parameters(), *model.buffers()) if t.dtype == torch.float32}
+    return {**floats, **packed}
 
 
 def is_packed(module: torch.nn.Module) -> bool:

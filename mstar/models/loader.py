@@ -72,7 +72,24 @@ def load(
     loaded = torch.float32 if choice.mode != "none" else dtype
     model = AutoModelForCausalLM.from_pretrained(path, dtype=loaded).eval()
     quantize_model(model, choice, source if gguf else None, path if gguf else None)
+    if choice.mode != "none":
+        own_unpacked_parameters(model)
     return model, tokenizer
+
+
+def own_unpacked_parameters(model: Any) -> None:
+    """Copy the parameters outside linear layers (the embedding, the norms)
+    into memory of their own: loaded, they are views of the model file's
+    mapping, which then keeps every page of it that packing read resident
+    (a 1B Q4_K_M on bfloat16 panels: RSS 7.0 GiB, 4.2 of them the float32
+    file's pages, against 3.4). Linear layers kept float32 stay views, their
+    pages shared with other processes mapping the file."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                continue
+            for param in module.parameters(recurse=False):
+                param.data = param.data.clone()
 
 
 def load_tokenizer(folder: Path) -> Any:

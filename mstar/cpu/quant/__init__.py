@@ -3,7 +3,9 @@
 - ``gguf``: a GGUF file's own quantized tensors, served as they stand where
   a kernel takes them exactly (Q4_0/Q4_1 -> int4 groups of 32, Q8_0 -> int8
   groups of 32: ``mstar.cpu.quant.gguf``); the linear layers of other
-  types keep their float32 dequantization, listed in the description.
+  types (Q4_K, Q6_K, F16, ...) as bfloat16 panels of their float32
+  dequantization where the CPU has AVX512-BF16 (as ``bf16`` below), else
+  float32; the description counts them per type, and says why float32.
 - ``int8`` / ``int4``: the float weights quantized at load (int8 per output
   channel, int4 groups of 32: ``mstar.cpu.quant.at_load``).
 - ``bf16`` (CPUs with AVX512-BF16): the float weights rounded to bfloat16
@@ -148,8 +150,9 @@ def quantize_model(
         model.mstar_quantization = _as_panels(model, choice, layers)
         gather(model)
         return model.mstar_quantization
+    dequantized: dict[str, str] = {}
     if choice.mode == "gguf":
-        packed, unpacked = _gguf_layers(
+        packed, dequantized, unpacked = _gguf_layers(
             model, layers, cached_packed_weights(gguf_path, model, cache)
         )
     else:
@@ -162,11 +165,12 @@ def quantize_model(
     panels = rounded and bf16_or_why() is None
     for name, (weights, _) in packed.items():
         _swap(model, name, weights, use_kernel=why is None, panels=panels, int16=rounded)
+    panelled, kept = _dequantized_as_panels(model, layers, dequantized)
     gather(model)  # each kind of the packed tensors in one allocation, in the step's order
-    summary = _summary(choice, packed, unpacked)
+    summary = _summary(choice, packed, unpacked, panelled, kept)
     if why is not None:
         summary += f"; run as float32 (dequantized): {why}"
-    elif rounded:
+    elif rounded and packed:
         summary += f"; {_rounded_summary(model, packed)}"
     model.mstar_quantization = summary
     return summary
@@ -204,16 +208,20 @@ def _check_shapes(layers: dict[str, torch.nn.Linear], mode: str) -> None:
 
 def _gguf_layers(
     model: Any, layers: dict[str, torch.nn.Linear], weights: dict[str, tuple[Packed | None, str]]
-) -> tuple[dict[str, tuple[Packed, str]], dict[str, str]]:
+) -> tuple[dict[str, tuple[Packed, str]], dict[str, str], dict[str, str]]:
     """The layers the GGUF's packed weights serve (``{name: (packed, gguf type)}``),
-    and the others with their GGUF type (kept float32)."""
+    those of a type no integer kernel takes exactly (``{name: gguf type}``:
+    Q4_K, Q6_K, F16, ...), and the others with why (kept float32)."""
     embedding = model.get_input_embeddings()
-    packed, unpacked = {}, {}
+    packed, dequantized, unpacked = {}, {}, {}
     for name, mod in layers.items():
         key = f"{name}.weight"
         if key not in weights and embedding is not None and mod.weight is embedding.weight:
             key = next(k for k, p in model.named_parameters() if p is embedding.weight)
         weight, type_name = weights.get(key, (None, "not in the file"))
+        if weight is None and key in weights:
+            dequantized[name] = type_name
+            continue
         fits = (
             weight is not None
             and weight.shape == tuple(mod.weight.shape)
@@ -223,7 +231,28 @@ def _gguf_layers(
             packed[name] = (weight, type_name)
         else:
             unpacked[name] = type_name
-    return packed, unpacked
+    return packed, dequantized, unpacked
+
+
+def _dequantized_as_panels(
+    model: Any, layers: dict[str, torch.nn.Linear], dequantized: dict[str, str]
+) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:
+    """The layers of GGUF types no integer kernel takes (``dequantized``:
+    ``{name: type}``, their weights the file's float32 dequantization) as
+    bfloat16 panels of those weights where the kernels multiply them
+    (``{name: type}``); the rest keep float32 (``{name: (type, why)}``)."""
+    why = (kernel_or_why() or bf16_or_why()) if dequantized else None
+    panelled, kept = {}, {}
+    for name, type_name in dequantized.items():
+        mod = layers[name]
+        misfit = mod.out_features % PANEL or mod.in_features % GROUP
+        reason = why or (f"rows not a multiple of {PANEL} or width of {GROUP}" if misfit else None)
+        if reason is not None:
+            kept[name] = (type_name, reason)
+            continue
+        _swap(model, name, pack_bf16(mod.weight), use_kernel=True, panels=False, int16=False)
+        panelled[name] = type_name
+    return panelled, kept
 
 
 def _swap(
@@ -269,14 +298,32 @@ def _rounded_summary(model: Any, packed: dict[str, tuple[Packed, str]]) -> str:
 
 
 def _summary(
-    choice: QuantChoice, packed: dict[str, tuple[Packed, str]], unpacked: dict[str, str]
+    choice: QuantChoice,
+    packed: dict[str, tuple[Packed, str]],
+    unpacked: dict[str, str],
+    panelled: dict[str, str] | None = None,
+    kept: dict[str, tuple[str, str]] | None = None,
 ) -> str:
-    counts: dict[str, int] = {}
+    """The description: layers per packed kind (and GGUF type), per GGUF
+    type on bfloat16 panels or kept float32 (with why), and the layers no
+    packing took, named."""
+    counts: Counter[str] = Counter()
     for weights, type_name in packed.values():
-        label = f"{weights.kind} ({type_name})" if choice.mode == "gguf" else weights.kind
-        counts[label] = counts.get(label, 0) + 1
-    parts = [f"{n} layer{'s' * (n > 1)} {label}" for label, n in counts.items()]
+        counts[f"{weights.kind} ({type_name})" if choice.mode == "gguf" else weights.kind] += 1
+    for type_name in (panelled or {}).values():
+        counts[f"bf16 panels ({type_name} dequantized)"] += 1
+    parts = [", ".join(_layers(n, label) for label, n in counts.items())] if counts else []
+    by_why: dict[str, Counter[str]] = {}
+    for type_name, why in (kept or {}).values():
+        by_why.setdefault(why, Counter())[type_name] += 1
+    for why, types in by_why.items():
+        listed = ", ".join(_layers(n, f"float32 ({t} dequantized)") for t, n in types.items())
+        parts.append(f"{listed}: {why}")
     if unpacked:
         listed = ", ".join(f"{name} ({t})" for name, t in unpacked.items())
         parts.append(f"float32 (dequantized): {listed}")
-    return f"{choice.mode} ({choice.reason}): {', '.join(parts)}"
+    return f"{choice.mode} ({choice.reason}): {'; '.join(parts)}"
+
+
+def _layers(n: int, label: str) -> str:
+    return f"{n} layer{'s' * (n != 1)} {label}"

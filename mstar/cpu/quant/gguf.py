@@ -3,8 +3,9 @@
 Q4_0 and Q4_1 blocks (a float16 scale ``d``, Q4_1 also a float16 min ``m``,
 and 32 four-bit values) are int4 groups of 32 as they stand: scale ``d``,
 min ``m`` (Q4_0: ``-8 d``, exact in float16); Q8_0 blocks (``d`` and 32
-int8 values) are int8 groups of 32. Every other type is not packed (the
-model keeps its float32 dequantization). Rows come in the Hugging Face
+int8 values) are int8 groups of 32. Every other type is not packed here
+(``quantize_model`` serves its float32 dequantization as bfloat16 panels
+where it can). Rows come in the Hugging Face
 model's order: the row permutation transformers' own tensor processor applies
 on conversion (llama's q/k) is applied to the packed rows too.
 """

@@ -1,0 +1,211 @@
+"""GGUF files in the types people download (Q4_K_M's Q4_K and Q6_K, Q5_K,
+and the types the integer kernels take), written here (``gguf_files``):
+the weights served equal gguf-py's dequantization bit for bit (Q4_0, Q4_1,
+Q8_0 packed) or rounded to bfloat16 (every other type, as bfloat16 panels);
+a Q4_K_M-like file served through the engine agrees with the float32 HF
+model of the file; what the panels cannot take is named float32, with why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf_files import LlamaShape, q4_k_m_types, write_llama_gguf
+
+from mstar.cpu.quant import QuantChoice, quantize_model
+from mstar.cpu.quant.kernels import bf16_or_why, kernel_or_why
+from mstar.cpu.quant.linear import PackedLinear
+from mstar.engine import Engine
+from mstar.engine.verify import Tolerance, check_mode, float32_reference
+from mstar.models.loader import load, model_folder
+
+gguf = pytest.importorskip("gguf")
+
+# GGUF tensor names (without ``blk.N.`` and ``.weight``) -> the HF layer's
+HF_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# one type a tensor, each type somewhere; q/k in integer types (their rows permuted by HF)
+MIXED = {
+    "attn_q": "Q4_0",
+    "attn_k": "Q4_1",
+    "attn_v": "Q8_0",
+    "attn_output": "Q4_K",
+    "ffn_gate": "Q5_K",
+    "ffn_up": "Q6_K",
+    "ffn_down": "Q4_K",
+    "output": "Q6_K",
+    "token_embd": "Q4_K",
+}
+PACKED_TYPES = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
+
+
+@pytest.fixture(scope="module")
+def panels_run():
+    """The kernels with bfloat16 panels (AVX512-BF16), loaded before the
+    cache folder moves to a temporary one for the files converted here."""
+    why = kernel_or_why() or bf16_or_why()
+    if why is not None:
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def files(panels_run, tmp_path_factory) -> Path:
+    """A folder for the GGUF files, the cache folder (``MSTAR_KV_CACHE``)
+    beside them, so the converted models go with them."""
+    folder = tmp_path_factory.mktemp("gguf")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MSTAR_KV_CACHE", str(folder / "cache"))
+        yield folder
+
+
+def gguf_reference(path: Path, model: torch.nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
+    """Each linear layer's ``(GGUF type, weights)`` as gguf-py dequantizes
+    them, rows in the HF model's order (llama's q/k permuted as transformers'
+    conversion does), by HF layer name."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
+
+    processor = TENSOR_PROCESSORS["llama"](config=model.config.to_dict())
+    out = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        parts = tensor.name.split(".")
+        if parts[0] == "output":
+            name = "lm_head"
+        elif parts[0] == "blk" and parts[2] in HF_NAMES:
+            name = f"model.layers.{parts[1]}.{HF_NAMES[parts[2]]}"
+        else:
+            continue
+        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        weights = processor.process(weights=weights, name=tensor.name).weights
+        out[name] = (tensor.tensor_type.name, torch.from_numpy(weights.copy()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def mixed(files) -> tuple[Path, torch.nn.Module]:
+    path = write_llama_gguf(files / "mixed.gguf", MIXED)
+    return path, load(str(path), quantization="gguf")[0]
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_served_weights_are_gguf_pys_dequantization(mixed, type_name):
+    """Packed integer types bit for bit; every other type as bfloat16 panels
+    of the same values, each rounded to bfloat16."""
+    path, model = mixed
+    layers = {n: w for n, (t, w) in gguf_reference(path, model).items() if t == type_name}
+    assert layers
+    for name, expected in layers.items():
+        layer = model.get_submodule(name)
+        assert isinstance(layer, PackedLinear), name
+        assert layer.kind == PACKED_TYPES.get(type_name, "bf16"), name
+        assert torch.isfinite(expected).all() and expected.abs().max() > 0
+        if type_name in PACKED_TYPES:
+            assert torch.equal(layer.dequantized().weight, expected), name
+        else:
+            assert layer.arithmetic == "bfloat16"
+            assert torch.equal(layer.packed().dequantize(), expected.bfloat16().float()), name
+
+
+def test_the_description_names_each_type_and_what_serves_it(mixed):
+    assert mixed[1].mstar_quantization == (
+        "gguf (as asked): 2 layers int4 (Q4_0), 2 layers int4 (Q4_1), 2 layers int8 (Q8_0),"
+        " 4 layers bf16 panels (Q4_K dequantized), 2 layers bf16 panels (Q5_K dequantized),"
+        " 3 layers bf16 panels (Q6_K dequantized)"
+    )
+
+
+def test_q4_k_m_file_serves_on_panels_and_agrees_with_its_float32_model(files):
+    """``quantization="auto"`` on a Q4_K_M-like file: every linear layer on
+    bfloat16 panels (none float32), the start-up check passed (bfloat16
+    arithmetic: the half-precision bound), the decode step fused, and the
+    greedy tokens agree with the HF model on the file's float32
+    dequantization under that bound."""
+    from transformers import AutoModelForCausalLM
+
+    from mstar.models.llama.step import fused_step
+
+    path = write_llama_gguf(files / "q4_k_m.gguf", q4_k_m_types)
+    with Engine.from_pretrained(str(path), quantization="auto") as engine:
+        assert engine.model.mstar_quantization == (
+            "gguf (auto: the file's own format): 12 layers bf16 panels (Q4_K dequantized),"
+            " 3 layers bf16 panels (Q6_K dequantized)"
+        )
+        linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
+        assert not linears
+        assert engine.mode_check is not None and engine.mode_check.ok
+        assert fused_step(engine.model).stack is not None
+        hf = AutoModelForCausalLM.from_pretrained(model_folder(str(path)), dtype=torch.float32)
+        check = check_mode(engine, float32_reference(hf.eval()), Tolerance.of(exact=False))
+    assert check.ok, check.failure
+    assert check.tokens == 24
+
+
+def test_without_bf16_panels_the_types_are_named_float32_with_why(mixed, monkeypatch):
+    import mstar.cpu.quant as quant
+
+    path, _ = mixed
+    model = load(str(path))[0]
+    monkeypatch.setattr(quant, "bf16_or_why", lambda: "the CPU lacks AVX512-BF16")
+    description = quantize_model(model, QuantChoice("gguf", "as asked"), path, model_folder(path))
+    assert description == (
+        "gguf (as asked): 2 layers int4 (Q4_0), 2 layers int4 (Q4_1), 2 layers int8 (Q8_0);"
+        " 4 layers float32 (Q4_K dequantized), 2 layers float32 (Q5_K dequantized),"
+        " 3 layers float32 (Q6_K dequantized): the CPU lacks AVX512-BF16"
+    )
+    kept = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    assert len(kept) == 9 and "lm_head" in kept
+
+
+def test_a_layer_the_panels_cannot_shape_stays_float32_and_is_named(files):
+    """A head of 280 rows (not a multiple of 32): float32, named with why."""
+    path = write_llama_gguf(files / "odd.gguf", q4_k_m_types, LlamaShape(layers=1, vocab=280))
+    model = load(str(path), quantization="gguf")[0]
+    assert model.mstar_quantization == (
+        "gguf (as asked): 5 layers bf16 panels (Q4_K dequantized), 2 layers bf16 panels (Q6_K"
+        " dequantized); 1 layer float32 (Q6_K dequantized): rows not a multiple of 32 or width"
+        " of 32"
+    )
+    assert type(model.lm_head) is torch.nn.Linear
+
+
+def test_the_converted_float32_model_is_gguf_pys_dequantization(mixed):
+    """The float32 weights the panels round (the file converted by
+    transformers) are gguf-py's dequantization bit for bit, every type here."""
+    path, _ = mixed
+    model = load(str(path))[0]
+    reference = gguf_reference(path, model)
+    assert {t for t, _ in reference.values()} == {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+    for name, (_, expected) in reference.items():
+        assert torch.equal(model.get_submodule(name).weight, expected), name
+
+
+def mapped(path: Path) -> bool:
+    """Whether this process maps the file ``path`` (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as maps:
+        return any(line.rstrip().endswith(str(path)) for line in maps)
+
+
+def test_packed_weights_leave_no_mapping_of_the_converted_float32_file(files):
+    """Once every linear layer is packed, nothing keeps the converted model
+    file mapped (the embedding and norms are copied out of it), so the pages
+    packing read are not resident for the model's lifetime."""
+    import gc
+
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("no /proc/self/maps here")
+    path = write_llama_gguf(files / "owned.gguf", q4_k_m_types, LlamaShape(layers=1))
+    weights = (model_folder(str(path)) / "model.safetensors").resolve()
+    model = load(str(path), quantization="gguf")[0]
+    gc.collect()
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert not mapped(weights)
+    plain = load(str(path))[0]  # float32: the weights stay views of the file
+    assert mapped(weights)
+    del plain
