@@ -212,34 +212,6 @@ def test_bfloat16_arithmetic_on_packed_weights_is_checked_at_the_half_precision_
     assert 1e-6 < check.worst < Tolerance.of(exact=False).logprob_abs, check
 
 
-def test_the_reference_takes_packed_layers_dequantized_without_copying_them_packed(
-    paged, packed_kernels, monkeypatch
-):
-    """The packed weights are never deep-copied (a 1B model's panels: 2 GiB
-    more at the start-up check's peak): each packed layer enters the copy
-    as its ``dequantized()`` linear layer; the model itself is unchanged."""
-    from mstar.cpu.quant import QuantChoice, quantize_model
-    from mstar.cpu.quant.linear import PackedLinear
-
-    model = copy.deepcopy(paged)
-    quantize_model(model, QuantChoice("int4", "as asked"))
-
-    def refuse(self, memo):
-        raise AssertionError("a packed layer was deep-copied")
-
-    monkeypatch.setattr(PackedLinear, "__deepcopy__", refuse, raising=False)
-    ids = [3, 1, 4, 1, 5]
-    reference = float32_reference(model)(ids)
-    assert isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
-    twin = copy.deepcopy(paged)
-    for name, module in model.named_modules():
-        if isinstance(module, PackedLinear):
-            twin.set_submodule(name, module.dequantized())
-    with torch.no_grad():
-        expected = torch.log_softmax(twin(torch.tensor([ids])).logits[0], dim=-1)
-    torch.testing.assert_close(reference, expected, rtol=1e-5, atol=1e-5)
-
-
 def test_a_packed_kernel_that_disagrees_is_refused(paged, packed_kernels, monkeypatch):
     from mstar.cpu.quant import QuantChoice, quantize_model
     from mstar.cpu.quant.linear import PackedLinear
