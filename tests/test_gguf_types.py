@@ -18,6 +18,7 @@ from mstar.cpu.quant.kernels import bf16_or_why, kernel_or_why
 from mstar.cpu.quant.linear import PackedLinear
 from mstar.engine import Engine
 from mstar.engine.verify import Tolerance, check_mode, float32_reference
+from mstar.models.gguf import gguf_folder, load_gguf
 from mstar.models.loader import load, model_folder
 
 gguf = pytest.importorskip("gguf")
@@ -113,6 +114,23 @@ def test_served_weights_are_gguf_pys_dequantization(mixed, type_name):
             assert torch.equal(layer.packed().dequantize(), expected.bfloat16().float()), name
 
 
+def test_q5_0_and_q5_1_load_from_the_file_as_panels_of_their_dequantization(files):
+    """Types transformers' own conversion refuses (Q5_0, Q5_1) load: read
+    from the file, each weight gguf-py's dequantization rounded to bfloat16."""
+    types = {"attn_q": "Q5_0", "attn_k": "Q5_1", "ffn_up": "Q5_0"}
+    path = write_llama_gguf(files / "q5.gguf", types, LlamaShape(layers=1))
+    model = load(str(path), quantization="gguf")[0]
+    assert model.mstar_quantization.startswith(
+        "gguf (as asked): 2 layers bf16 panels (Q5_0 dequantized),"
+        " 1 layer bf16 panels (Q5_1 dequantized)"
+    )
+    layers = {n: w for n, (t, w) in gguf_reference(path, model).items() if t in ("Q5_0", "Q5_1")}
+    assert len(layers) == 3
+    for name, expected in layers.items():
+        got = model.get_submodule(name).packed().dequantize()
+        assert torch.equal(got, expected.bfloat16().float()), name
+
+
 def test_the_description_names_each_type_and_what_serves_it(mixed):
     assert mixed[1].mstar_quantization == (
         "gguf (as asked): 2 layers int4 (Q4_0), 2 layers int4 (Q4_1), 2 layers int8 (Q8_0),"
@@ -151,9 +169,9 @@ def test_without_bf16_panels_the_types_are_named_float32_with_why(mixed, monkeyp
     import mstar.cpu.quant as quant
 
     path, _ = mixed
-    model = load(str(path))[0]
+    model, weights = load_gguf(path, pack=True)
     monkeypatch.setattr(quant, "bf16_or_why", lambda: "the CPU lacks AVX512-BF16")
-    description = quantize_model(model, QuantChoice("gguf", "as asked"), path, model_folder(path))
+    description = quantize_model(model, QuantChoice("gguf", "as asked"), weights)
     assert description == (
         "gguf (as asked): 2 layers int4 (Q4_0), 2 layers int4 (Q4_1), 2 layers int8 (Q8_0);"
         " 4 layers float32 (Q4_K dequantized), 2 layers float32 (Q5_K dequantized),"
@@ -192,20 +210,28 @@ def mapped(path: Path) -> bool:
         return any(line.rstrip().endswith(str(path)) for line in maps)
 
 
-def test_packed_weights_leave_no_mapping_of_the_converted_float32_file(files):
-    """Once every linear layer is packed, nothing keeps the converted model
-    file mapped (the embedding and norms are copied out of it), so the pages
-    packing read are not resident for the model's lifetime."""
+def test_a_gguf_loads_from_the_file_with_no_float32_copy_and_leaves_it_unmapped(files):
+    """The load reads the file itself: no converted float32 model is written
+    under the cache folder (only the index, config and tokenizer), no
+    packed layer holds a float32 weight, and once loaded nothing keeps the
+    file mapped (every tensor copied out or packed)."""
     import gc
+    import os
 
     if not Path("/proc/self/maps").exists():
         pytest.skip("no /proc/self/maps here")
-    path = write_llama_gguf(files / "owned.gguf", q4_k_m_types, LlamaShape(layers=1))
-    weights = (model_folder(str(path)) / "model.safetensors").resolve()
+    path = write_llama_gguf(files / "direct.gguf", q4_k_m_types, LlamaShape(layers=1))
     model = load(str(path), quantization="gguf")[0]
     gc.collect()
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
-    assert not mapped(weights)
-    plain = load(str(path))[0]  # float32: the weights stay views of the file
-    assert mapped(weights)
-    del plain
+    assert not any(p.is_meta for p in model.parameters())
+    assert not mapped(path)
+    cache = Path(os.environ["MSTAR_KV_CACHE"])
+    assert not list(cache.glob("direct-*/*.safetensors"))  # no converted float32 model
+    assert (gguf_folder(path) / "tensors.json").exists()
+    for first, second in zip(
+        model.state_dict().values(),
+        load(str(path), quantization="gguf")[0].state_dict().values(),
+        strict=True,
+    ):
+        assert torch.equal(first, second)  # a second load, from the index, the same

@@ -48,9 +48,9 @@ STORE_START_S = 10.0
 
 def context_ids(model: str, tokens: int) -> list[int]:
     """``tokens`` token ids of the workload's system prompts, for ``model``."""
-    from mstar.models.loader import load_tokenizer, model_folder
+    from mstar.models.loader import tokenizer_of
 
-    tokenizer = load_tokenizer(model_folder(model))
+    tokenizer = tokenizer_of(model)
     ids: list[int] = []
     k = 0
     while len(ids) < tokens:

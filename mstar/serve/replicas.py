@@ -407,9 +407,9 @@ def _tokenizer(model: str) -> Any:
     """The model's tokenizer alone (None for the random model or a folder without one)."""
     if model == "random":
         return None
-    from mstar.models.loader import load_tokenizer, model_folder
+    from mstar.models.loader import tokenizer_of
 
-    return load_tokenizer(model_folder(model))
+    return tokenizer_of(model)
 
 
 def run_replicas(args: argparse.Namespace) -> int:

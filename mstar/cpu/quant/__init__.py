@@ -51,14 +51,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from mstar.cpu.quant.arena import gather
 from mstar.cpu.quant.at_load import quantize_int4, quantize_int8
-from mstar.cpu.quant.gguf import cached_packed_weights
 from mstar.cpu.quant.kernels import bf16_or_why, kernel_or_why
 from mstar.cpu.quant.linear import BF16_ROWS, PackedLinear
 from mstar.cpu.quant.packed import GROUP, LANES, PANEL, Packed, bf16_panels, pack_bf16
@@ -135,13 +133,15 @@ def _blocker(device: torch.device, dtype: torch.dtype, tensor_parallel_size: int
 
 
 def quantize_model(
-    model: Any, choice: QuantChoice, gguf_path: Path | None = None, cache: Path | None = None
+    model: Any, choice: QuantChoice, gguf: dict[str, tuple[Packed | None, str]] | None = None
 ) -> str:
     """Switch ``model``'s linear layers to ``choice``'s packed weights (a GGUF's
-    own from ``gguf_path``, its packing cached in the folder ``cache``);
-    returns the description for the start-up line, also kept as
-    ``model.mstar_quantization``. ``ValueError`` before any change when a
-    layer's shape does not fit the packing."""
+    own: ``gguf``, each weight's packed form or None and its GGUF type, as
+    ``mstar.models.gguf.load_gguf`` reads them; a layer whose packed weights
+    it holds may keep a meta weight until swapped); returns the description
+    for the start-up line, also kept as ``model.mstar_quantization``.
+    ``ValueError`` before any change when a layer's shape does not fit the
+    packing."""
     if choice.mode == "none":
         model.mstar_quantization = f"none ({choice.reason})"
         return model.mstar_quantization
@@ -152,9 +152,9 @@ def quantize_model(
         return model.mstar_quantization
     dequantized: dict[str, str] = {}
     if choice.mode == "gguf":
-        packed, dequantized, unpacked = _gguf_layers(
-            model, layers, cached_packed_weights(gguf_path, model, cache)
-        )
+        if gguf is None:
+            raise ValueError("expected the GGUF file's weights for quantization='gguf', got none")
+        packed, dequantized, unpacked = _gguf_layers(model, layers, gguf)
     else:
         _check_shapes(layers, choice.mode)
         quantize = quantize_int4 if choice.mode == "int4" else quantize_int8
@@ -227,10 +227,15 @@ def _gguf_layers(
             and weight.shape == tuple(mod.weight.shape)
             and weight.shape[0] % 4 == 0
         )
-        if fits and torch.equal(weight.dequantize(), mod.weight.detach().float()):
+        # a meta weight: read packed from the file, nothing else to agree with
+        if fits and (
+            mod.weight.is_meta or torch.equal(weight.dequantize(), mod.weight.detach().float())
+        ):
             packed[name] = (weight, type_name)
-        else:
-            unpacked[name] = type_name
+            continue
+        if mod.weight.is_meta and weight is not None:
+            mod.weight = torch.nn.Parameter(weight.dequantize(), requires_grad=False)
+        unpacked[name] = type_name
     return packed, dequantized, unpacked
 
 

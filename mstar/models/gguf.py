@@ -1,0 +1,156 @@
+"""A GGUF file straight to a model, never through a float32 copy of it.
+
+The first load reads the file's metadata once (gguf-py's reader and
+transformers' GGUF config and tokenizer: tens of seconds for a 49k-token
+vocabulary) into a folder under the cache folder (``gguf_folder``): the
+config, the tokenizer and an index of the tensors (name, the Hugging Face
+parameter it maps to, type, offset, shape). A later load reads that folder
+and the tensors straight from the memory-mapped file. The model is built
+with its parameters on the meta device (accelerate's
+``init_empty_weights``: buffers such as rotary frequencies stay real), and
+each tensor is read once:
+
+- a linear layer's weights of a type the kernels take exactly (Q4_0, Q4_1,
+  Q8_0) stay packed as they stand (``mstar.cpu.quant.gguf.decode_blocks``):
+  their module keeps a meta weight until ``quantize_model`` swaps it for a
+  ``PackedLinear``;
+- every other tensor is dequantized to float32 (gguf-py's ``dequantize``,
+  what transformers' own conversion does) into the parameter it maps to;
+  a packable embedding keeps its packed form too, for a head tied to it.
+
+Rows come in the Hugging Face model's order: transformers' tensor processor
+(llama's q/k permutation) applies to float tensors as it does on conversion
+and to a packed tensor's rows.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mstar.cpu.cachedir import cached, file_key
+from mstar.cpu.quant.gguf import BLOCK_BYTES, decode_blocks
+from mstar.cpu.quant.packed import Packed
+
+__all__ = ["GGUFWeights", "gguf_folder", "load_gguf"]
+
+INDEX = "tensors.json"  # the index of the file's tensors, in the cache folder
+
+# each weight the file holds, by its state-dict name: its packed form (None
+# where no kernel takes its type, or packing was not asked) and its GGUF type
+GGUFWeights = dict[str, tuple[Packed | None, str]]
+
+
+def load_gguf(path: Path, *, pack: bool) -> tuple[Any, GGUFWeights]:
+    """The float32 model of the GGUF file at ``path`` in eval mode, and its
+    weights (``GGUFWeights``). With ``pack``, linear layers of the packed
+    types hold meta weights for ``quantize_model`` to swap; without, every
+    weight is its float32 dequantization. ``ValueError`` naming a weight the
+    model has and the file lacks."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = gguf_folder(path)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(folder), dtype=torch.float32
+        )
+    linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    weights: GGUFWeights = {}
+    with torch.no_grad():
+        for name, type_name, value in _tensors(path, folder, model, pack):
+            weights[name] = (value if isinstance(value, Packed) else None, type_name)
+            if isinstance(value, Packed) and name in linear:
+                continue  # stays meta: quantize_model swaps the layer
+            floats = value.dequantize() if isinstance(value, Packed) else value
+            _assign(model, name, floats)
+        if getattr(model.config, "tie_word_embeddings", False):
+            model.tie_weights()
+    missing = [
+        n for n, p in model.named_parameters() if p.is_meta and weights.get(n, (None,))[0] is None
+    ]
+    if missing:
+        raise ValueError(
+            f"expected {path.name} to hold every weight of its model, got none for"
+            f" {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+        )
+    return model.eval(), weights
+
+
+def gguf_folder(path: Path) -> Path:
+    """The cache folder of the GGUF file ``path``: its config, tokenizer and
+    ``INDEX`` (made on first use)."""
+    return cached(f"{file_key(path)}-gguf", INDEX, lambda scratch: _write_folder(path, scratch))
+
+
+def _write_folder(path: Path, scratch: Path) -> None:
+    from accelerate import init_empty_weights
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    reader = GGUFReader(path)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    names = get_gguf_hf_weights_map(model, _processor(arch, config))
+    tensors = [
+        {"name": t.name, "hf": names[t.name], "type": t.tensor_type.name,
+         "dtype": str(t.data.dtype), "shape": list(t.data.shape), "offset": int(t.data_offset)}
+        for t in reader.tensors if t.name in names
+    ]  # fmt: skip
+    config.save_pretrained(scratch)
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(scratch)
+    (scratch / INDEX).write_text(json.dumps({"architecture": arch, "tensors": tensors}))
+
+
+def _processor(arch: str, config: Any) -> Any:
+    """transformers' tensor processor for ``arch`` (llama's q/k permutation)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+
+
+def _tensors(
+    path: Path, folder: Path, model: Any, pack: bool
+) -> Iterator[tuple[str, str, Packed | torch.Tensor]]:
+    """Each tensor of the file the model maps: ``(state-dict name, GGUF
+    type, packed weights or float32 tensor)``, one at a time, read from the
+    memory-mapped file at the offsets ``folder``'s index holds."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    index = json.loads((folder / INDEX).read_text())
+    processor = _processor(index["architecture"], model.config)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    for entry in index["tensors"]:
+        dtype, shape = np.dtype(entry["dtype"]), tuple(entry["shape"])
+        count = int(np.prod(shape)) * dtype.itemsize
+        data = mapped[entry["offset"] : entry["offset"] + count].view(dtype).reshape(shape)
+        name, type_name = entry["hf"], entry["type"]
+        if pack and type_name in BLOCK_BYTES:
+            packed = decode_blocks(type_name, data)
+            rows = np.arange(packed.shape[0], dtype=np.float32)[:, None]
+            order = processor.process(weights=rows, name=entry["name"]).weights[:, 0]
+            yield name, type_name, packed.rows(torch.from_numpy(order.astype(np.int64)))
+            continue
+        floats = dequantize(data, GGMLQuantizationType[type_name])
+        floats = processor.process(weights=floats, name=entry["name"]).weights
+        yield name, type_name, torch.from_numpy(np.array(floats, np.float32))  # its own memory
+
+
+def _assign(model: Any, name: str, value: torch.Tensor) -> None:
+    """``value`` as the parameter ``name`` of ``model`` (replacing its meta one)."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    old = getattr(owner, attr)
+    if tuple(old.shape) != tuple(value.shape):
+        raise ValueError(
+            f"expected {name} of shape {list(old.shape)} in the GGUF file, got {list(value.shape)}"
+        )
+    setattr(owner, attr, torch.nn.Parameter(value, requires_grad=False))
