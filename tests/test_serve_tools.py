@@ -111,6 +111,28 @@ def test_a_history_with_calls_and_their_results_is_served(api):
     assert again.choices[0].message.content and again.choices[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("tools", [None, TOOLS], ids=["plain", "tools"])
+def test_a_developer_turn_is_a_system_turn(api, tools):
+    def prompt_ids(role: str) -> list[int]:
+        messages = [{"role": role, "content": "Answer briefly."}, *ASK_WEATHER]
+        extra = {"return_token_ids": True}
+        got = create(api, messages=messages, max_tokens=1, extra_body=extra, tools=tools)
+        return got.model_extra["prompt_token_ids"]
+
+    assert prompt_ids("developer") == prompt_ids("system")
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS], ids=["plain", "tools"])
+def test_a_bad_role_is_refused_listing_every_accepted_role(server, tools):
+    body = {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}], "max_tokens": 1}
+    r = httpx.post(f"{server.url}/chat/completions", json=body | {"tools": tools}, timeout=60)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "messages.0.role"
+    for role in ("system", "developer", "user", "assistant", "tool", "'robot'"):
+        assert role in error["message"]
+
+
 def test_langchain_bind_tools_loop_and_structured_output(server):
     lc = pytest.importorskip("langchain_openai")
     from langchain_core.messages import HumanMessage, ToolMessage

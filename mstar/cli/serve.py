@@ -48,10 +48,98 @@ def add_parser(subparsers: Any) -> None:
 
     add_tensor_parallel_option(p)
     add_speculative_options(p)
+    add_network_options(p)
     add_replica_options(p)
     from mstar.serve.kv_tiers import add_tier_options
 
     add_tier_options(p)
+
+
+def add_network_options(p: argparse.ArgumentParser) -> None:
+    """``serve``'s options for a server on a network: keys, TLS, CORS, limits."""
+    from mstar.serve.access import DEFAULT_MAX_BODY_BYTES, KEY_ENV
+
+    g = p.add_argument_group("on a network (docs/serving.md)")
+    g.add_argument(
+        "--api-key", action="append", metavar="KEY",
+        help="every /v1 route asks for 'Authorization: Bearer KEY' (repeatable; also"
+        f" ${KEY_ENV}, comma-separated); each key's cached KV is its own",
+    )  # fmt: skip
+    g.add_argument("--protect-metrics", action="store_true", help="/metrics asks for a key too")
+    g.add_argument(
+        "--shared-prefix-cache", action="store_true",
+        help="requests of different keys reuse each other's cached KV",
+    )  # fmt: skip
+    g.add_argument("--ssl-keyfile", help="serve HTTPS: the private key (PEM)")
+    g.add_argument("--ssl-certfile", help="serve HTTPS: the certificate chain (PEM)")
+    g.add_argument(
+        "--allowed-origins", action="append", metavar="ORIGIN",
+        help="browser origins answered with CORS headers (repeatable or comma-separated;"
+        " * for any; default none)",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+        help="a larger request body gets 413",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-model-len", type=int,
+        help="the most tokens (prompt and completion) a request may span (default: the model's)",
+    )  # fmt: skip
+
+
+def access_of(args: argparse.Namespace) -> Any:
+    """The ``Access`` of ``serve``'s options (``$MSTAR_KV_API_KEY`` read now);
+    ``UsageError`` for a bad one. Sets ``args.api_key`` to the keys found."""
+    from mstar.serve.access import Access, api_keys
+    from mstar.serve.options import UsageError
+
+    try:
+        args.api_key = api_keys(args.api_key, os.environ)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if args.max_body_bytes < 1:
+        raise UsageError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    return Access(
+        api_keys=args.api_key, protect_metrics=args.protect_metrics,
+        shared_prefix_cache=args.shared_prefix_cache, max_body_bytes=args.max_body_bytes,
+    )  # fmt: skip
+
+
+def origins(args: argparse.Namespace) -> list[str]:
+    """``--allowed-origins``'s origins, each flag's comma-separated ones in order."""
+    found = [o.strip() for flag in args.allowed_origins or () for o in flag.split(",")]
+    return [o for o in found if o]
+
+
+def server_config(args: argparse.Namespace, app: Any, port: int | None = None) -> Any:
+    """The ``uvicorn.Config`` serving ``app`` as ``serve``'s options say
+    (HTTPS with ``--ssl-keyfile``/``--ssl-certfile``) on ``port`` (default ``--port``)."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app, host=args.host, port=args.port if port is None else port,
+        timeout_graceful_shutdown=args.grace,
+        log_level="info", access_log=False, ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+    )  # fmt: skip
+
+
+def check_tls(args: argparse.Namespace) -> None:
+    """``--ssl-keyfile`` and ``--ssl-certfile`` go together, name files, and
+    are not for ``--replicas``: ``UsageError`` saying which."""
+    from mstar.serve.options import UsageError
+
+    given = [f for f in ("ssl_keyfile", "ssl_certfile") if getattr(args, f)]
+    if not given:
+        return
+    if args.replicas is not None:
+        raise UsageError("--ssl-keyfile/--ssl-certfile are not supported with --replicas")
+    if len(given) == 1:
+        raise UsageError("--ssl-keyfile and --ssl-certfile go together: got only one")
+    for flag in given:
+        path = getattr(args, flag)
+        if not os.path.isfile(path):
+            raise UsageError(f"--{flag.replace('_', '-')} {path}: no such file")
 
 
 def add_replica_options(p: argparse.ArgumentParser) -> None:
@@ -132,6 +220,8 @@ def run(args: argparse.Namespace) -> int:
         least, value = int(name != "port"), getattr(args, name)
         if value is not None and value < least:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+    access = access_of(args)
+    check_tls(args)
     if args.replicas is not None:
         try:
             from mstar.serve.replicas import run_replicas
@@ -153,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
                 import mstar.serve.app  # noqa: F401
             engine, mode = build_engine(args, enforce_eager=True, compiling_later=compiling(args))
             tiers = attach_tiers(engine) if attach_tiers else None
-        return _serve(args, sock, engine, mode, tiers)
+        return _serve(args, sock, engine, mode, tiers, access)
 
 
 def compiling(args: argparse.Namespace) -> bool:
@@ -166,12 +256,12 @@ def reason(err: OSError) -> str:
     return "is in use" if err.errno == errno.EADDRINUSE else f"cannot be bound ({err.strerror})"
 
 
-def _serve(args: argparse.Namespace, sock: Any, engine: Any, mode: str, tiers: Any) -> int:
+def _serve(
+    args: argparse.Namespace, sock: Any, engine: Any, mode: str, tiers: Any, access: Any
+) -> int:
     """Serve ``engine`` on the bound ``sock``: its eager forward at once,
     the compiled one swapped in when ready (``mstar.serve.startup``) unless
     ``--enforce-eager``."""
-    import uvicorn
-
     from mstar.cli.report import windows_note
     from mstar.serve.app import GracefulServer, create_app
     from mstar.serve.kv_tiers import close_tiers
@@ -183,11 +273,11 @@ def _serve(args: argparse.Namespace, sock: Any, engine: Any, mode: str, tiers: A
     name = model_name(args)
     app = create_app(
         engine, model_name=name, max_waiting=args.max_waiting,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=args.tool_call_parser, access=access, allowed_origins=origins(args),
     )  # fmt: skip
     mgr = engine.mgr
     print(
-        f"mstar-kv serve: {name} on http://{args.host}:{args.port}/v1 ({args.device}, "
+        f"mstar-kv serve: {name} on {'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}/v1 ({args.device}, "
         f"{mode}, "
         f"{mgr.num_pages} KV pages of {mgr.page_size} tokens, {engine.budget} tokens/step, "
         f"prefix cache {'on' if engine.prefix_cache else 'off'}, max waiting {args.max_waiting})",
@@ -198,10 +288,7 @@ def _serve(args: argparse.Namespace, sock: Any, engine: Any, mode: str, tiers: A
     print(app.state.tools.describe(), flush=True)
     if (windows := windows_note(engine)) != "none":
         print(f"sliding windows: {windows}", flush=True)
-    config = uvicorn.Config(
-        app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
-        log_level="info", access_log=False,
-    )  # fmt: skip
+    config = server_config(args, app)
     # uvicorn re-raises the signal it stopped on once it has shut down: let that be a no-op
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
