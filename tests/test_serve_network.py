@@ -299,3 +299,61 @@ def test_cors_answers_only_the_allowed_origins_preflight_without_a_key(tiny):
     with ServerThread(app_of(tiny)) as srv:  # default: none
         r = httpx.get(f"{srv.url}/models", headers={"Origin": "https://a.example"}, timeout=30)
         assert "access-control-allow-origin" not in r.headers
+
+
+class FakeReplicas:
+    """A stand-in for the replicas' handle: records each request it is sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def options(self, **_):
+        return self
+
+    @property
+    def http(self):
+        return self
+
+    def remote(self, scope, body, route):
+        self.sent.append(body)
+
+        async def messages():
+            yield {"type": "http.response.start", "status": 200, "headers": []}
+            yield {"type": "http.response.body", "body": b"{}", "more_body": False}
+
+        return messages()
+
+
+def test_the_replicas_front_asks_for_a_key_and_bounds_the_body():
+    pytest.importorskip("ray.serve")
+    import asyncio
+
+    from starlette.requests import Request
+
+    from mstar.serve.replicas import Front, ReplicaConfig, parse_args
+
+    config = ReplicaConfig(model=MODEL, no_prefix_cache=True, api_key=KEYS, max_body_bytes=100)
+    assert parse_args({"api_key": "key-a, key-b"})[0].api_key == KEYS
+    replicas = FakeReplicas()
+    front = Front(replicas, config)
+
+    def call(path: str, body: bytes, key: str | None = None) -> int:
+        headers = [(b"content-type", b"application/json")]
+        headers += [] if key is None else [(b"authorization", f"Bearer {key}".encode())]
+        scope = {"type": "http", "method": "POST", "path": path, "headers": headers,
+                 "query_string": b"", "http_version": "1.1", "scheme": "http"}  # fmt: skip
+        parts = [body[:60], body[60:]]
+
+        async def receive():
+            chunk = parts.pop(0) if parts else b""
+            return {"type": "http.request", "body": chunk, "more_body": bool(parts)}
+
+        return asyncio.run(front(Request(scope, receive))).status_code
+
+    small = json.dumps({"model": MODEL, "prompt": [1, 2]}).encode()
+    assert call("/v1/completions", small) == 401
+    assert call("/v1/replicas", b"", "nope") == 401
+    assert call("/v1/completions", b"x" * 101, "key-a") == 413
+    assert replicas.sent == []  # none of them reached a replica
+    assert call("/v1/completions", small, "key-b") == 200
+    assert replicas.sent == [small]
