@@ -295,3 +295,16 @@ def test_a_greedy_row_drawn_before_its_mask_takes_the_masked_argmax(engine):
         assert first.token_ids[:4] != free.outputs[0].token_ids[:4]
     jsonschema.validate(json.loads(done[0].text), SCHEMAS["nested"])
     assert done[2].text.startswith('<tool_call>\n{"name": "'), done[2].text
+
+
+def test_json_comes_on_one_line_with_json_dumps_separators(engine):
+    """What docs/serving.md says of JSON output: one line, ``", "`` and
+    ``": "`` between items (Python's ``json.dumps`` default), no other whitespace."""
+    grammars = engine.pipeline.grammars
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for spec in (StructuredOutputs(json=schema), StructuredOutputs(json_object=True)):
+        text = json.dumps({"a": 1, "b": [2, 3]} if spec.json_object else {"a": 1})
+        assert grammars.matcher(spec).accept_string(text)
+        for other in (text.replace(": ", ":"), text.replace(", ", ","), text.replace("{", "{ ")):
+            if other != text:
+                assert not grammars.matcher(spec).accept_string(other), other
