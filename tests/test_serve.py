@@ -272,6 +272,13 @@ BAD = [
 ]
 
 
+def test_a_body_without_model_is_refused_as_openai_refuses_it(server):
+    r = httpx.post(f"{server.url}/completions", json={"prompt": PROMPTS[0]}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "model"
+    assert "required" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("body, status, param", BAD, ids=[str(i) for i in range(len(BAD))])
 def test_bad_input_gets_its_status_and_an_openai_error_naming_the_field(
     server, body, status, param
@@ -308,7 +315,9 @@ def test_a_request_that_can_never_fit_the_pool_gets_400_naming_its_pages(models)
     app = create_app(engine_of(models, num_pages=4), model_name=MODEL)
     with ServerThread(app) as srv:
         r = httpx.post(
-            f"{srv.url}/completions", json={"prompt": PROMPTS[0], "max_tokens": 40}, timeout=30
+            f"{srv.url}/completions",
+            json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 40},
+            timeout=30,
         )
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "request_too_large"
@@ -340,7 +349,7 @@ def test_overload_gets_503_with_retry_after_at_once(models):
     engine = engine_of(models)
     gate = gated(engine)
     app = create_app(engine, model_name=MODEL, max_waiting=2, retry_after=3)
-    body = {"prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0}
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0}
     with ServerThread(app) as srv, httpx.Client(timeout=30) as http:
         results: list[int] = []
         waiting = [
@@ -375,7 +384,13 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(models, offlin
 
     model.forward = flaky
     with ServerThread(create_app(engine, model_name=MODEL)) as srv:
-        body = {"prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0, "stream": True}
+        body = {
+            "model": MODEL,
+            "prompt": PROMPTS[3],
+            "max_tokens": 8,
+            "temperature": 0,
+            "stream": True,
+        }
         with httpx.stream("POST", f"{srv.url}/completions", json=body, timeout=30) as r:
             lines = [line for line in r.iter_lines() if line]
         assert lines[-1] == "data: [DONE]"

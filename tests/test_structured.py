@@ -179,7 +179,7 @@ def test_response_format_and_structured_outputs_over_http(server):
 def test_bad_structured_requests_get_400_naming_the_problem(server, body, param, message):
     r = httpx.post(
         f"{server.url}/chat/completions",
-        json={"messages": ASK, "max_tokens": 4, **body},
+        json={"model": "smollm2", "messages": ASK, "max_tokens": 4, **body},
         timeout=60,
     )
     assert r.status_code == 400, r.text
@@ -231,6 +231,7 @@ def test_a_preempted_constrained_request_keeps_its_matcher(smollm2):
 def test_logprobs_under_a_grammar_leave_out_masked_tokens(server):
     """Top logprobs past what the grammar allows would be -inf (not JSON)."""
     body = {
+        "model": "smollm2",
         "messages": ASK,
         "max_tokens": 4,
         "temperature": 0,

@@ -198,7 +198,7 @@ class Front:
         self.names = aengine.engine.pipeline.names
 
     def check(self, body: Any) -> None:
-        if body.model is not None and body.model != self.model_name:
+        if body.model != self.model_name:
             raise APIError(
                 404,
                 f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",

@@ -67,7 +67,7 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: StrictStr | None = None
+    model: StrictStr  # required, as OpenAI requires it
     max_tokens: StrictInt | None = None
     temperature: Number = 1.0
     top_p: Number = 1.0
