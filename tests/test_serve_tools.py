@@ -74,12 +74,18 @@ NAMED = {"type": "function", "function": {"name": "add"}}
 def test_required_and_named_calls_parse_and_validate_streamed_or_not(api, choice, parallel):
     got = create(api, tool_choice=choice, parallel_tool_calls=parallel)
     c = got.choices[0]
-    calls = check_calls(c.message.tool_calls or [])
-    if c.finish_reason == "tool_calls":
+    made = c.message.tool_calls or []
+    cut = (
+        c.finish_reason == "length"
+    )  # in the middle of a later parallel call: its arguments so far
+    calls = check_calls(made[:-1] if cut else made)
+    assert c.message.content is None
+    assert len({(f.function.name, f.function.arguments) for f in made}) == len(made)  # no twice
+    if not cut:
+        assert c.finish_reason == "tool_calls"
         assert calls and (parallel or len(calls) == 1)
-        assert c.message.content is None
-    else:  # cut by max_tokens in the middle of a later parallel call
-        assert parallel and c.finish_reason == "length"
+    else:
+        assert parallel and made
     if choice == NAMED:
         assert [name for name, _ in calls] == ["add"]
     content, streamed, finish, usage = streamed_calls(
@@ -88,6 +94,29 @@ def test_required_and_named_calls_parse_and_validate_streamed_or_not(api, choice
     assert finish == c.finish_reason and (content or None) == c.message.content
     assert same_calls(streamed, c.message.tool_calls)
     assert usage.completion_tokens == got.usage.completion_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "max_tokens", [3, 16, 32], ids=["in-markup", "before-arguments", "in-arguments"]
+)
+@pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
+def test_a_forced_call_cut_by_max_tokens_gives_its_arguments_so_far(api, choice, max_tokens):
+    got = create(api, tool_choice=choice, max_tokens=max_tokens)
+    c = got.choices[0]
+    assert c.finish_reason == "length" and c.message.content is None  # never the markup
+    for call in c.message.tool_calls or []:
+        assert call.function.name in ("add", "get_weather")
+        assert "tool_call>" not in call.function.arguments
+        assert call.function.arguments == "" or call.function.arguments.startswith("{")
+    if choice == NAMED:  # its name is known from the first token
+        assert [t.function.name for t in c.message.tool_calls] == ["add"]
+    if max_tokens == 32:  # (this model's calls' arguments begin by then)
+        assert (
+            len(c.message.tool_calls) == 1 and len(c.message.tool_calls[0].function.arguments) > 1
+        )
+    content, streamed, finish, _ = streamed_calls(api, tool_choice=choice, max_tokens=max_tokens)
+    assert content == "" and finish == "length"
+    assert same_calls(streamed, c.message.tool_calls or [])
 
 
 def test_auto_and_none_leave_text_as_content(api):

@@ -238,7 +238,7 @@ class Chunker:
         """The delta of a choice read for calls, and the pieces with the
         arguments of the calls it completes."""
         stream = self.calls.setdefault(out.index, CallStream(self.call.tools))
-        text, calls = stream.feed(out.delta, out.finish_reason is not None)
+        text, calls = stream.feed(out.delta, out.finish_reason)
         delta: dict = {"role": "assistant"} if first else {}
         if text or first:
             delta["content"] = text
