@@ -38,7 +38,7 @@ def test_serve_exits_0_on_a_signal_and_ends_in_flight_streams(sig):
     try:
         assert wait_until(lambda: up(base) or proc.poll() is not None, timeout=START_S)
         assert proc.poll() is None, proc.communicate()[0]
-        body = {"prompt": [1, 2, 3], "max_tokens": 400, "temperature": 0, "stream": True,
+        body = {"model": "random", "prompt": [1, 2, 3], "max_tokens": 400, "temperature": 0, "stream": True,
                 "return_token_ids": True}  # fmt: skip
         lines: list[str] = []
         first = threading.Event()
@@ -91,6 +91,10 @@ def test_serve_with_a_key_and_a_context_cap_as_a_process(monkeypatch):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+    out = proc.communicate()[0].splitlines()
+    first = next(line for line in out if line.startswith("mstar-kv serve: random"))  # short
+    assert first.startswith(f"mstar-kv serve: random on http://127.0.0.1:{port}/v1 device=cpu ")
+    assert " max_len=64 prefix_cache=per-key api_keys=2 " in first and "KV pages of" not in first
 
 
 @pytest.mark.parametrize(

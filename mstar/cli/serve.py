@@ -16,15 +16,30 @@ from typing import Any
 DEFAULT_MAX_WAITING = 256
 
 
+class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each option's default, unless it is None or False or
+    the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        if action.default is None or action.default is False or "default" in help_text.lower():
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_parser(subparsers: Any) -> None:
     """Register ``serve`` on ``mstar-kv``'s subparsers."""
-    p = subparsers.add_parser("serve", help="an OpenAI-compatible server over the engine")
+    p = subparsers.add_parser(
+        "serve", help="an OpenAI-compatible server over the engine",
+        description="An OpenAI-compatible server over the engine (docs/serving.md).",
+        formatter_class=DefaultsShown,
+    )  # fmt: skip
     p.add_argument(
         "--model", default="smollm2",
         help="smollm2 (default), random (a seeded tiny Llama, token ids only), a GGUF file or a folder",
     )  # fmt: skip
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="the address to bind (0.0.0.0: any)")
+    p.add_argument("--port", type=int, default=8000, help="the port to bind")
     p.add_argument("--pages", type=int, help="KV pages in the pool (default: a memory share)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     # 512, not the Python API's 256: 32 chats at once got their first token ~20% sooner
@@ -39,6 +54,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="the random model's seed")
     p.add_argument("--grace", type=float, default=10.0, help="seconds to finish at shutdown")
     p.add_argument("--served-model-name", help="the model's name in the API (default: --model's)")
+    p.add_argument(
+        "--verbose", action="store_true",
+        help="the start-up line in full (the dtype's and quantization's reasons)",
+    )  # fmt: skip
     p.add_argument(
         "--tool-call-parser", default="auto",
         choices=("auto", "hermes", "llama3_json", "mistral", "pythonic"),
@@ -275,14 +294,7 @@ def _serve(
         engine, model_name=name, max_waiting=args.max_waiting,
         tool_call_parser=args.tool_call_parser, access=access, allowed_origins=origins(args),
     )  # fmt: skip
-    mgr = engine.mgr
-    print(
-        f"mstar-kv serve: {name} on {'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}/v1 ({args.device}, "
-        f"{mode}, "
-        f"{mgr.num_pages} KV pages of {mgr.page_size} tokens, {engine.budget} tokens/step, "
-        f"prefix cache {'on' if engine.prefix_cache else 'off'}, max waiting {args.max_waiting})",
-        flush=True,
-    )
+    print(startup_line(args, name, engine, mode, access), flush=True)
     if tiers is not None:
         print(f"KV tiers: {tiers.describe()}", flush=True)
     print(app.state.tools.describe(), flush=True)
@@ -303,6 +315,35 @@ def _serve(
         sys.stderr.flush()
         os._exit(0)
     return 0
+
+
+def startup_line(args: argparse.Namespace, name: str, engine: Any, mode: str, access: Any) -> str:
+    """``serve``'s first line: where it listens, then short ``key=value``
+    facts (with ``--verbose``, the long form: every reason in words)."""
+    scheme = "https" if args.ssl_certfile else "http"
+    where = f"mstar-kv serve: {name} on {scheme}://{args.host}:{args.port}/v1"
+    mgr, cache = engine.mgr, "on" if engine.prefix_cache else "off"
+    if args.verbose:
+        return (
+            f"{where} ({args.device}, {mode}, {mgr.num_pages} KV pages of {mgr.page_size}"
+            f" tokens, {engine.budget} tokens/step, prefix cache {cache}, max waiting"
+            f" {args.max_waiting})"
+        )
+    quantization = getattr(engine.model, "mstar_quantization", None)
+    keyed = bool(access.api_keys) and not access.shared_prefix_cache
+    facts = {
+        "device": args.device,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "forward": "fused" if engine.fused else (engine.compiled or "eager").split(" (")[0],
+        "quantization": str(quantization).split(" ")[0] if quantization else "none",
+        "pages": f"{mgr.num_pages}x{mgr.page_size}",
+        "budget": engine.budget,
+        "max_len": engine.max_len,
+        "prefix_cache": "per-key" if cache == "on" and keyed else cache,
+        "api_keys": len(access.api_keys),
+        "max_waiting": args.max_waiting,
+    }
+    return f"{where} " + " ".join(f"{k}={v}" for k, v in facts.items()) + " (--verbose: in full)"
 
 
 def _tiers(args: argparse.Namespace) -> Any:
