@@ -162,6 +162,23 @@ def test_a_bad_role_is_refused_listing_every_accepted_role(server, tools):
         assert role in error["message"]
 
 
+def test_chat_cache_salt_cached_tokens_and_the_context(api):
+    ask = [{"role": "user", "content": "Tell me everything about the sea, the sky. " * 8}]
+
+    def cached(**extra) -> int:
+        got = create(api, messages=ask, tools=None, max_tokens=1, extra_body=extra or None)
+        return got.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="chat-1") == 0
+    assert cached(cache_salt="chat-2") == 0
+    assert cached(cache_salt="chat-1") >= 64
+    with pytest.raises(openai.BadRequestError) as err:
+        create(api, messages=ask, tools=None, max_tokens=10**6)
+    error = err.value.response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+    assert "in the messages, 1000000 in the completion" in error["message"]
+
+
 def test_langchain_bind_tools_loop_and_structured_output(server):
     lc = pytest.importorskip("langchain_openai")
     from langchain_core.messages import HumanMessage, ToolMessage
