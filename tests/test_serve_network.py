@@ -357,3 +357,25 @@ def test_the_replicas_front_asks_for_a_key_and_bounds_the_body():
     assert replicas.sent == []  # none of them reached a replica
     assert call("/v1/completions", small, "key-b") == 200
     assert replicas.sent == [small]
+
+
+def test_while_starting_https_answers_503_and_bad_tls_files_are_refused(tmp_path, capsys):
+    pytest.importorskip("cryptography")
+    from mstar.cli import main
+    from mstar.cli.serve import tls_context
+    from mstar.serve import free_port
+    from mstar.serve.startup import Starting, bind
+
+    keyfile, certfile = _self_signed(tmp_path)
+    tls = tls_context(serve_args("--ssl-keyfile", keyfile, "--ssl-certfile", certfile))
+    sock = bind("127.0.0.1", free_port())
+    trust = ssl.create_default_context(cafile=certfile)
+    with sock, Starting(sock, tls):
+        r = httpx.get(f"https://127.0.0.1:{sock.getsockname()[1]}/health", verify=trust, timeout=10)
+    assert (r.status_code, r.json()) == (503, {"status": "starting"})
+    other = tmp_path / "other"
+    other.mkdir()
+    other_key, _ = _self_signed(other)  # not the certificate's key
+    assert main(["serve", "--ssl-keyfile", other_key, "--ssl-certfile", certfile]) == 2
+    err = capsys.readouterr().err
+    assert "--ssl-certfile/--ssl-keyfile do not load" in err and err.count("\n") == 1

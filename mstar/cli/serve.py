@@ -159,6 +159,24 @@ def check_tls(args: argparse.Namespace) -> None:
         path = getattr(args, flag)
         if not os.path.isfile(path):
             raise UsageError(f"--{flag.replace('_', '-')} {path}: no such file")
+    tls_context(args)  # (a key that does not fit the certificate: said before anything loads)
+
+
+def tls_context(args: argparse.Namespace) -> Any:
+    """The server side's TLS of ``--ssl-certfile``/``--ssl-keyfile`` (None
+    without them); ``UsageError`` when they do not load."""
+    import ssl
+
+    from mstar.serve.options import UsageError
+
+    if not args.ssl_certfile:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+    except (OSError, ssl.SSLError) as err:
+        raise UsageError(f"--ssl-certfile/--ssl-keyfile do not load: {err}") from None
+    return context
 
 
 def add_replica_options(p: argparse.ArgumentParser) -> None:
@@ -255,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as err:
         raise UsageError(f"--port {args.port}: {args.host}:{args.port} {reason(err)}") from None
     with contextlib.closing(sock):
-        with Starting(sock):  # 503 starting while the imports and the engine load
+        with Starting(sock, tls_context(args)):  # 503 starting while the engine loads
             with serve_extra("serve"):
                 import uvicorn  # noqa: F401
 
