@@ -71,7 +71,7 @@ def test_v1_routes_need_a_key_the_rest_stay_open(keyed):
         assert body["error"]["code"] == "invalid_api_key"
         assert body["error"]["type"] == "invalid_request_error"
         assert set(body["error"]) == {"message", "type", "param", "code"}
-    for path in ("/v1/models", "/v1/chat/completions", "/v1/anything"):
+    for path in ("/v1/models", "/v1/chat/completions", "/v1/anything", "/openapi.json", "/docs"):
         r = httpx.post(f"{keyed.base}{path}", json={}, timeout=30)
         assert r.status_code == 401, path
         assert r.json()["error"]["code"] == "invalid_api_key"
@@ -97,13 +97,14 @@ def test_keys_are_compared_in_constant_time_every_one_of_them(monkeypatch):
     seen = []
 
     def spy(a: bytes, b: bytes) -> bool:
-        seen.append(b)
+        seen.append((a, b))
         return a == b
 
     monkeypatch.setattr(access_module.hmac, "compare_digest", spy)
     access = Access(api_keys=("k1", "k2", "k3"))
     assert access.key_of([(b"authorization", b"Bearer k1")]) == "k1"
-    assert seen == [b"k1", b"k2", b"k3"]  # no early exit on a match
+    assert len(seen) == 3  # every key, no early exit on a match
+    assert {len(a) for a, _ in seen} == {len(b) for _, b in seen} == {32}  # digests: one length
 
 
 def test_keys_come_from_the_flags_and_the_environment():

@@ -46,23 +46,23 @@ class Access:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def protects(self, path: str) -> bool:
-        """Whether ``path`` needs a key (with keys on)."""
-        if not self.api_keys:
+        """Whether ``path`` needs a key: with keys on, every path (``/v1/*``,
+        the API's schema and docs) but ``/health``, and ``/metrics`` unless
+        ``protect_metrics``."""
+        if not self.api_keys or path == "/health":
             return False
-        return (
-            path == "/v1"
-            or path.startswith("/v1/")
-            or (self.protect_metrics and path == "/metrics")
-        )
+        return path != "/metrics" or self.protect_metrics
 
     def key_of(self, headers: Iterable[tuple[bytes, bytes]]) -> str:
         """The key an ``Authorization: Bearer KEY`` header among ``headers``
-        (ASGI's) presents, when it is one of ``api_keys`` (each compared in
-        constant time, all of them every time); else an ``APIError`` 401."""
+        (ASGI's) presents, when it is one of ``api_keys`` (their digests each
+        compared in constant time, all of them every time, so neither a key's
+        characters nor its length show in the time taken); else an
+        ``APIError`` 401."""
         given = _bearer(headers)
-        found = None
+        digest, found = hashlib.sha256(given.encode()).digest(), None
         for key in self.api_keys:
-            if hmac.compare_digest(given.encode(), key.encode()) and found is None:
+            if hmac.compare_digest(digest, hashlib.sha256(key.encode()).digest()) and found is None:
                 found = key
         if found is None:
             raise APIError(
