@@ -149,12 +149,15 @@ class AsyncEngine:
         return await asyncio.wrap_future(future)
 
     async def add_request(
-        self, prompt: Prompt, params: SamplingParams, *, request_id: str
+        self, prompt: Prompt, params: SamplingParams, *, request_id: str, cache_namespace: str = ""
     ) -> RequestStream:
-        """Queue a request; its stream yields its completions. Raises what
-        ``Engine.add_request`` raises (nothing is queued then), or
-        ``Overloaded`` when ``max_waiting`` requests already wait."""
-        return await self.add_prepared(lambda _: (prompt, params), request_id=request_id)
+        """Queue a request (``cache_namespace`` as ``Engine.add_request``'s);
+        its stream yields its completions. Raises what ``Engine.add_request``
+        raises (nothing is queued then), or ``Overloaded`` when
+        ``max_waiting`` requests already wait."""
+        return await self.add_prepared(
+            lambda _: (prompt, params), request_id=request_id, cache_namespace=cache_namespace
+        )
 
     async def add_prepared(
         self,

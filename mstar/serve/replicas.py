@@ -501,7 +501,7 @@ def run_replicas(args: argparse.Namespace) -> int:
             raise UsageError(f"the replicas did not start: {_last_line(err)}") from err
         print(
             f"mstar-kv serve: {args.replicas} replicas of {args.model} on Ray Serve,"
-            f" http://{args.host}:{args.port}/v1 (router {args.router}"
+            f" http://{args.host}:{args.port}/v1 (router {args.router}, api keys {len(config.api_key)}"
             f"{', KV events on ' + args.kv_events_endpoint if events else ''})",
             flush=True,
         )
