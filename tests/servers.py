@@ -18,13 +18,17 @@ START_TIMEOUT_S = 30.0
 class ServerThread:
     """``app`` served by uvicorn in a daemon thread; ``url`` is its ``/v1``."""
 
-    def __init__(self, app: Any, grace: float = 5.0) -> None:
+    def __init__(self, app: Any, grace: float = 5.0, config: Any = None) -> None:
+        """``config``: a function of the port giving the ``uvicorn.Config`` (default: plain)."""
         self.app = app
         self.port = free_port()
-        config = uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, log_level="warning",
-            timeout_graceful_shutdown=grace,
-        )  # fmt: skip
+        if config is None:
+            config = uvicorn.Config(
+                app, host="127.0.0.1", port=self.port, log_level="warning",
+                timeout_graceful_shutdown=grace,
+            )  # fmt: skip
+        else:
+            config = config(self.port)
         self.server = GracefulServer(config, app.state.engine)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.base = f"http://127.0.0.1:{self.port}"

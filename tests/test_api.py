@@ -449,3 +449,23 @@ def test_chat_needs_a_chat_template(tiny, text_model, tok):
     plain.chat_template = None
     with pytest.raises(ValueError, match="chat template"):
         text_engine(text_model, plain).encode_chat(CHAT)
+
+
+def test_cache_namespace_keeps_prefix_cache_hits_within_it(tiny):
+    engine = ids_engine(tiny, num_pages=48)
+    prompt = [(7 * j) % 200 + 1 for j in range(32)]  # 4 pages of 8
+
+    def cached(namespace: str, **params: int) -> int:
+        params = SamplingParams(max_new_tokens=2, **params)
+        rid = engine.add_request(prompt, params, cache_namespace=namespace)
+        done = [c for _ in range(100) if engine.has_unfinished() for c in engine.step()]
+        return [c for c in done if c.request_id == rid][-1].cached_tokens
+
+    assert cached("a", prompt_logprobs=0) == 0  # (computed whole, its pages cached in "a")
+    assert cached("b") == 0  # not a's
+    assert cached("") == 0  # the default namespace is one too
+    assert cached("a") == 31  # a's own (one token left to compute)
+    assert cached("") == 31
+    with pytest.raises(TypeError, match="cache_namespace"):
+        engine.add_request(prompt, cache_namespace=b"a")
+    assert not engine.has_unfinished()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -27,6 +28,40 @@ def test_demo_check_passes_under_memory_pressure(capsys):
     assert code == 0, out
     assert " 0 failed" in out and "MISMATCH" not in out
     assert "preemptions" in out and "pages saved by sharing" in out
+
+
+def test_demo_check_shows_a_bar_while_it_checks(capsys):
+    args = ["--model", "random", "--requests", "3", "--pages", "14", "--budget", "16"]
+    assert main(["demo", "--check", *args]) == 0
+    out = capsys.readouterr().out
+    done = re.search(r"checking\s.*?(\d+)/(\d+)", out)
+    assert done and done.group(1) == done.group(2) != "0", out
+    assert main(["demo", "--check", "--quiet", *args]) == 0
+    assert "checking" not in capsys.readouterr().out
+
+
+def test_help_lists_every_command_and_serve_shows_its_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out
+    for command in ("demo", "generate", "bench", "serve"):
+        assert re.search(rf"^\s+{command}\s+\S", out, re.M), command
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for shown in ("(default: 8000)", "(default: 127.0.0.1)", "(default: 8388608)"):
+        assert shown in out
+    assert "(default: None)" not in out and "(default: False)" not in out
+
+
+def test_the_demo_extra_is_enough_for_serve():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert set(extras["serve"]) <= set(extras["demo"])
 
 
 def test_the_checker_catches_a_wrong_token():

@@ -320,7 +320,7 @@ def test_metrics_count_each_tier(models, tmp_path):
     computed(models, batch, disk=tmp_path)
     eng = engine(models[1])
     tiers = kv_tiers.attach(eng, disk=tmp_path)
-    body = {"prompt": batch[0], "max_tokens": 4, "temperature": 0}
+    body = {"model": "random", "prompt": batch[0], "max_tokens": 4, "temperature": 0}
     with ServerThread(create_app(eng, model_name="random")) as srv:
         assert httpx.post(f"{srv.url}/completions", json=body, timeout=60).status_code == 200
         got = scrape(srv.base)

@@ -41,6 +41,7 @@ CONFIG = ReplicaConfig(model=MODEL, pages=48, page_size=8, budget=64)
 PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(3 + i % 9)] for i in range(16)]
 TOKENS = {"return_token_ids": True}
 TIMEOUT_S = 60
+KEYED = ("ray-key-a", "ray-key-b")
 
 
 class Cluster:
@@ -71,7 +72,8 @@ class Cluster:
         assert wait_until(lambda: len(self.replicas()) == 2, timeout=TIMEOUT_S, every=0.2)
 
     def replicas(self) -> list[dict]:
-        return httpx.get(f"{self.url}/replicas", timeout=TIMEOUT_S).json()["data"]
+        auth = {"Authorization": f"Bearer {KEYED[0]}"}  # (no matter when keys are off)
+        return httpx.get(f"{self.url}/replicas", headers=auth, timeout=TIMEOUT_S).json()["data"]
 
     def close(self) -> None:
         serve.shutdown()
@@ -376,3 +378,20 @@ def test_the_prefix_router_still_prefers_the_replica_holding_the_prefix(cluster,
     assert after[b]["tokens_queried"] == before[b]["tokens_queried"]  # never asked
     assert after[a]["tokens_hit"] - before[a]["tokens_hit"] >= 2 * 4 * CONFIG.page_size
     assert all(v == 0 for (_, tier, event), v in tier_pages(cluster).items() if event == "hit")
+
+
+def test_the_front_asks_for_a_key_and_each_key_caches_apart(cluster):
+    cluster.deploy("prefix", api_key=KEYED)
+    prompt = [(13 * j) % 250 + 1 for j in range(40)]  # 5 pages of 8
+
+    def cached(key: str) -> int:
+        api = openai.OpenAI(base_url=cluster.url, api_key=key, max_retries=0, timeout=TIMEOUT_S)
+        got = api.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        return got.usage.prompt_tokens_details.cached_tokens
+
+    with pytest.raises(openai.AuthenticationError) as err:
+        cached("nope")
+    assert err.value.response.json()["error"]["code"] == "invalid_api_key"
+    assert cached(KEYED[0]) == 0
+    assert cached(KEYED[1]) == 0  # the same prompt, another key: its KV apart
+    assert cached(KEYED[0]) >= 32  # (routed to the replica holding the prefix)

@@ -39,7 +39,7 @@ def engine_of(model, max_len: int | None = None, tokenizer=None) -> Engine:
 
 
 def post(srv: ServerThread, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{srv.url}/{path}", json=body, timeout=60)
+    return httpx.post(f"{srv.url}/{path}", json={"model": "m", **body}, timeout=60)
 
 
 @pytest.mark.parametrize(
@@ -89,6 +89,7 @@ def test_an_empty_chat_is_refused_in_python_and_over_http(tiny, smollm2):
 def test_serve_without_the_serve_extra_exits_2_in_one_line(monkeypatch, capsys, command):
     monkeypatch.setitem(sys.modules, "uvicorn", None)
     monkeypatch.setitem(sys.modules, "httpx", None)
+    monkeypatch.delitem(sys.modules, "mstar.bench.serve", raising=False)  # (imported earlier)
     assert main(command) == 2
     err = capsys.readouterr().err
     assert "pip install 'mstar-kv[serve]'" in err and err.count("\n") == 1

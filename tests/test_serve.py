@@ -129,7 +129,10 @@ def test_raw_stream_is_server_sent_events_ending_in_done_with_usage(server):
     assert {c["id"] for c in chunks} == {chunks[0]["id"]}
     assert [c["usage"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
     assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    usage = chunks[-1]["usage"]
+    cached = usage.pop("prompt_tokens_details")["cached_tokens"]  # (earlier tests' prompt)
+    assert usage == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert 0 <= cached < 3
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
 
 
@@ -252,6 +255,7 @@ BAD = [
     ({"prompt": PROMPTS[0], "max_tokens": "8"}, 400, "max_tokens"),
     ({"prompt": PROMPTS[0], "n": 0}, 400, "n"),
     ({"prompt": PROMPTS[0], "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": PROMPTS[0], "temperature": 2.5}, 400, "temperature"),  # OpenAI's [0, 2]
     ({"prompt": PROMPTS[0], "top_p": 0}, 400, "top_p"),
     ({"prompt": PROMPTS[0], "top_p": 1.5}, 400, "top_p"),
     ({"prompt": PROMPTS[0], "stream": "yes"}, 400, "stream"),
@@ -266,6 +270,13 @@ BAD = [
     ({"prompt": PROMPTS[0], "logprobs": 21}, 400, "logprobs"),
     ({"prompt": PROMPTS[0], "max_tokens": 600}, 400, "max_tokens"),
 ]
+
+
+def test_a_body_without_model_is_refused_as_openai_refuses_it(server):
+    r = httpx.post(f"{server.url}/completions", json={"prompt": PROMPTS[0]}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "model"
+    assert "required" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("body, status, param", BAD, ids=[str(i) for i in range(len(BAD))])
@@ -304,7 +315,9 @@ def test_a_request_that_can_never_fit_the_pool_gets_400_naming_its_pages(models)
     app = create_app(engine_of(models, num_pages=4), model_name=MODEL)
     with ServerThread(app) as srv:
         r = httpx.post(
-            f"{srv.url}/completions", json={"prompt": PROMPTS[0], "max_tokens": 40}, timeout=30
+            f"{srv.url}/completions",
+            json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 40},
+            timeout=30,
         )
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "request_too_large"
@@ -336,7 +349,7 @@ def test_overload_gets_503_with_retry_after_at_once(models):
     engine = engine_of(models)
     gate = gated(engine)
     app = create_app(engine, model_name=MODEL, max_waiting=2, retry_after=3)
-    body = {"prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0}
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0}
     with ServerThread(app) as srv, httpx.Client(timeout=30) as http:
         results: list[int] = []
         waiting = [
@@ -371,7 +384,13 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(models, offlin
 
     model.forward = flaky
     with ServerThread(create_app(engine, model_name=MODEL)) as srv:
-        body = {"prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0, "stream": True}
+        body = {
+            "model": MODEL,
+            "prompt": PROMPTS[3],
+            "max_tokens": 8,
+            "temperature": 0,
+            "stream": True,
+        }
         with httpx.stream("POST", f"{srv.url}/completions", json=body, timeout=30) as r:
             lines = [line for line in r.iter_lines() if line]
         assert lines[-1] == "data: [DONE]"

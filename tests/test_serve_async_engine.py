@@ -130,3 +130,24 @@ def test_a_prepared_request_is_added_in_the_visit_that_prepares_it(model):
     asyncio.run(main())
     at = seen.index(("prepare", 1))
     assert seen[at + 1] == ("add", 1) and seen[at + 2] == ("step", 2)
+
+
+def test_add_request_takes_a_cache_namespace(model):
+    aengine = AsyncEngine(Engine(copy.deepcopy(model), **POOL))
+    prompt = [(3 * j) % 200 + 1 for j in range(24)]  # 3 pages of 8
+
+    async def cached(namespace: str, rid: str) -> int:
+        params = SamplingParams(max_new_tokens=1)
+        stream = await aengine.add_request(
+            prompt, params, request_id=rid, cache_namespace=namespace
+        )
+        return [c async for c in stream][-1].cached_tokens
+
+    async def main() -> list[int]:
+        aengine.start()
+        try:
+            return [await cached(ns, f"r{i}") for i, ns in enumerate(("a", "b", "a"))]
+        finally:
+            await aengine.stop()
+
+    assert asyncio.run(main()) == [0, 0, 23]

@@ -132,7 +132,7 @@ def test_penalties_and_biases_over_http_equal_the_engine(api, offline, tok, fiel
     ],
 )
 def test_bad_logprobs_and_penalty_fields_get_400_naming_them(server, path, body, param):
-    r = httpx.post(f"{server.url}/{path}", json={"max_tokens": 2, **body}, timeout=30)
+    r = httpx.post(f"{server.url}/{path}", json={"model": "m", "max_tokens": 2, **body}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 
@@ -154,6 +154,8 @@ def test_several_prompts_in_one_call_as_lm_eval_sends_them(api, server, tok):
     )
     assert [c.index for c in texts.choices] == [0, 1, 2, 3]
     r = httpx.post(
-        f"{server.url}/completions", json={"prompt": ["a", "b"], "stream": True}, timeout=30
+        f"{server.url}/completions",
+        json={"model": "m", "prompt": ["a", "b"], "stream": True},
+        timeout=30,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream"

@@ -101,7 +101,13 @@ def test_metrics_count_a_long_prompt_once(model, streamed):
 
     from mstar.serve.app import create_app
 
-    body = {"prompt": LONG, "max_tokens": NEW, "temperature": 0, "stream": streamed}
+    body = {
+        "model": "random",
+        "prompt": LONG,
+        "max_tokens": NEW,
+        "temperature": 0,
+        "stream": streamed,
+    }
     with ServerThread(create_app(engine_of(model), model_name="random")) as srv:
         with httpx.Client(timeout=60) as http:
             r = http.post(f"{srv.url}/completions", json=body)

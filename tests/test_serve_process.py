@@ -38,7 +38,7 @@ def test_serve_exits_0_on_a_signal_and_ends_in_flight_streams(sig):
     try:
         assert wait_until(lambda: up(base) or proc.poll() is not None, timeout=START_S)
         assert proc.poll() is None, proc.communicate()[0]
-        body = {"prompt": [1, 2, 3], "max_tokens": 400, "temperature": 0, "stream": True,
+        body = {"model": "random", "prompt": [1, 2, 3], "max_tokens": 400, "temperature": 0, "stream": True,
                 "return_token_ids": True}  # fmt: skip
         lines: list[str] = []
         first = threading.Event()
@@ -67,6 +67,36 @@ def test_serve_exits_0_on_a_signal_and_ends_in_flight_streams(sig):
     assert not up(base)
 
 
+def test_serve_with_a_key_and_a_context_cap_as_a_process(monkeypatch):
+    port = free_port()
+    monkeypatch.setenv("MSTAR_KV_API_KEY", "from-env")
+    cmd = [sys.executable, "-m", "mstar.cli", "serve", "--model", "random", "--port", str(port),
+           "--pages", "64", "--page-size", "8", "--api-key", "k1", "--max-model-len", "64"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    body = {"model": "random", "prompt": [1, 2, 3], "max_tokens": 100}
+    try:
+        assert wait_until(lambda: up(base) or proc.poll() is not None, timeout=START_S)
+        assert proc.poll() is None, proc.communicate()[0]
+        post = lambda key: httpx.post(  # noqa: E731
+            f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+            timeout=60,
+        )  # fmt: skip
+        assert post("k2").status_code == 401
+        for key in ("k1", "from-env"):
+            r = post(key)
+            assert r.status_code == 400 and "maximum context length is 64" in r.text
+        body["max_tokens"] = 4
+        assert post("k1").status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    out = proc.communicate()[0].splitlines()
+    first = next(line for line in out if line.startswith("mstar-kv serve: random"))  # short
+    assert first.startswith(f"mstar-kv serve: random on http://127.0.0.1:{port}/v1 device=cpu ")
+    assert " max_len=64 prefix_cache=per-key api_keys=2 " in first and "KV pages of" not in first
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -75,6 +105,13 @@ def test_serve_exits_0_on_a_signal_and_ends_in_flight_streams(sig):
         (["serve", "--pages", "0"], "--pages must be >= 1"),
         (["serve", "--model", "random", "--device", "tpu"], "--device tpu"),
         (["serve", "--model", "/no/such/model"], "--model /no/such/model"),
+        (["serve", "--api-key", " "], "--api-key: expected a key"),
+        (["serve", "--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile go together"),
+        (["serve", "--ssl-keyfile", "/no/k", "--ssl-certfile", "/no/c"], "--ssl-keyfile /no/k"),
+        (["serve", "--max-body-bytes", "0"], "--max-body-bytes must be >= 1"),
+        (["serve", "--model", "random", "--max-model-len", "1"], "--max-model-len must be >= 2"),
+        (["serve", "--model", "random", "--max-model-len", "99999999"], "over the model's"),
+        (["serve", "--replicas", "2", "--allowed-origins", "*"], "not supported with --replicas"),
         (["bench", "--serve", "--rates", "burst,0"], "--rates"),
         (["bench", "--serve", "--no-self"], "--no-self needs at least one --url"),
         (["bench", "--startup", "--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),

@@ -125,11 +125,13 @@ def test_a_compile_that_fails_leaves_the_engine_eager_and_says_why(paged, monkey
 def test_a_body_that_is_not_json_gets_400_saying_so(paged, headers):
     with ServerThread(create_app(Engine(copy.deepcopy(paged), **POOL), model_name="random")) as srv:
         r = httpx.post(
-            f"{srv.url}/completions", content=b'{"prompt": [1, 2], "max_tokens": 2}',
+            f"{srv.url}/completions", content=b'{"model": "random", "prompt": [1, 2], "max_tokens": 2}',
             headers=headers, timeout=30,
         )  # fmt: skip
         ok = httpx.post(
-            f"{srv.url}/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=30
+            f"{srv.url}/completions",
+            json={"model": "random", "prompt": [1, 2], "max_tokens": 2},
+            timeout=30,
         )
     assert r.status_code == 400, r.text
     error = r.json()["error"]

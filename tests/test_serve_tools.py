@@ -74,12 +74,18 @@ NAMED = {"type": "function", "function": {"name": "add"}}
 def test_required_and_named_calls_parse_and_validate_streamed_or_not(api, choice, parallel):
     got = create(api, tool_choice=choice, parallel_tool_calls=parallel)
     c = got.choices[0]
-    calls = check_calls(c.message.tool_calls or [])
-    if c.finish_reason == "tool_calls":
+    made = c.message.tool_calls or []
+    cut = (
+        c.finish_reason == "length"
+    )  # in the middle of a later parallel call: its arguments so far
+    calls = check_calls(made[:-1] if cut else made)
+    assert c.message.content is None
+    assert len({(f.function.name, f.function.arguments) for f in made}) == len(made)  # no twice
+    if not cut:
+        assert c.finish_reason == "tool_calls"
         assert calls and (parallel or len(calls) == 1)
-        assert c.message.content is None
-    else:  # cut by max_tokens in the middle of a later parallel call
-        assert parallel and c.finish_reason == "length"
+    else:
+        assert parallel and made
     if choice == NAMED:
         assert [name for name, _ in calls] == ["add"]
     content, streamed, finish, usage = streamed_calls(
@@ -88,6 +94,29 @@ def test_required_and_named_calls_parse_and_validate_streamed_or_not(api, choice
     assert finish == c.finish_reason and (content or None) == c.message.content
     assert same_calls(streamed, c.message.tool_calls)
     assert usage.completion_tokens == got.usage.completion_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "max_tokens", [3, 16, 32], ids=["in-markup", "before-arguments", "in-arguments"]
+)
+@pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
+def test_a_forced_call_cut_by_max_tokens_gives_its_arguments_so_far(api, choice, max_tokens):
+    got = create(api, tool_choice=choice, max_tokens=max_tokens)
+    c = got.choices[0]
+    assert c.finish_reason == "length" and c.message.content is None  # never the markup
+    for call in c.message.tool_calls or []:
+        assert call.function.name in ("add", "get_weather")
+        assert "tool_call>" not in call.function.arguments
+        assert call.function.arguments == "" or call.function.arguments.startswith("{")
+    if choice == NAMED:  # its name is known from the first token
+        assert [t.function.name for t in c.message.tool_calls] == ["add"]
+    if max_tokens == 32:  # (this model's calls' arguments begin by then)
+        assert (
+            len(c.message.tool_calls) == 1 and len(c.message.tool_calls[0].function.arguments) > 1
+        )
+    content, streamed, finish, _ = streamed_calls(api, tool_choice=choice, max_tokens=max_tokens)
+    assert content == "" and finish == "length"
+    assert same_calls(streamed, c.message.tool_calls or [])
 
 
 def test_auto_and_none_leave_text_as_content(api):
@@ -109,6 +138,45 @@ def test_a_history_with_calls_and_their_results_is_served(api):
     ]
     again = create(api, messages=messages, tool_choice="none", max_tokens=4)
     assert again.choices[0].message.content and again.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS], ids=["plain", "tools"])
+def test_a_developer_turn_is_a_system_turn(api, tools):
+    def prompt_ids(role: str) -> list[int]:
+        messages = [{"role": role, "content": "Answer briefly."}, *ASK_WEATHER]
+        extra = {"return_token_ids": True}
+        got = create(api, messages=messages, max_tokens=1, extra_body=extra, tools=tools)
+        return got.model_extra["prompt_token_ids"]
+
+    assert prompt_ids("developer") == prompt_ids("system")
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS], ids=["plain", "tools"])
+def test_a_bad_role_is_refused_listing_every_accepted_role(server, tools):
+    body = {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}], "max_tokens": 1}
+    r = httpx.post(f"{server.url}/chat/completions", json=body | {"tools": tools}, timeout=60)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "messages.0.role"
+    for role in ("system", "developer", "user", "assistant", "tool", "'robot'"):
+        assert role in error["message"]
+
+
+def test_chat_cache_salt_cached_tokens_and_the_context(api):
+    ask = [{"role": "user", "content": "Tell me everything about the sea, the sky. " * 8}]
+
+    def cached(**extra) -> int:
+        got = create(api, messages=ask, tools=None, max_tokens=1, extra_body=extra or None)
+        return got.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="chat-1") == 0
+    assert cached(cache_salt="chat-2") == 0
+    assert cached(cache_salt="chat-1") >= 64
+    with pytest.raises(openai.BadRequestError) as err:
+        create(api, messages=ask, tools=None, max_tokens=10**6)
+    error = err.value.response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+    assert "in the messages, 1000000 in the completion" in error["message"]
 
 
 def test_langchain_bind_tools_loop_and_structured_output(server):

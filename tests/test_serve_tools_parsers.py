@@ -59,6 +59,40 @@ def test_a_bad_call_after_a_good_one_is_content_after_it():
     assert calls == [CALLS[0]] and content.startswith("\n<tool_call>")
 
 
+@pytest.mark.parametrize("fmt", FORMATS[:3], ids=lambda f: f.name)
+def test_a_call_cut_by_max_tokens_comes_with_its_arguments_so_far_never_as_content(fmt):
+    text = fmt.write(CALLS)
+    second = text.index(fmt.call_begin("add"))
+    for reader in (CallReader(fmt, NAMES, forced=True), CallReader(fmt, NAMES)):
+        for cut in range(second, len(text)):
+            content, calls = reader.read(text[:cut], "length")
+            assert content is None, (cut, content)
+            assert calls[0] == CALLS[0]
+            if cut >= second + len(fmt.call_begin("add")):  # its name is known
+                assert len(calls) == 2 and calls[1].name == "add"
+                assert CALLS[1].arguments.startswith(calls[1].arguments), calls[1]
+            else:  # (two functions could follow: none named yet)
+                assert calls[1:] in ([], [ParsedCall("add", "")])
+        assert reader.read(text[:second], "length") == (None, [CALLS[0]])
+        named = CallReader(fmt, {"add"}, forced=True)  # a named choice: its name is known
+        whole = fmt.write([CALLS[1]])
+        at = whole.index(fmt.call_begin("add"))
+        assert named.read(whole[: at + 3], "length") == (None, [ParsedCall("add", "")])
+        assert named.read(whole[:2], "length")[0] is None
+
+
+def test_a_forced_choice_never_gives_the_same_call_twice():
+    fmt = Hermes()
+    text = fmt.write([CALLS[0], CALLS[0], CALLS[1], CALLS[0]])
+    assert CallReader(fmt, NAMES, forced=True).read(text, "stop") == (None, CALLS)
+    assert CallReader(fmt, NAMES).read(text, "stop")[1] == [CALLS[0], CALLS[0], CALLS[1], CALLS[0]]
+    stream, calls = CallStream(CallReader(fmt, NAMES, forced=True)), []
+    for k in range(0, len(text), 7):
+        calls += [c for _, _, c in stream.feed(text[k : k + 7], None)[1]]
+    calls += [c for _, _, c in stream.feed("", "stop")[1]]
+    assert calls == CALLS
+
+
 def test_pythonic_literals_become_json():
     text = "[add(a=1, b=(2, 3.5), c=None, d='x\"y'), get_weather(city='Paris', unit='celsius')]"
     calls = Pythonic().split(text, NAMES).calls
@@ -76,17 +110,23 @@ def test_pythonic_literals_become_json():
     n=st.integers(1, 2),
     after=st.sampled_from(["", "\n", " and more text", "<tool_call>{bad"]),
     cuts=st.lists(st.integers(0, 400), max_size=12),
+    end=st.integers(0, 400),
+    reason=st.sampled_from(["stop", "length"]),
+    forced=st.booleans(),
 )
-def test_streamed_pieces_add_up_to_the_whole_text_read_at_once(fmt, before, n, after, cuts):
+def test_streamed_pieces_add_up_to_the_whole_text_read_at_once(
+    fmt, before, n, after, cuts, end, reason, forced
+):
     text = before + fmt.write(CALLS[:n]) + after
+    text = text if reason == "stop" else text[:end]  # (cut by max_tokens anywhere)
     bounds = sorted({0, len(text), *(c for c in cuts if c < len(text))})
-    reader = CallReader(fmt, NAMES)
+    reader = CallReader(fmt, NAMES, forced)
     stream, content, calls = CallStream(reader), "", []
     for k, (a, b) in enumerate(itertools.pairwise(bounds)):
-        piece, new = stream.feed(text[a:b], finished=k == len(bounds) - 2)
+        piece, new = stream.feed(text[a:b], reason if k == len(bounds) - 2 else None)
         content += piece
         calls += [call for _, _, call in new]
-    whole_content, whole_calls = reader.read(text)
+    whole_content, whole_calls = reader.read(text, reason)
     assert calls == whole_calls
     assert content == (whole_content or "")
 
@@ -134,7 +174,7 @@ def test_each_formats_grammar_accepts_its_calls_and_refuses_others(fmt, tok):
 
 
 def body(**fields) -> ChatCompletionRequest:
-    return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields)
+    return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **fields)
 
 
 def test_pythonic_cannot_constrain_a_required_call():
@@ -146,6 +186,22 @@ def test_pythonic_cannot_constrain_a_required_call():
     with pytest.raises(ParamError, match="grammar") as err:
         tools.plan(body(tools=one, tool_choice="required"))
     assert err.value.param == "tool_choice"
+
+
+def test_a_forced_choice_is_read_as_forced_a_named_one_by_its_name():
+    pytest.importorskip("xgrammar")
+    from mstar.serve.tools.chat import ChatTools
+
+    tools = ChatTools(None, "hermes")
+    two = [{"type": "function", "function": {"name": n}} for n in ("add", "get_weather")]
+    named = {"type": "function", "function": {"name": "add"}}
+    readers = {
+        str(choice): tools.reader(tools.plan(body(tools=two, tool_choice=choice))[1])
+        for choice in ("auto", "required", named)
+    }
+    assert not readers["auto"].forced and readers["auto"].names == {"add", "get_weather"}
+    assert readers["required"].forced and readers["required"].names == {"add", "get_weather"}
+    assert readers[str(named)].forced and readers[str(named)].names == {"add"}
 
 
 def test_a_matcher_in_free_text_leaves_the_logits_untouched(tok):

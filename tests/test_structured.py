@@ -179,7 +179,7 @@ def test_response_format_and_structured_outputs_over_http(server):
 def test_bad_structured_requests_get_400_naming_the_problem(server, body, param, message):
     r = httpx.post(
         f"{server.url}/chat/completions",
-        json={"messages": ASK, "max_tokens": 4, **body},
+        json={"model": "smollm2", "messages": ASK, "max_tokens": 4, **body},
         timeout=60,
     )
     assert r.status_code == 400, r.text
@@ -231,6 +231,7 @@ def test_a_preempted_constrained_request_keeps_its_matcher(smollm2):
 def test_logprobs_under_a_grammar_leave_out_masked_tokens(server):
     """Top logprobs past what the grammar allows would be -inf (not JSON)."""
     body = {
+        "model": "smollm2",
         "messages": ASK,
         "max_tokens": 4,
         "temperature": 0,
@@ -295,3 +296,16 @@ def test_a_greedy_row_drawn_before_its_mask_takes_the_masked_argmax(engine):
         assert first.token_ids[:4] != free.outputs[0].token_ids[:4]
     jsonschema.validate(json.loads(done[0].text), SCHEMAS["nested"])
     assert done[2].text.startswith('<tool_call>\n{"name": "'), done[2].text
+
+
+def test_json_comes_on_one_line_with_json_dumps_separators(engine):
+    """What docs/serving.md says of JSON output: one line, ``", "`` and
+    ``": "`` between items (Python's ``json.dumps`` default), no other whitespace."""
+    grammars = engine.pipeline.grammars
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for spec in (StructuredOutputs(json=schema), StructuredOutputs(json_object=True)):
+        text = json.dumps({"a": 1, "b": [2, 3]} if spec.json_object else {"a": 1})
+        assert grammars.matcher(spec).accept_string(text)
+        for other in (text.replace(": ", ":"), text.replace(", ", ","), text.replace("{", "{ ")):
+            if other != text:
+                assert not grammars.matcher(spec).accept_string(other), other

@@ -62,8 +62,10 @@ def context_ids(model: str, tokens: int) -> list[int]:
 def ask(url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
     """Seconds to the first token of a streamed greedy completion of
     ``prompt``, and its token ids."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "return_token_ids": True, "ignore_eos": True}  # fmt: skip
+    from mstar.bench.serve import model_of
+
+    body = {"model": model_of(url), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "return_token_ids": True, "ignore_eos": True}  # fmt: skip
     t0 = time.perf_counter()
     ttft, ids = None, []
     with (

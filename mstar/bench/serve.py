@@ -197,7 +197,7 @@ class OwnServer:
         self.port = free_port() if port is None else port
         self.url = f"http://127.0.0.1:{self.port}/v1"
         cmd = [sys.executable, "-m", "mstar.cli", "serve", "--model", "smollm2",
-               "--port", str(self.port), *args]  # fmt: skip
+               "--port", str(self.port), "--verbose", *args]  # fmt: skip
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

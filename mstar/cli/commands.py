@@ -1,4 +1,4 @@
-"""``mstar-kv demo | generate | bench``: the engine serving a model through the
+"""``mstar-kv demo | generate | bench | serve``: the engine serving a model through the
 plan layer, and its speed."""
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ from mstar.serve.options import (
 )
 
 USAGE_ERROR = 2
+DESCRIPTION = (
+    "mstar-kv: a paged-attention LLM inference engine. Commands: demo (continuous batching"
+    " on SmolLM2), generate (one prompt, streamed), bench (benchmarks), serve (an"
+    " OpenAI-compatible server). Each has its own --help."
+)
 # (page size, pages, token budget, requests) when not given: the real model's
 # pool is small enough to force preemption; the random model's as well
 DEMO_DEFAULTS = {"random": (8, 20, 32, 16), "real": (16, 24, 128, 8), "window": (4, 48, 32, 4)}
@@ -42,8 +47,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="mstar-kv", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="mstar-kv", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = sub.add_parser("demo", help="continuous batching of chat prompts on SmolLM2")
     demo.add_argument(
         "--model", default="smollm2", help="smollm2 (default), random (a seeded tiny Llama), "
@@ -136,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_demo(args: argparse.Namespace) -> int:
     from mstar.cli.demo import chat_workload, check, random_workload, serve
-    from mstar.cli.report import demo_report, print_answers, progress_bar
+    from mstar.cli.report import check_bar, demo_report, print_answers, progress_bar
     from mstar.models.seeded import build_model
 
     kind = "window" if args.window else "random" if args.model == "random" else "real"
@@ -202,7 +207,9 @@ def run_demo(args: argparse.Namespace) -> int:
     demo_report(engine, workload, done)
     if not args.check:
         return 0
-    results = check(reference, workload, done, engine.eos_token_ids)
+    outputs = sum(len(done[r.id].outputs) for r in workload)
+    with check_bar(outputs, disable=args.quiet) as advance:
+        results = check(reference, workload, done, engine.eos_token_ids, advance)
     failed = [what for what, ok in results if not ok]
     for what in failed:
         print(f"MISMATCH {what}")

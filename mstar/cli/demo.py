@@ -136,11 +136,13 @@ def check(
     workload: list[DemoRequest],
     done: dict[str, Completion],
     eos_ids: Collection[int],
+    progress: Callable[[], None] | None = None,
 ) -> list[tuple[str, bool]]:
     """Every output recomputed by the model alone: greedy ones by HF
     ``generate`` (attention mask, EOS), sampled ones by replaying the sampler
     over the model's logits, guided ones by the model's forward on both
-    prompts each step. Returns (what, passed) per output."""
+    prompts each step. Returns (what, passed) per output; ``progress()``
+    is called after each."""
     device = next(reference.parameters()).device
     results = []
     for r in workload:
@@ -168,6 +170,8 @@ def check(
                 else (not ends and len(got) == params.max_new_tokens)
             )
             results.append((f"{r.id}/{out.index}", got == want and ended_right))
+            if progress is not None:
+                progress()
     return results
 
 

@@ -36,6 +36,17 @@ def progress_bar(
         yield update
 
 
+@contextmanager
+def check_bar(total: int, disable: bool = False) -> Iterator[Callable[[], None]]:
+    """A live bar of the outputs ``demo --check`` has recomputed; yields the per-output update."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("checking"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, disable=disable, transient=False) as progress:
+        task = progress.add_task("checking", total=total)
+        yield lambda: progress.advance(task)
+
+
 def print_answers(workload: list[DemoRequest], done: dict[str, Completion]) -> None:
     """Each request's question (when it has one) and its decoded samples."""
     from rich.console import Console

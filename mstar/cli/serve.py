@@ -16,15 +16,30 @@ from typing import Any
 DEFAULT_MAX_WAITING = 256
 
 
+class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each option's default, unless it is None or False or
+    the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        if action.default is None or action.default is False or "default" in help_text.lower():
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_parser(subparsers: Any) -> None:
     """Register ``serve`` on ``mstar-kv``'s subparsers."""
-    p = subparsers.add_parser("serve", help="an OpenAI-compatible server over the engine")
+    p = subparsers.add_parser(
+        "serve", help="an OpenAI-compatible server over the engine",
+        description="An OpenAI-compatible server over the engine (docs/serving.md).",
+        formatter_class=DefaultsShown,
+    )  # fmt: skip
     p.add_argument(
         "--model", default="smollm2",
         help="smollm2 (default), random (a seeded tiny Llama, token ids only), a GGUF file or a folder",
     )  # fmt: skip
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="the address to bind (0.0.0.0: any)")
+    p.add_argument("--port", type=int, default=8000, help="the port to bind")
     p.add_argument("--pages", type=int, help="KV pages in the pool (default: a memory share)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     # 512, not the Python API's 256: 32 chats at once got their first token ~20% sooner
@@ -40,6 +55,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--grace", type=float, default=10.0, help="seconds to finish at shutdown")
     p.add_argument("--served-model-name", help="the model's name in the API (default: --model's)")
     p.add_argument(
+        "--verbose", action="store_true",
+        help="the start-up line in full (the dtype's and quantization's reasons)",
+    )  # fmt: skip
+    p.add_argument(
         "--tool-call-parser", default="auto",
         choices=("auto", "hermes", "llama3_json", "mistral", "pythonic"),
         help="how chat tool calls are written and read (default auto: the chat template's)",
@@ -48,10 +67,116 @@ def add_parser(subparsers: Any) -> None:
 
     add_tensor_parallel_option(p)
     add_speculative_options(p)
+    add_network_options(p)
     add_replica_options(p)
     from mstar.serve.kv_tiers import add_tier_options
 
     add_tier_options(p)
+
+
+def add_network_options(p: argparse.ArgumentParser) -> None:
+    """``serve``'s options for a server on a network: keys, TLS, CORS, limits."""
+    from mstar.serve.access import DEFAULT_MAX_BODY_BYTES, KEY_ENV
+
+    g = p.add_argument_group("on a network (docs/serving.md)")
+    g.add_argument(
+        "--api-key", action="append", metavar="KEY",
+        help="every /v1 route asks for 'Authorization: Bearer KEY' (repeatable; also"
+        f" ${KEY_ENV}, comma-separated); each key's cached KV is its own",
+    )  # fmt: skip
+    g.add_argument("--protect-metrics", action="store_true", help="/metrics asks for a key too")
+    g.add_argument(
+        "--shared-prefix-cache", action="store_true",
+        help="requests of different keys reuse each other's cached KV",
+    )  # fmt: skip
+    g.add_argument("--ssl-keyfile", help="serve HTTPS: the private key (PEM)")
+    g.add_argument("--ssl-certfile", help="serve HTTPS: the certificate chain (PEM)")
+    g.add_argument(
+        "--allowed-origins", action="append", metavar="ORIGIN",
+        help="browser origins answered with CORS headers (repeatable or comma-separated;"
+        " * for any; default none)",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+        help="a larger request body gets 413",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-model-len", type=int,
+        help="the most tokens (prompt and completion) a request may span (default: the model's)",
+    )  # fmt: skip
+
+
+def access_of(args: argparse.Namespace) -> Any:
+    """The ``Access`` of ``serve``'s options (``$MSTAR_KV_API_KEY`` read now);
+    ``UsageError`` for a bad one. Sets ``args.api_key`` to the keys found."""
+    from mstar.serve.access import Access, api_keys
+    from mstar.serve.options import UsageError
+
+    try:
+        args.api_key = api_keys(args.api_key, os.environ)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if args.max_body_bytes < 1:
+        raise UsageError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    return Access(
+        api_keys=args.api_key, protect_metrics=args.protect_metrics,
+        shared_prefix_cache=args.shared_prefix_cache, max_body_bytes=args.max_body_bytes,
+    )  # fmt: skip
+
+
+def origins(args: argparse.Namespace) -> list[str]:
+    """``--allowed-origins``'s origins, each flag's comma-separated ones in order."""
+    found = [o.strip() for flag in args.allowed_origins or () for o in flag.split(",")]
+    return [o for o in found if o]
+
+
+def server_config(args: argparse.Namespace, app: Any, port: int | None = None) -> Any:
+    """The ``uvicorn.Config`` serving ``app`` as ``serve``'s options say
+    (HTTPS with ``--ssl-keyfile``/``--ssl-certfile``) on ``port`` (default ``--port``)."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app, host=args.host, port=args.port if port is None else port,
+        timeout_graceful_shutdown=args.grace,
+        log_level="info", access_log=False, ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+    )  # fmt: skip
+
+
+def check_tls(args: argparse.Namespace) -> None:
+    """``--ssl-keyfile`` and ``--ssl-certfile`` go together, name files, and
+    are not for ``--replicas``: ``UsageError`` saying which."""
+    from mstar.serve.options import UsageError
+
+    given = [f for f in ("ssl_keyfile", "ssl_certfile") if getattr(args, f)]
+    if not given:
+        return
+    if args.replicas is not None:
+        raise UsageError("--ssl-keyfile/--ssl-certfile are not supported with --replicas")
+    if len(given) == 1:
+        raise UsageError("--ssl-keyfile and --ssl-certfile go together: got only one")
+    for flag in given:
+        path = getattr(args, flag)
+        if not os.path.isfile(path):
+            raise UsageError(f"--{flag.replace('_', '-')} {path}: no such file")
+    tls_context(args)  # (a key that does not fit the certificate: said before anything loads)
+
+
+def tls_context(args: argparse.Namespace) -> Any:
+    """The server side's TLS of ``--ssl-certfile``/``--ssl-keyfile`` (None
+    without them); ``UsageError`` when they do not load."""
+    import ssl
+
+    from mstar.serve.options import UsageError
+
+    if not args.ssl_certfile:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+    except (OSError, ssl.SSLError) as err:
+        raise UsageError(f"--ssl-certfile/--ssl-keyfile do not load: {err}") from None
+    return context
 
 
 def add_replica_options(p: argparse.ArgumentParser) -> None:
@@ -132,6 +257,8 @@ def run(args: argparse.Namespace) -> int:
         least, value = int(name != "port"), getattr(args, name)
         if value is not None and value < least:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+    access = access_of(args)
+    check_tls(args)
     if args.replicas is not None:
         try:
             from mstar.serve.replicas import run_replicas
@@ -146,14 +273,14 @@ def run(args: argparse.Namespace) -> int:
     except OSError as err:
         raise UsageError(f"--port {args.port}: {args.host}:{args.port} {reason(err)}") from None
     with contextlib.closing(sock):
-        with Starting(sock):  # 503 starting while the imports and the engine load
+        with Starting(sock, tls_context(args)):  # 503 starting while the engine loads
             with serve_extra("serve"):
                 import uvicorn  # noqa: F401
 
                 import mstar.serve.app  # noqa: F401
             engine, mode = build_engine(args, enforce_eager=True, compiling_later=compiling(args))
             tiers = attach_tiers(engine) if attach_tiers else None
-        return _serve(args, sock, engine, mode, tiers)
+        return _serve(args, sock, engine, mode, tiers, access)
 
 
 def compiling(args: argparse.Namespace) -> bool:
@@ -166,12 +293,12 @@ def reason(err: OSError) -> str:
     return "is in use" if err.errno == errno.EADDRINUSE else f"cannot be bound ({err.strerror})"
 
 
-def _serve(args: argparse.Namespace, sock: Any, engine: Any, mode: str, tiers: Any) -> int:
+def _serve(
+    args: argparse.Namespace, sock: Any, engine: Any, mode: str, tiers: Any, access: Any
+) -> int:
     """Serve ``engine`` on the bound ``sock``: its eager forward at once,
     the compiled one swapped in when ready (``mstar.serve.startup``) unless
     ``--enforce-eager``."""
-    import uvicorn
-
     from mstar.cli.report import windows_note
     from mstar.serve.app import GracefulServer, create_app
     from mstar.serve.kv_tiers import close_tiers
@@ -183,25 +310,15 @@ def _serve(args: argparse.Namespace, sock: Any, engine: Any, mode: str, tiers: A
     name = model_name(args)
     app = create_app(
         engine, model_name=name, max_waiting=args.max_waiting,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=args.tool_call_parser, access=access, allowed_origins=origins(args),
     )  # fmt: skip
-    mgr = engine.mgr
-    print(
-        f"mstar-kv serve: {name} on http://{args.host}:{args.port}/v1 ({args.device}, "
-        f"{mode}, "
-        f"{mgr.num_pages} KV pages of {mgr.page_size} tokens, {engine.budget} tokens/step, "
-        f"prefix cache {'on' if engine.prefix_cache else 'off'}, max waiting {args.max_waiting})",
-        flush=True,
-    )
+    print(startup_line(args, name, engine, mode, access), flush=True)
     if tiers is not None:
         print(f"KV tiers: {tiers.describe()}", flush=True)
     print(app.state.tools.describe(), flush=True)
     if (windows := windows_note(engine)) != "none":
         print(f"sliding windows: {windows}", flush=True)
-    config = uvicorn.Config(
-        app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
-        log_level="info", access_log=False,
-    )  # fmt: skip
+    config = server_config(args, app)
     # uvicorn re-raises the signal it stopped on once it has shut down: let that be a no-op
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
@@ -216,6 +333,35 @@ def _serve(args: argparse.Namespace, sock: Any, engine: Any, mode: str, tiers: A
         sys.stderr.flush()
         os._exit(0)
     return 0
+
+
+def startup_line(args: argparse.Namespace, name: str, engine: Any, mode: str, access: Any) -> str:
+    """``serve``'s first line: where it listens, then short ``key=value``
+    facts (with ``--verbose``, the long form: every reason in words)."""
+    scheme = "https" if args.ssl_certfile else "http"
+    where = f"mstar-kv serve: {name} on {scheme}://{args.host}:{args.port}/v1"
+    mgr, cache = engine.mgr, "on" if engine.prefix_cache else "off"
+    if args.verbose:
+        return (
+            f"{where} ({args.device}, {mode}, {mgr.num_pages} KV pages of {mgr.page_size}"
+            f" tokens, {engine.budget} tokens/step, prefix cache {cache}, max waiting"
+            f" {args.max_waiting})"
+        )
+    quantization = getattr(engine.model, "mstar_quantization", None)
+    keyed = bool(access.api_keys) and not access.shared_prefix_cache
+    facts = {
+        "device": args.device,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "forward": "fused" if engine.fused else (engine.compiled or "eager").split(" (")[0],
+        "quantization": str(quantization).split(" ")[0] if quantization else "none",
+        "pages": f"{mgr.num_pages}x{mgr.page_size}",
+        "budget": engine.budget,
+        "max_len": engine.max_len,
+        "prefix_cache": "per-key" if cache == "on" and keyed else cache,
+        "api_keys": len(access.api_keys),
+        "max_waiting": args.max_waiting,
+    }
+    return f"{where} " + " ".join(f"{k}={v}" for k, v in facts.items()) + " (--verbose: in full)"
 
 
 def _tiers(args: argparse.Namespace) -> Any:

@@ -187,22 +187,34 @@ class Admitter:
             fed = req.fed[label]
             if fed and (not self._unstarted or (rid, label) not in self._unstarted):
                 continue  # started (the common case: a decode row)
-            if rid in skip or (rid, label) in tried:
+            if rid in skip or (rid, label) in tried or req.prompt_logprobs is not None:
+                # (prompt logprobs need every prompt position computed)
+                self._start_unmatched(req, label)
                 continue
-            if req.prompt_logprobs is not None:
-                continue  # (prompt logprobs need every prompt position computed)
             if label in self.mgr.labels(rid):  # matched before: match anew
                 self.mgr.release(rid, label)
             tiers = self.tiers if fed == 0 else None  # (asked once a stream starts)
-            if tiers is not None and not tiers.load((rid, label), req.streams[label]):
+            space = req.cache_namespace
+            if tiers is not None and not tiers.load((rid, label), req.streams[label], space):
                 self._loading.add(rid)  # its pages are on their way: schedule the others
                 matched = True  # (asked again once they are: they install then)
                 continue
             tried.add((rid, label))
-            req.fed[label] = self.mgr.match_prefix(rid, label, req.streams[label])
+            req.fed[label] = self.mgr.match_prefix(rid, label, req.streams[label], space)
+            if label in ("main", "cond") and not any(s.token_ids for s in req.samples):
+                req.cached_tokens = min(req.fed[label], len(req.prompt))
             self._unstarted.add((rid, label))
             matched = matched or req.fed[label] > fed
         return matched
+
+    def _start_unmatched(self, req: Request, label: str) -> None:
+        """A stream of a request with a ``cache_namespace`` that takes no cached
+        prefix starts in that namespace all the same (matching its first token
+        alone reuses nothing), so the pages it computes are cached there, never
+        in the default one; a no-op for any other stream."""
+        rid = req.id
+        if req.cache_namespace and req.fed[label] == 0 and label not in self.mgr.labels(rid):
+            self.mgr.match_prefix(rid, label, req.streams[label][:1], req.cache_namespace)
 
     def _waits_for_shared(self, step: KVStep, waiting: set[str]) -> bool:
         """Requests with a stream about to start whose next full page (its

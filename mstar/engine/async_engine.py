@@ -149,22 +149,27 @@ class AsyncEngine:
         return await asyncio.wrap_future(future)
 
     async def add_request(
-        self, prompt: Prompt, params: SamplingParams, *, request_id: str
+        self, prompt: Prompt, params: SamplingParams, *, request_id: str, cache_namespace: str = ""
     ) -> RequestStream:
-        """Queue a request; its stream yields its completions. Raises what
-        ``Engine.add_request`` raises (nothing is queued then), or
-        ``Overloaded`` when ``max_waiting`` requests already wait."""
-        return await self.add_prepared(lambda _: (prompt, params), request_id=request_id)
+        """Queue a request (``cache_namespace`` as ``Engine.add_request``'s);
+        its stream yields its completions. Raises what ``Engine.add_request``
+        raises (nothing is queued then), or ``Overloaded`` when
+        ``max_waiting`` requests already wait."""
+        return await self.add_prepared(
+            lambda _: (prompt, params), request_id=request_id, cache_namespace=cache_namespace
+        )
 
     async def add_prepared(
         self,
         prepare: Callable[[Engine], tuple[Prompt, SamplingParams]],
         *,
         request_id: str,
+        cache_namespace: str = "",
     ) -> RequestStream:
         """``add_request`` of the prompt and params ``prepare(engine)`` makes
         on the engine thread, in the same visit as the add (no step runs
-        between them: a chat template rendered where the tokenizer is used).
+        between them: a chat template rendered where the tokenizer is used),
+        its prompt's KV cached in ``cache_namespace`` (``Engine.add_request``).
         What ``prepare`` raises propagates; nothing is queued then."""
         if self._draining:
             raise Overloaded("the server is shutting down")
@@ -174,7 +179,7 @@ class AsyncEngine:
             raise ValueError(f"expected a new request id, got {request_id!r} (running)")
         stream = self._streams[request_id] = RequestStream(request_id)  # before any output
         try:
-            await self.run(lambda e: self._add(e, *prepare(e), request_id))
+            await self.run(lambda e: self._add(e, *prepare(e), request_id, cache_namespace))
         except BaseException:
             self.abort(request_id)  # cancelled: it may be in the engine already
             raise
@@ -210,8 +215,10 @@ class AsyncEngine:
             if engine.has_unfinished():
                 self._step()
 
-    def _add(self, engine: Engine, prompt: Prompt, params: SamplingParams, rid: str) -> None:
-        engine.add_request(prompt, params, request_id=rid)
+    def _add(
+        self, engine: Engine, prompt: Prompt, params: SamplingParams, rid: str, namespace: str
+    ) -> None:
+        engine.add_request(prompt, params, request_id=rid, cache_namespace=namespace)
         self._live.add(rid)
 
     def _abort(self, engine: Engine, rid: str) -> None:

@@ -222,14 +222,20 @@ class Engine:
         request_id: str | None = None,
         uncond_prompt: Prompt | None = None,
         guidance_scale: float = 1.0,
+        cache_namespace: str = "",
     ) -> str:
         """Queue a request and return its id. ``prompt``: a str (tokenized as
         is) or a sequence of token ids. With ``uncond_prompt`` it is guided:
         tokens come from ``uncond + guidance_scale * (cond - uncond)`` logits
-        (``n`` must be 1). Raises ``RequestTooLarge`` when its KV could never
+        (``n`` must be 1). ``cache_namespace``: the prefix cache reuses KV
+        only among requests of the same one ("" by default: a tenant's own,
+        a salt). Raises ``RequestTooLarge`` when its KV could never
         fit the pool, ``TypeError``/``ValueError`` for anything else invalid,
         before anything is queued."""
+        if not isinstance(cache_namespace, str):
+            raise TypeError(f"expected cache_namespace a str, got {cache_namespace!r:.60}")
         req = self._request(prompt, params, request_id, uncond_prompt, guidance_scale)
+        req.cache_namespace = cache_namespace
         self._running[req.id] = req
         return req.id
 

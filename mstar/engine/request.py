@@ -43,6 +43,7 @@ class Completion:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV the prefix cache gave
 
     @property
     def finished(self) -> bool:
@@ -103,6 +104,8 @@ class Request:
     draft: dict[str, list[int]] = field(default_factory=dict)  # speculative tokens ending streams
     by_label: dict[str, Sample] = field(init=False)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    cache_namespace: str = ""  # the prefix cache's namespace of its KV
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave (as it last started)
 
     def __post_init__(self) -> None:
         self.by_label = {label: s for s in self.samples for label in s.labels}
@@ -138,7 +141,7 @@ class Request:
         """Its record now (each sample's ``Sample.output``)."""
         outputs = [s.output() for s in self.samples]
         prompt_lp = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
-        return Completion(self.id, list(self.prompt), outputs, prompt_lp)
+        return Completion(self.id, list(self.prompt), outputs, prompt_lp, self.cached_tokens)
 
     def holds_kv(self) -> bool:
         return any(self.fed.values())

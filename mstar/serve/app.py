@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -21,13 +21,16 @@ from typing import Any, TypeVar
 import anyio
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
 from mstar.engine import Completion, Engine, RequestTooLarge, SamplingParams
 from mstar.engine.async_engine import AsyncEngine, Overloaded, RequestFailed, RequestStream
+from mstar.engine.prompts import token_ids
 from mstar.serve import errors
+from mstar.serve.access import KEY_SCOPE, Access, Guard
 from mstar.serve.errors import APIError
 from mstar.serve.metrics import ServerMetrics
 from mstar.serve.protocol import (
@@ -49,12 +52,17 @@ METRICS_WAIT_S = 1.0
 
 def create_app(
     engine: Engine, *, model_name: str, max_waiting: int | None = None, retry_after: int = 1,
-    tool_call_parser: str = "auto",
+    tool_call_parser: str = "auto", access: Access | None = None,
+    allowed_origins: Sequence[str] = (),
 ) -> FastAPI:  # fmt: skip
     """The app serving ``engine`` as ``model_name``. Past ``max_waiting``
     requests without a first token, a request gets 503 with ``Retry-After:
     retry_after``. Chat tool calls are read by ``tool_call_parser``
-    (``mstar.serve.tools.PARSERS``; ``auto``: the chat template's format)."""
+    (``mstar.serve.tools.PARSERS``; ``auto``: the chat template's format).
+    ``access``: API keys, the largest body and whose requests share cached
+    KV (``mstar.serve.access``); ``allowed_origins``: browsers' origins
+    answered with CORS headers (none by default; ``*``: any)."""
+    access = access or Access()
     tools = ChatTools(engine.tokenizer, tool_call_parser)
     aengine = AsyncEngine(engine, max_waiting=max_waiting)
     metrics = ServerMetrics(aengine)
@@ -73,6 +81,12 @@ def create_app(
     app.state.engine, app.state.metrics, app.state.tools = aengine, metrics, tools
     errors.install(app)
     app.add_middleware(JSONBodies)
+    app.add_middleware(Guard, access=access)  # (outside JSONBodies: a key first)
+    if allowed_origins:  # outermost: a browser's preflight carries no key
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )  # fmt: skip
     created = int(time.time())
 
     @app.get("/health")
@@ -103,6 +117,7 @@ def create_app(
         params = sampling_params(body, 1 if nothing else max_tokens)
         call = front.call("text_completion", "cmpl", body)
         call.nothing = nothing
+        call.namespace = access.namespace(request.scope.get(KEY_SCOPE), body.cache_salt)
         prompts = body.prompts()
         calls = [replace(call, echo=front.prompt_text(p) if body.echo else None) for p in prompts]
         if len(prompts) == 1:
@@ -119,6 +134,7 @@ def create_app(
         render, planned = chat_render(tools, body)
         call = front.call("chat.completion", "chatcmpl", body)
         call.tools = tools.reader(planned)
+        call.namespace = access.namespace(request.scope.get(KEY_SCOPE), body.cache_salt)
 
         def prepare(e: Engine) -> tuple[list[int], SamplingParams]:
             ids = render(e)
@@ -182,7 +198,7 @@ class Front:
         self.names = aengine.engine.pipeline.names
 
     def check(self, body: Any) -> None:
-        if body.model is not None and body.model != self.model_name:
+        if body.model != self.model_name:
             raise APIError(
                 404,
                 f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
@@ -190,6 +206,30 @@ class Front:
                 code="model_not_found",
             )
         body.check_supported()
+
+    def check_context(self, prompt_len: int, max_tokens: int, param: str) -> None:
+        """An ``APIError`` 400 (``context_length_exceeded``) naming the numbers
+        when ``prompt_len`` tokens of ``param`` and ``max_tokens`` new ones
+        do not fit the model's context (``--max-model-len``); its param is
+        ``param`` when the prompt alone leaves no room, else ``max_tokens``."""
+        where, named = "messages" if param == "messages" else "prompt", param
+        if prompt_len >= self.context:
+            message = (
+                f"This model's maximum context length is {self.context} tokens. However, your"
+                f" {where} resulted in {prompt_len} tokens, leaving no room for a completion."
+                f" Please reduce the length of the {where}."
+            )
+        elif prompt_len + max_tokens > self.context:
+            message = (
+                f"This model's maximum context length is {self.context} tokens. However, you"
+                f" requested {prompt_len + max_tokens} tokens ({prompt_len} in the {where},"
+                f" {max_tokens} in the completion). Please reduce the length of the {where}"
+                " or completion."
+            )
+            named = "max_tokens"
+        else:
+            return
+        raise APIError(400, message, param=named, code="context_length_exceeded")
 
     def room(self, prompt_len: int) -> int:
         """Chat's default ``max_tokens``: the most new tokens the context
@@ -238,7 +278,7 @@ class Front:
     ) -> Response:
         """Serve one call, its prompt and params from ``prepare`` (on the
         engine thread): ``param`` names the prompt's field in errors."""
-        stream = await self.submit(call.id, prepare, param)
+        stream = await self.submit(call.id, prepare, param, call.namespace)
         if streamed:
             return EventStream(self.sse(call, stream), media_type="text/event-stream")
         done = await until_disconnect(request.receive, lambda: self.collect(stream))
@@ -254,7 +294,10 @@ class Front:
         streams: list[RequestStream] = []
         try:
             for i, (call, prompt) in enumerate(zip(calls, prompts)):
-                streams.append(await self.submit(f"{call.id}-{i}", fixed(prompt, params), "prompt"))
+                prepare = fixed(prompt, params)
+                streams.append(
+                    await self.submit(f"{call.id}-{i}", prepare, "prompt", call.namespace)
+                )
         except BaseException:
             for stream in streams:
                 self.aengine.abort(stream.request_id)
@@ -274,10 +317,26 @@ class Front:
         return JSONResponse(merged([call.whole(c) for call, c in zip(calls, done)]))
 
     async def submit(
-        self, rid: str, prepare: Callable[[Engine], tuple[Any, SamplingParams]], param: str
+        self,
+        rid: str,
+        prepare: Callable[[Engine], tuple[Any, SamplingParams]],
+        param: str,
+        namespace: str = "",
     ) -> RequestStream:
+        """Queue request ``rid`` (its prompt's KV cached in ``namespace``),
+        its prompt and params from ``prepare``; refused with an ``APIError``
+        naming ``param`` (the prompt's field) or the field at fault."""
+
+        def checked(e: Engine) -> tuple[list[int], SamplingParams]:
+            prompt, params = prepare(e)
+            ids = token_ids(rid, prompt, e.tokenizer, e.intake.vocab_size)
+            self.check_context(len(ids), params.max_new_tokens, param)
+            return ids, params
+
         try:
-            return await self.aengine.add_prepared(prepare, request_id=rid)
+            return await self.aengine.add_prepared(
+                checked, request_id=rid, cache_namespace=namespace
+            )
         except ParamError:
             raise  # (a bad field from ``prepare``: it names itself)
         except Overloaded as err:

@@ -246,10 +246,27 @@ def build_engine(
         )  # fmt: skip
 
     engine, choice = float32_unless_checked(build, choice, args.quantization, args.model)
+    cap_context(engine, getattr(args, "max_model_len", None))
     later = compiling_later and not engine.fused
     return engine, mode_line(
         choice, engine, "eager, compiling in the background" if later else None
     )
+
+
+def cap_context(engine: Any, max_model_len: int | None) -> None:
+    """``--max-model-len``: the most tokens (prompt and generated) a request
+    may span, at most the model's own (``UsageError`` past it); None: the model's."""
+    if max_model_len is None:
+        return
+    if max_model_len < 2:
+        raise UsageError(f"--max-model-len must be >= 2, got {max_model_len}")
+    own = engine.max_len
+    if own is not None and max_model_len > own:
+        raise UsageError(
+            f"--max-model-len {max_model_len} is over the model's context of {own} tokens"
+        )
+    engine.max_len = max_model_len
+    engine.intake = dataclasses.replace(engine.intake, max_len=max_model_len)
 
 
 def float32_unless_checked(

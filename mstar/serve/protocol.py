@@ -46,6 +46,7 @@ PARAM_FIELDS = {
 }
 _FIELD_NAMES = re.compile(r"\b(" + "|".join(sorted(PARAM_FIELDS, key=len, reverse=True)) + r")\b")
 Number = StrictFloat | StrictInt
+ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: a system turn
 
 
 class ParamError(ValueError):
@@ -66,7 +67,7 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: StrictStr | None = None
+    model: StrictStr  # required, as OpenAI requires it
     max_tokens: StrictInt | None = None
     temperature: Number = 1.0
     top_p: Number = 1.0
@@ -86,6 +87,7 @@ class _Sampling(BaseModel):
     logit_bias: dict[StrictStr, Number] | None = None
     response_format: dict[StrictStr, Any] | None = None
     structured_outputs: dict[StrictStr, Any] | None = None  # vLLM's
+    cache_salt: StrictStr | None = None  # vLLM's: KV reused only among requests of one salt
 
     def structured(self) -> StructuredOutputs | None:
         """What the output must match: OpenAI's ``response_format`` (``text``,
@@ -123,9 +125,18 @@ class _Sampling(BaseModel):
         return None, None
 
     def check_supported(self) -> None:
+        """``ParamError`` for a field this server refuses: one it does not
+        implement, ``temperature`` outside [0, 2] (OpenAI's range), an empty
+        ``cache_salt``."""
         for name, value in (self.model_extra or {}).items():
             if name in NEUTRAL and value not in NEUTRAL[name]:
                 raise ParamError(f"{name}={value!r} is not supported by this server", name)
+        if not 0 <= self.temperature <= 2:
+            raise ParamError(
+                f"expected temperature in [0, 2], got {self.temperature}", "temperature"
+            )
+        if self.cache_salt == "":
+            raise ParamError("expected cache_salt a non-empty string, got ''", "cache_salt")
 
     @property
     def include_usage(self) -> bool:
@@ -174,14 +185,26 @@ class ChatMessage(BaseModel):
             return text
         return "".join(part.text for part in text)
 
+    def template_role(self, i: int) -> str:
+        """The role the chat template sees (``developer``, OpenAI's newer name
+        for ``system``, as ``system``); ``ParamError`` listing every accepted
+        role for any other."""
+        if self.role not in ROLES:
+            raise ParamError(
+                f"expected messages[{i}].role one of {', '.join(ROLES)}, got {self.role!r:.40}",
+                f"messages.{i}.role",
+            )
+        return "system" if self.role == "developer" else self.role
+
     def as_dict(self, i: int) -> dict[str, str]:
         """The message as ``Engine.encode_chat`` takes it (no tool fields)."""
+        role = self.template_role(i)
         text = self.text()
         if text is None:
             raise ParamError(
                 f"expected messages[{i}].content a string, got null", f"messages.{i}.content"
             )
-        return {"role": self.role, "content": text}
+        return {"role": role, "content": text}
 
 
 class ChatCompletionRequest(_Sampling):

@@ -38,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from mstar.serve.access import DEFAULT_MAX_BODY_BYTES, Access
 from mstar.serve.errors import APIError
 from mstar.serve.kv_events import EventsConfig
 from mstar.serve.responses import DONE, event
@@ -74,6 +75,19 @@ class ReplicaConfig:
     kv_remote: str | None = None  # one store every replica reads
     kv_offload: str = "lazy"
     kv_events: EventsConfig | None = None
+    # on a network (``mstar.serve.access``): the front and each replica enforce them
+    api_key: tuple[str, ...] = ()
+    protect_metrics: bool = False
+    shared_prefix_cache: bool = False
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_model_len: int | None = None
+
+    def access(self) -> Access:
+        """The ``Access`` these options describe."""
+        return Access(
+            api_keys=tuple(self.api_key), protect_metrics=self.protect_metrics,
+            shared_prefix_cache=self.shared_prefix_cache, max_body_bytes=self.max_body_bytes,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -116,7 +130,10 @@ class EngineReplica:
             self.publisher = KVEventPublisher(config.kv_events, self.rank, medium)
             attach(engine, self.publisher)
         self.tiers = _tiers(engine, config, self.rank, self.publisher)
-        self.app = create_app(engine, model_name=model_name(args), max_waiting=config.max_waiting)
+        self.app = create_app(
+            engine, model_name=model_name(args), max_waiting=config.max_waiting,
+            access=config.access(),
+        )  # fmt: skip
         self._life = self.app.router.lifespan_context(self.app)
         await self._life.__aenter__()
 
@@ -188,9 +205,16 @@ class Front:
         self.streams = replicas.options(stream=True)
         self.hasher = None if config.no_prefix_cache else ChainHasher(config.page_size)
         self.tokenizer = _tokenizer(config.model)
+        self.access = config.access()
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
+        try:
+            if self.access.protects(path):
+                self.access.key_of(request.headers.raw)
+            body = await self._body(request)
+        except APIError as err:
+            return err.response()
         if request.method == "GET" and path == "/metrics":
             from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -200,7 +224,6 @@ class Front:
         if request.method == "GET" and path == "/v1/replicas":
             stats = sorted(await self._each("stats"), key=lambda s: s["rank"])
             return JSONResponse({"object": "list", "data": stats})
-        body = await request.body()
         scope = {k: request.scope[k] for k in SCOPE_FIELDS if k in request.scope}
         scope["root_path"] = ""
         gen = self.streams.http.remote(scope, body, self._route(path, body))
@@ -213,6 +236,19 @@ class Front:
             gen.cancel()
             raise
         return Relay(start, gen)
+
+    async def _body(self, request: Request) -> bytes:
+        """The request's body, read no further than ``max_body_bytes`` (then 413)."""
+        limit, chunks, size = self.access.max_body_bytes, [], 0
+        async for chunk in request.stream():
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise APIError(
+                    413, f"the request body is over {size} bytes; this server takes at most {limit}",
+                    code="request_too_large",
+                )  # fmt: skip
+        return b"".join(chunks)
 
     async def _each(self, method: str) -> list:
         """``method``'s result from every replica (asked in turn by replica id)."""
@@ -337,7 +373,9 @@ def parse_args(args: dict[str, Any]) -> tuple[ReplicaConfig, Scaling]:
         if key not in target.__dataclass_fields__ or key == "kv_events":
             raise ValueError(f"expected an mstar-kv replicas option, got {key!r}")
         default = getattr(target, key)
-        if isinstance(value, str) and not isinstance(default, str) and key not in _PATHS:
+        if key == "api_key" and isinstance(value, str):  # comma-separated, as $MSTAR_KV_API_KEY
+            value = tuple(k.strip() for k in value.split(",") if k.strip())
+        elif isinstance(value, str) and not isinstance(default, str) and key not in _PATHS:
             value = json.loads(value) if value not in ("", "None") else None
         if target is config:
             config = replace(config, **{key: value})
@@ -426,6 +464,8 @@ def run_replicas(args: argparse.Namespace) -> int:
 
     if args.replicas < 1:
         raise UsageError(f"--replicas must be >= 1, got {args.replicas}")
+    if getattr(args, "allowed_origins", None):
+        raise UsageError("--allowed-origins is not supported with --replicas")
     try:
         autoscaling = json.loads(args.autoscaling_config) if args.autoscaling_config else None
         actor_options = json.loads(args.replica_options)
@@ -461,7 +501,7 @@ def run_replicas(args: argparse.Namespace) -> int:
             raise UsageError(f"the replicas did not start: {_last_line(err)}") from err
         print(
             f"mstar-kv serve: {args.replicas} replicas of {args.model} on Ray Serve,"
-            f" http://{args.host}:{args.port}/v1 (router {args.router}"
+            f" http://{args.host}:{args.port}/v1 (router {args.router}, api keys {len(config.api_key)}"
             f"{', KV events on ' + args.kv_events_endpoint if events else ''})",
             flush=True,
         )

@@ -30,6 +30,7 @@ class Call:
     echo: str | None = None  # completions: the prompt's text, first in each choice
     nothing: bool = False  # max_tokens 0 (with echo): the one token generated is not shown
     tools: CallReader | None = None  # chat with tools: the text read for calls
+    namespace: str = ""  # the prefix cache's namespace of its requests (``Access.namespace``)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def envelope(self, obj: str, choices: list[dict], **extra: object) -> dict:
@@ -133,23 +134,36 @@ class Call:
 def merged(wholes: list[dict]) -> dict:
     """One response of the responses of a call's prompts: their choices in
     order (``index`` running over them all), their usage summed."""
-    first, choices, usage = wholes[0], [], dict.fromkeys(wholes[0]["usage"], 0)
+    first, choices = wholes[0], []
     for whole in wholes:
         for choice in whole["choices"]:
             choices.append({**choice, "index": len(choices)})
-        for key, value in whole["usage"].items():
-            usage[key] += value
+    usage = _summed([whole["usage"] for whole in wholes])
     rest = {k: v for k, v in first.items() if k not in ("choices", "usage", "prompt_token_ids")}
     return {**rest, "choices": choices, "usage": usage}
 
 
-def count(c: Completion) -> dict[str, int]:
-    """The ``usage`` object of a completion."""
+def _summed(usages: list[dict]) -> dict:
+    """Usage objects added up, key by key (their nested details too)."""
+    out: dict = {}
+    for usage in usages:
+        for key, value in usage.items():
+            if isinstance(value, dict):
+                out[key] = _summed([out.get(key, {}), value])
+            else:
+                out[key] = out.get(key, 0) + value
+    return out
+
+
+def count(c: Completion) -> dict:
+    """The ``usage`` object of a completion: ``prompt_tokens_details.cached_tokens``
+    counts the prompt tokens whose KV came from the prefix cache."""
     prompt, generated = len(c.prompt_token_ids), sum(len(o.token_ids) for o in c.outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": generated,
         "total_tokens": prompt + generated,
+        "prompt_tokens_details": {"cached_tokens": c.cached_tokens},
     }
 
 
@@ -224,7 +238,7 @@ class Chunker:
         """The delta of a choice read for calls, and the pieces with the
         arguments of the calls it completes."""
         stream = self.calls.setdefault(out.index, CallStream(self.call.tools))
-        text, calls = stream.feed(out.delta, out.finish_reason is not None)
+        text, calls = stream.feed(out.delta, out.finish_reason)
         delta: dict = {"role": "assistant"} if first else {}
         if text or first:
             delta["content"] = text

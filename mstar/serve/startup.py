@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -36,12 +37,14 @@ def bind(host: str, port: int) -> socket.socket:
 class Starting:
     """Answers every request on ``sock`` with ``503`` (``{"status":
     "starting"}``, an OpenAI error body, ``Retry-After: 1``) from ``start``
-    until ``stop``; the socket stays open for the real server."""
+    until ``stop`` (over TLS with ``tls``, as the real server will); the
+    socket stays open for the real server."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, tls: ssl.SSLContext | None = None) -> None:
         self.server = _QuietServer(
             sock.getsockname()[:2], _StartingHandler, bind_and_activate=False
         )
+        self.server.tls = tls
         self.server.socket.close()
         self.server.socket = sock
         self.thread = threading.Thread(
@@ -58,6 +61,16 @@ class Starting:
 
 
 class _QuietServer(http.server.HTTPServer):
+    tls: ssl.SSLContext | None = None
+    handshake_s = 5.0  # a client slower to shake hands is dropped (one at a time here)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        conn, address = super().get_request()
+        if self.tls is not None:  # (a failed handshake raises an OSError: dropped)
+            conn.settimeout(self.handshake_s)
+            conn = self.tls.wrap_socket(conn, server_side=True)
+        return conn, address
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass  # a client that gave up waiting: nothing to report
 

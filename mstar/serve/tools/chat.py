@@ -71,4 +71,7 @@ class ChatTools:
         """What reads the calls out of the text; None when nothing is read."""
         if planned is None or not planned.parses:
             return None
-        return CallReader(self.fmt, frozenset(planned.names))
+        forced = planned.choice not in ("auto", "none")
+        named = planned.choice if planned.choice in planned.names else None
+        names = frozenset([named] if named else planned.names)  # (what the grammar allows)
+        return CallReader(self.fmt, names, forced)

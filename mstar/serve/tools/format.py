@@ -47,6 +47,7 @@ class ToolFormat:
 
     call_end = "}"
     separator = ""
+    opening = ""  # what comes before the first call and is not in its ``call_begin``
 
     def structural_tag(
         self, functions: Sequence[Function], required: bool, parallel: bool

@@ -13,6 +13,7 @@ class Mistral(ToolFormat):
     name = "mistral"
     start = "[TOOL_CALLS]"
     separator = ", "
+    opening = "[TOOL_CALLS]["
 
     def read_calls(self, text: str, at: int, names: Collection[str]) -> tuple[list, int]:
         calls: list[ParsedCall] = []

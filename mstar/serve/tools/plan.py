@@ -19,7 +19,6 @@ from mstar.serve.tools.protocol import NamedToolChoice, Tool
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 ANY_OBJECT: dict = {"type": "object"}
 CHOICES = ("none", "auto", "required")
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -140,11 +139,7 @@ def conversation(messages: Sequence[Any]) -> list[dict]:
     out: list[dict] = []
     called: set[str] = set()
     for i, m in enumerate(messages):
-        if m.role not in ROLES:
-            raise ParamError(
-                f"expected messages[{i}].role one of {ROLES}, got {m.role!r:.40}",
-                f"messages.{i}.role",
-            )
+        role = m.template_role(i)
         content = m.text()
         calls = []
         for j, call in enumerate(m.tool_calls or ()):
@@ -177,7 +172,7 @@ def conversation(messages: Sequence[Any]) -> list[dict]:
             )
         out.append(
             {
-                "role": m.role,
+                "role": role,
                 "content": content,
                 "tool_calls": calls,
                 "tool_call_id": m.tool_call_id,
