@@ -14,6 +14,8 @@ import ssl
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -380,3 +382,60 @@ def test_while_starting_https_answers_503_and_bad_tls_files_are_refused(tmp_path
     assert main(["serve", "--ssl-keyfile", other_key, "--ssl-certfile", certfile]) == 2
     err = capsys.readouterr().err
     assert "--ssl-certfile/--ssl-keyfile do not load" in err and err.count("\n") == 1
+
+
+BODY_FIELDS = {
+    "model": st.sampled_from([MODEL, "other", ""]) | st.none() | st.integers(),
+    "prompt": st.lists(st.integers(-2, 300), max_size=6) | st.text(max_size=8) | st.none(),
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "developer", "system", "bot"]) | st.integers()},
+            optional={"content": st.text(max_size=6) | st.none() | st.integers()},
+        ),
+        max_size=2,
+    )
+    | st.text(max_size=4),
+    "max_tokens": st.integers(-2, 3) | st.just(10**6) | st.text(max_size=2),
+    "temperature": st.floats(-1, 6) | st.just(float("nan")) | st.text(max_size=2),
+    "top_p": st.floats(-0.5, 1.5) | st.none(),
+    "n": st.integers(-1, 3),
+    "cache_salt": st.text(max_size=4) | st.integers() | st.none(),
+    "stream": st.booleans(),
+}
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny, tmp_path_factory):
+    """A server with a key and TLS on (its certificate trusted by ``http``)."""
+    pytest.importorskip("cryptography")
+    keyfile, certfile = _self_signed(tmp_path_factory.mktemp("tls"))
+    args = serve_args("--ssl-keyfile", keyfile, "--ssl-certfile", certfile, "--api-key", "k")
+    app = app_of(tiny, access=access_of(args))
+    with ServerThread(app, config=lambda port: server_config(args, app, port=port)) as srv:
+        http = httpx.Client(verify=ssl.create_default_context(cafile=certfile), timeout=60)
+        yield f"https://127.0.0.1:{srv.port}/v1", http
+        http.close()
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    route=st.sampled_from(["/completions", "/chat/completions", "/models", "/nope"]),
+    auth=st.sampled_from(["Bearer k", "Bearer wrong", "", "Basic k", "Bearer k2", "bearer k"]),
+    body=st.fixed_dictionaries({}, optional=BODY_FIELDS) | st.text(max_size=8),
+)
+def test_fuzzed_requests_with_a_key_and_tls_never_get_a_5xx(guarded, route, auth, body):
+    """Random bodies and authorization headers over TLS: a 2xx, or a 4xx
+    with the OpenAI error body (401 whenever the key is not the right one)."""
+    base, http = guarded
+    headers = {"Authorization": auth} if auth else {}
+    content = json.dumps(body) if isinstance(body, dict) else body
+    method = "GET" if route == "/models" else "POST"
+    with http.stream(method, base + route, headers=headers, content=content) as r:
+        r.read()
+    assert r.status_code < 500, r.text
+    if auth not in ("Bearer k", "bearer k"):  # the scheme is case-insensitive (RFC 7235)
+        assert r.status_code == 401, r.text
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
