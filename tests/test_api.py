@@ -120,6 +120,10 @@ def test_a_fractional_max_new_tokens_is_refused_not_a_hang(tiny):
         ({"num_pages": True}, TypeError, "num_pages"),
         ({"prefix_cache": "yes"}, TypeError, "prefix_cache"),
         ({"num_pages": 1 << 40}, ValueError, "fits the free memory"),
+        ({"kv_cache_memory": 2.5}, TypeError, "kv_cache_memory"),
+        ({"kv_cache_memory": 1 << 20}, ValueError, "num_pages or kv_cache_memory, not both"),
+        ({"num_pages": None, "kv_cache_memory": 100}, ValueError, "at least one page"),
+        ({"num_pages": None, "kv_cache_memory": 1 << 50}, ValueError, "fits the free memory"),
     ],
 )
 def test_engine_options_are_checked_before_the_model_changes(tiny, kwargs, error, match):
@@ -127,6 +131,41 @@ def test_engine_options_are_checked_before_the_model_changes(tiny, kwargs, error
     with pytest.raises(error, match=match):
         Engine(model, **({"num_pages": 16} | kwargs))
     assert model.config._attn_implementation != "mstar_paged"  # untouched
+
+
+def test_kv_cache_memory_sizes_the_pool_in_whole_pages(tiny):
+    page = ids_engine(tiny, num_pages=1).kv_cache_bytes
+    engine = ids_engine(tiny, num_pages=None, kv_cache_memory=5 * page + page // 2)
+    assert engine.mgr.num_pages == 5 and engine.kv_cache_bytes == 5 * page
+
+
+def test_serve_takes_kv_cache_memory_as_a_size():
+    import argparse
+
+    from mstar.cli import serve
+    from mstar.serve.options import build_engine, memory_size
+
+    assert [memory_size(s) for s in ("4GiB", "512MiB", "1.5G", "2000", "3kb")] == [
+        4 << 30,
+        512 << 20,
+        1_500_000_000,
+        2000,
+        3000,
+    ]
+    for bad in ("", "4 apples", "0", "-1GiB"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            memory_size(bad)
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    with pytest.raises(SystemExit):  # a pool in pages or in bytes, not both
+        parser.parse_args(["serve", "--pages", "8", "--kv-cache-memory", "2GiB"])
+    args = parser.parse_args(
+        ["serve", "--model", "random", "--dtype", "float32", "--kv-cache-memory", "1MiB"]
+    )
+    assert args.kv_cache_memory == 1 << 20
+    engine, _ = build_engine(args, enforce_eager=True)
+    page = engine.kv_cache_bytes // engine.mgr.num_pages
+    assert (1 << 20) - page < engine.kv_cache_bytes <= 1 << 20
 
 
 def test_a_slow_tokenizer_is_refused(tiny):

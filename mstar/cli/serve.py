@@ -29,6 +29,12 @@ class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
 
 def add_parser(subparsers: Any) -> None:
     """Register ``serve`` on ``mstar-kv``'s subparsers."""
+    from mstar.serve.options import (
+        add_speculative_options,
+        add_tensor_parallel_option,
+        memory_size,
+    )
+
     p = subparsers.add_parser(
         "serve", help="an OpenAI-compatible server over the engine",
         description="An OpenAI-compatible server over the engine (docs/serving.md).",
@@ -40,7 +46,13 @@ def add_parser(subparsers: Any) -> None:
     )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="the address to bind (0.0.0.0: any)")
     p.add_argument("--port", type=int, default=8000, help="the port to bind")
-    p.add_argument("--pages", type=int, help="KV pages in the pool (default: a memory share)")
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument("--pages", type=int, help="KV pages in the pool (default: a memory share)")
+    pool.add_argument(
+        "--kv-cache-memory", type=memory_size, metavar="SIZE",
+        help="memory for the KV pool, e.g. 4GiB (default: a quarter of the free memory, at most"
+        " 1 GiB on the CPU)",
+    )  # fmt: skip
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     # 512, not the Python API's 256: 32 chats at once got their first token ~20% sooner
     # (p50) at the same tokens/s (docs/performance.md)
@@ -63,8 +75,6 @@ def add_parser(subparsers: Any) -> None:
         choices=("auto", "hermes", "llama3_json", "mistral", "pythonic"),
         help="how chat tool calls are written and read (default auto: the chat template's)",
     )  # fmt: skip
-    from mstar.serve.options import add_speculative_options, add_tensor_parallel_option
-
     add_tensor_parallel_option(p)
     add_speculative_options(p)
     add_network_options(p)
@@ -344,7 +354,7 @@ def startup_line(args: argparse.Namespace, name: str, engine: Any, mode: str, ac
     if args.verbose:
         return (
             f"{where} ({args.device}, {mode}, {mgr.num_pages} KV pages of {mgr.page_size}"
-            f" tokens, {engine.budget} tokens/step, prefix cache {cache}, max waiting"
+            f" tokens ({engine.kv_cache_bytes / 2**30:.2f} GiB), {engine.budget} tokens/step, prefix cache {cache}, max waiting"
             f" {args.max_waiting})"
         )
     quantization = getattr(engine.model, "mstar_quantization", None)
@@ -355,6 +365,7 @@ def startup_line(args: argparse.Namespace, name: str, engine: Any, mode: str, ac
         "forward": "fused" if engine.fused else (engine.compiled or "eager").split(" (")[0],
         "quantization": str(quantization).split(" ")[0] if quantization else "none",
         "pages": f"{mgr.num_pages}x{mgr.page_size}",
+        "kv": f"{engine.kv_cache_bytes / 2**30:.2f}GiB",
         "budget": engine.budget,
         "max_len": engine.max_len,
         "prefix_cache": "per-key" if cache == "on" and keyed else cache,

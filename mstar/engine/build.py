@@ -42,17 +42,27 @@ def check_options(
     token_budget: object,
     prefix_cache: object,
     compile: object,
+    kv_cache_memory: object = None,
 ) -> None:
     """``TypeError``/``ValueError`` naming the first bad one of ``Engine``'s
     arguments checked before anything is built."""
-    options = {"page_size": page_size, "token_budget": token_budget, "num_pages": num_pages}
+    options = {
+        "page_size": page_size,
+        "token_budget": token_budget,
+        "num_pages": num_pages,
+        "kv_cache_memory": kv_cache_memory,
+    }
     for name, value in options.items():
-        if value is None and name == "num_pages":
+        if value is None and name in ("num_pages", "kv_cache_memory"):
             continue
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"expected {name} an int, got {value!r}")
         if value < 1:
             raise ValueError(f"expected {name} >= 1, got {value!r}")
+    if num_pages is not None and kv_cache_memory is not None:
+        raise ValueError(
+            f"expected num_pages or kv_cache_memory, not both, got {num_pages} and {kv_cache_memory}"
+        )
     if not isinstance(compile, bool):
         raise TypeError(f"expected compile a bool, got {compile!r}")
     if prefix_cache is not None and not isinstance(prefix_cache, bool):

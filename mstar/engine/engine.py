@@ -43,7 +43,7 @@ from mstar.engine.resources.step import KVStep
 from mstar.engine.sampling.logits import LogitsPipeline
 from mstar.engine.sampling.params import SamplingParams
 from mstar.engine.sampling.speculative import speculator
-from mstar.models.device import check_pool_fits, pool_pages
+from mstar.models.device import check_pool_fits, page_bytes_of, pool_pages
 from mstar.models.hf import forward_step, kv_spec, register, runs_fused
 from mstar.models.tp import shard
 
@@ -56,7 +56,9 @@ class Engine:
 
     ``model`` is switched to the paged attention implementation (it serves
     only through the engine afterwards). ``num_pages=None`` sizes the pool to
-    ``KV_MEMORY_FRACTION`` of the free memory (see ``device.pool_pages``). String
+    ``kv_cache_memory`` bytes, by default ``KV_MEMORY_FRACTION`` of the free
+    memory, at most 1 GiB on the host (see ``device.pool_pages``;
+    ``engine.kv_cache_bytes`` says what it came to). String
     prompts and chats need ``tokenizer`` (a Hugging Face fast tokenizer);
     outputs get ``.text`` with one. With ``prefix_cache`` a stream that starts
     (or restarts after preemption) first takes the longest cached prefix of
@@ -120,8 +122,11 @@ class Engine:
         compile: bool = False,
         fused: bool = True,
         kv_cache_dtype: str | torch.dtype = "auto",
+        kv_cache_memory: int | None = None,
     ) -> None:
-        check_options(tokenizer, num_pages, page_size, token_budget, prefix_cache, compile)
+        check_options(
+            tokenizer, num_pages, page_size, token_budget, prefix_cache, compile, kv_cache_memory
+        )
         if not isinstance(fused, bool):
             raise TypeError(f"expected fused a bool, got {fused!r}")
         self.spec = speculator(speculative, num_speculative_tokens)  # see speculative.py
@@ -138,8 +143,9 @@ class Engine:
         param = next(model.parameters())
         kv_dtype = kv_cache_dtype_of(kv_cache_dtype, param, self.tp, flashinfer)
         if num_pages is None:
-            num_pages = pool_pages(spec, page_size, kv_dtype, param.device)
+            num_pages = pool_pages(spec, page_size, kv_dtype, param.device, kv_cache_memory)
         check_pool_fits(spec, num_pages, page_size, kv_dtype, param.device)
+        self.kv_cache_bytes = num_pages * page_bytes_of(spec, page_size, kv_dtype)
         model.set_attn_implementation(register())
         self.model, self.tokenizer, self.flashinfer = model, tokenizer, flashinfer
         self.device, self.budget = param.device, token_budget

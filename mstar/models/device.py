@@ -16,10 +16,22 @@ KV_MEMORY_FRACTION = 0.25
 HOST_POOL_BYTES = 1 << 30
 
 
-def pool_pages(spec: KVSpec, page_size: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Pages filling ``KV_MEMORY_FRACTION`` of the free memory of ``device``
-    (on the host, at most ``HOST_POOL_BYTES``)."""
-    page_bytes = _page_bytes(spec, page_size, dtype)
+def pool_pages(
+    spec: KVSpec,
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    memory: int | None = None,
+) -> int:
+    """Pages filling ``memory`` bytes, by default ``KV_MEMORY_FRACTION`` of
+    the free memory of ``device`` (on the host, at most ``HOST_POOL_BYTES``)."""
+    page_bytes = page_bytes_of(spec, page_size, dtype)
+    if memory is not None:
+        if memory < page_bytes:
+            raise ValueError(
+                f"expected kv_cache_memory of at least one page ({page_bytes} bytes), got {memory}"
+            )
+        return memory // page_bytes
     free = _free_bytes(device)
     if device.type != "cuda":
         free = min(free, int(HOST_POOL_BYTES / KV_MEMORY_FRACTION))
@@ -37,7 +49,7 @@ def check_pool_fits(
     spec: KVSpec, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device
 ) -> None:
     """Refuse a pool larger than the free memory of ``device``."""
-    need = _page_bytes(spec, page_size, dtype) * num_pages
+    need = page_bytes_of(spec, page_size, dtype) * num_pages
     free = _free_bytes(device)
     if need > free:
         raise ValueError(
@@ -46,7 +58,8 @@ def check_pool_fits(
         )
 
 
-def _page_bytes(spec: KVSpec, page_size: int, dtype: torch.dtype) -> int:
+def page_bytes_of(spec: KVSpec, page_size: int, dtype: torch.dtype) -> int:
+    """The bytes of one KV page over every layer."""
     per_token = spec.num_layers * spec.num_kv_heads * (spec.head_dim + spec.v_head_dim)
     return per_token * page_size * dtype.itemsize
 

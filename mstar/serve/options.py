@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,21 @@ def mode_line(choice: Any, engine: Any, forward: str | None = None) -> str:
         parts.append(f"speculative ngram (up to {engine.spec.k} draft tokens)")
     quantization = getattr(engine.model, "mstar_quantization", None)
     return ", ".join(parts) + (f"; quantization {quantization}" if quantization else "")
+
+
+UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def memory_size(text: str) -> int:
+    """``--kv-cache-memory``'s value in bytes: a number with an optional unit
+    (``4GiB``, ``512MiB``, ``1.5G``, ``2000000000``; a trailing ``B`` optional)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]i?)?[bB]?\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a size such as 4GiB or 512MiB, got {text!r}")
+    size = int(float(match.group(1)) * UNITS[(match.group(2) or "").lower()])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected a size of at least one byte, got {text!r}")
+    return size
 
 
 def add_speculative_options(parser: argparse.ArgumentParser, what: str = "") -> None:
@@ -240,6 +256,7 @@ def build_engine(
             )
         return make_engine(
             model, tokenizer, args.device, num_pages=args.pages, page_size=args.page_size,
+            kv_cache_memory=getattr(args, "kv_cache_memory", None),
             token_budget=args.budget, prefix_cache=False if args.no_prefix_cache else None,
             tensor_parallel_size=args.tensor_parallel_size, enforce_eager=eager,
             kv_cache_dtype=kv_cache_dtype or args.kv_cache_dtype, **speculative_options(args),
