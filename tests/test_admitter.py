@@ -90,7 +90,7 @@ class _FetchOnce:
     def __init__(self) -> None:
         self.loads: list[tuple[str, str]] = []
 
-    def load(self, stream, tokens) -> bool:
+    def load(self, stream, tokens, namespace="") -> bool:
         self.loads.append(stream)
         return len(self.loads) > 1  # False: in flight (installed on the next call)
 

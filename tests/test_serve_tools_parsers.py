@@ -61,24 +61,26 @@ def test_a_bad_call_after_a_good_one_is_content_after_it():
 
 @pytest.mark.parametrize("fmt", FORMATS[:3], ids=lambda f: f.name)
 def test_a_call_cut_by_max_tokens_comes_with_its_arguments_so_far_never_as_content(fmt):
+    """The first call cut: its name (once known) and arguments so far. A call
+    cut after complete ones: dropped, never partial, never content
+    (langchain's required tool choice read one complete call and an empty
+    second one)."""
     text = fmt.write(CALLS)
     second = text.index(fmt.call_begin("add"))
     for reader in (CallReader(fmt, NAMES, forced=True), CallReader(fmt, NAMES)):
-        for cut in range(second, len(text)):
+        for cut in range(second, len(text)):  # the second whole once its format reads it so
             content, calls = reader.read(text[:cut], "length")
-            assert content is None, (cut, content)
-            assert calls[0] == CALLS[0]
-            if cut >= second + len(fmt.call_begin("add")):  # its name is known
-                assert len(calls) == 2 and calls[1].name == "add"
-                assert CALLS[1].arguments.startswith(calls[1].arguments), calls[1]
-            else:  # (two functions could follow: none named yet)
-                assert calls[1:] in ([], [ParsedCall("add", "")])
+            assert content is None and calls in ([CALLS[0]], CALLS), (cut, calls)
         assert reader.read(text[:second], "length") == (None, [CALLS[0]])
+        first = fmt.write([CALLS[1]])
+        at = first.index(fmt.call_begin("add"))
+        for cut in range(at + len(fmt.call_begin("add")), len(first)):
+            content, calls = reader.read(first[:cut], "length")
+            assert content is None and len(calls) == 1 and calls[0].name == "add", cut
+            assert CALLS[1].arguments.startswith(calls[0].arguments), calls[0]
         named = CallReader(fmt, {"add"}, forced=True)  # a named choice: its name is known
-        whole = fmt.write([CALLS[1]])
-        at = whole.index(fmt.call_begin("add"))
-        assert named.read(whole[: at + 3], "length") == (None, [ParsedCall("add", "")])
-        assert named.read(whole[:2], "length")[0] is None
+        assert named.read(first[: at + 3], "length") == (None, [ParsedCall("add", "")])
+        assert named.read(first[:2], "length")[0] is None
 
 
 def test_a_forced_choice_never_gives_the_same_call_twice():

@@ -22,8 +22,9 @@ class CallReader:
 
     def read(self, text: str, reason: str | None = None) -> tuple[str | None, list[ParsedCall]]:
         """``(content, calls)`` of a whole text that ended for ``reason``. A
-        call cut by ``max_tokens`` (``length``) comes with its arguments so
-        far, never as content; ``forced``, a call made twice comes once."""
+        first call cut by ``max_tokens`` (``length``) comes with its arguments
+        so far, never as content; one cut after complete calls is dropped (the
+        model finished those, not it); ``forced``, a call made twice comes once."""
         split = self.fmt.split(text, self.names)
         content, calls = split.message()
         before, rest = split.content, split.rest
@@ -32,7 +33,7 @@ class CallReader:
             before, rest = text[:at], text[at:]
         unfinished = self._unfinished(rest, bool(split.calls)) if reason == "length" else None
         if unfinished is not None:
-            cut = self._cut(unfinished)
+            cut = None if split.calls else self._cut(unfinished)
             calls = [*calls, cut] if cut is not None else calls
             content = before if before.strip() else None
         return content, self.distinct(calls)
