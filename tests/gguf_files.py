@@ -131,17 +131,21 @@ def write_llama_gguf(
     types: Callable[[str, int, int], str] | Mapping[str, str] = q4_k_m_types,
     shape: LlamaShape = LlamaShape(),
     seed: int = 0,
+    arch: str = "llama",
 ) -> Path:
     """A Llama GGUF at ``path`` of ``shape``, its linear tensors and embedding
     in the types ``types`` gives (a function of the GGUF name without
     ``blk.N.`` / ``.weight``, the layer and the layer count, the head's
     name ``output``, the embedding's ``token_embd``; or a mapping of those
-    names, ``Q4_K`` where absent); norms float32."""
+    names, ``Q4_K`` where absent); norms float32. ``arch`` ``qwen2`` adds
+    q/k/v biases, ``qwen3`` q/k RMSNorms (float32, as llama.cpp writes them)."""
     import gguf
 
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ValueError(f"expected arch llama, qwen2 or qwen3, got {arch!r}")
     pick = types if callable(types) else (lambda name, i, n: types.get(name, "Q4_K"))
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, arch)
     _write_metadata(writer, shape)
 
     def add(name: str, type_name: str, rows: int, width: int) -> None:
@@ -155,6 +159,12 @@ def write_llama_gguf(
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", _norm(shape.hidden, rng))
         for name, (rows, width) in linear_shapes(shape).items():
             add(f"blk.{i}.{name}.weight", pick(name, i, shape.layers), rows, width)
+            if arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):
+                bias = rng.normal(0, 0.1, rows).astype(np.float32)
+                writer.add_tensor(f"blk.{i}.{name}.bias", bias)
+        if arch == "qwen3":
+            writer.add_tensor(f"blk.{i}.attn_q_norm.weight", _norm(shape.head_dim, rng))
+            writer.add_tensor(f"blk.{i}.attn_k_norm.weight", _norm(shape.head_dim, rng))
     writer.add_tensor("output_norm.weight", _norm(shape.hidden, rng))
     add("output.weight", pick("output", 0, shape.layers), shape.vocab, shape.hidden)
     writer.write_header_to_file()
@@ -177,6 +187,8 @@ def _write_metadata(writer: object, shape: LlamaShape) -> None:
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_key_length(shape.head_dim)  # (qwen3's config reads its head_dim here)
+    writer.add_value_length(shape.head_dim)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(shape.vocab)

@@ -16,7 +16,7 @@ from gguf_files import LlamaShape, q4_k_m_types, write_llama_gguf
 from mstar.cpu.quant import QuantChoice, quantize_model
 from mstar.cpu.quant.kernels import bf16_or_why, kernel_or_why
 from mstar.cpu.quant.linear import PackedLinear
-from mstar.engine import Engine
+from mstar.engine import Engine, SamplingParams
 from mstar.engine.verify import Tolerance, check_mode, float32_reference
 from mstar.models.gguf import gguf_folder, load_gguf
 from mstar.models.loader import load, model_folder
@@ -235,3 +235,42 @@ def test_a_gguf_loads_from_the_file_with_no_float32_copy_and_leaves_it_unmapped(
         strict=True,
     ):
         assert torch.equal(first, second)  # a second load, from the index, the same
+
+
+QWEN = LlamaShape(hidden=256, layers=2, heads=2, kv_heads=1)  # head_dim 128: Qwen3's default
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen2_and_qwen3_files_load_from_the_file_and_decode_as_hf(files, arch):
+    """Qwen2 (q/k/v biases) and Qwen3 (q/k norms) files: the float32 model
+    read from the file is transformers' conversion bit for bit, and the
+    engine on the packed Q4_0/Q8_0 layers decodes HF's greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    types = {"token_embd": "Q8_0", "output": "Q8_0"}
+    path = write_llama_gguf(files / f"{arch}.gguf", types | dict.fromkeys(HF_NAMES, "Q4_0"),
+                            QWEN, arch=arch)  # fmt: skip
+    model = load(str(path))[0]
+    hf = AutoModelForCausalLM.from_pretrained(model_folder(str(path)), dtype=torch.float32).eval()
+    assert type(model) is type(hf) and model.state_dict().keys() == hf.state_dict().keys()
+    for name, tensor in hf.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    prompt = [5, 17, 42, 99, 3]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, 5:]
+    with Engine.from_pretrained(str(path), quantization="gguf") as engine:
+        assert engine.model.mstar_quantization.startswith("gguf (as asked): 14 layers int4 (Q4_0)")
+        (done,) = engine.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert done.outputs[0].token_ids == want.tolist()
+
+
+def test_qwen3_head_dim_comes_from_the_file(files):
+    """A head_dim other than Qwen3's default 128 (transformers' reader leaves
+    the default): the model gets the file's, its q rows as the file holds them."""
+    path = write_llama_gguf(files / "qwen3-64.gguf", {}, LlamaShape(layers=1), arch="qwen3")
+    model = load(str(path))[0]
+    assert model.config.head_dim == 64
+    q = model.model.layers[0].self_attn.q_proj.weight
+    (tensor,) = [t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.attn_q.weight"]
+    reference = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
+    assert q.shape == (256, 256) and torch.equal(q, reference)  # (qwen: rows not permuted)

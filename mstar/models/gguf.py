@@ -95,10 +95,11 @@ def _write_folder(path: Path, scratch: Path) -> None:
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     reader = GGUFReader(path)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    _head_dim_from_file(config, reader, arch)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     names = get_gguf_hf_weights_map(model, _processor(arch, config))
     tensors = [
         {"name": t.name, "hf": names[t.name], "type": t.tensor_type.name,
@@ -108,6 +109,15 @@ def _write_folder(path: Path, scratch: Path) -> None:
     config.save_pretrained(scratch)
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(scratch)
     (scratch / INDEX).write_text(json.dumps({"architecture": arch, "tensors": tensors}))
+
+
+def _head_dim_from_file(config: Any, reader: Any, arch: str) -> None:
+    """``config.head_dim`` as the file's ``attention.key_length`` says, where
+    the config has one: transformers' GGUF reader leaves it at the config's
+    default (Qwen3's 128) whatever the file holds."""
+    field = reader.fields.get(f"{arch}.attention.key_length")
+    if field is not None and getattr(config, "head_dim", None) is not None:
+        config.head_dim = int(field.parts[-1][0])
 
 
 def _processor(arch: str, config: Any) -> Any:
