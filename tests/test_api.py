@@ -139,6 +139,20 @@ def test_kv_cache_memory_sizes_the_pool_in_whole_pages(tiny):
     assert engine.mgr.num_pages == 5 and engine.kv_cache_bytes == 5 * page
 
 
+def test_limit_context_caps_what_a_request_may_span(tiny):
+    engine = ids_engine(tiny)
+    own = engine.max_len
+    for bad in (1, own + 1, 2.5, True):
+        with pytest.raises(ValueError, match="expected a context"):
+            engine.limit_context(bad)
+    assert engine.max_len == own  # refused: unchanged
+    engine.limit_context(8)
+    assert engine.max_len == 8
+    with pytest.raises(ValueError, match="max_position_embeddings 8"):
+        engine.add_request([1, 2, 3, 4], SamplingParams(max_new_tokens=5))
+    engine.add_request([1, 2, 3, 4], SamplingParams(max_new_tokens=4))
+
+
 def test_serve_takes_kv_cache_memory_as_a_size():
     import argparse
 

@@ -354,8 +354,8 @@ def startup_line(args: argparse.Namespace, name: str, engine: Any, mode: str, ac
     if args.verbose:
         return (
             f"{where} ({args.device}, {mode}, {mgr.num_pages} KV pages of {mgr.page_size}"
-            f" tokens ({engine.kv_cache_bytes / 2**30:.2f} GiB), {engine.budget} tokens/step, prefix cache {cache}, max waiting"
-            f" {args.max_waiting})"
+            f" tokens ({engine.kv_cache_bytes / 2**30:.2f} GiB), {engine.budget} tokens/step,"
+            f" prefix cache {cache}, max waiting {args.max_waiting})"
         )
     quantization = getattr(engine.model, "mstar_quantization", None)
     keyed = bool(access.api_keys) and not access.shared_prefix_cache

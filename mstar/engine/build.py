@@ -27,13 +27,14 @@ from mstar.engine.verify import (
     float32_reference,
     is_packed,
 )
-from mstar.models.compiled import WARM_UP_ID, compile_forward, compile_refusal, restore_eager
+from mstar.models.compiled import compile_forward, compile_refusal, restore_eager
 from mstar.models.device import checked_device, flashinfer_or_none
 from mstar.models.dtypes import resolve_dtype
 from mstar.models.loader import asks_packed
 from mstar.models.tp import TensorParallel, check_size, load_sharded, shard
 
 Built = TypeVar("Built")
+WARM_UP_ID = "mstar-compile-warm-up"  # the request compiled_or_why compiles the forward on
 
 
 def check_options(

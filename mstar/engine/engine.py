@@ -13,6 +13,7 @@ decodes ``cond``/``uncond`` in lockstep.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import os
@@ -157,11 +158,10 @@ class Engine:
         eos = eos_ids(model, tokenizer)
         self.pipeline = LogitsPipeline(tokenizer, model.config.vocab_size, eos)
         self.emitter = Emitter(self.pipeline, eos)
-        self.max_len = getattr(model.config, "max_position_embeddings", None)
         self.intake = Intake(
             tokenizer,
             model.config.vocab_size,
-            self.max_len,
+            getattr(model.config, "max_position_embeddings", None),
             page_size,
             self.mgr.num_pages,
             self.device,
@@ -375,6 +375,23 @@ class Engine:
         while rid is None or rid in self._running:  # an id of its own, not a user's
             rid = f"req{next(self._ids)}"
         return self.intake.request(rid, prompt, params, uncond_prompt, guidance_scale)
+
+    @property
+    def max_len(self) -> int | None:
+        """The most tokens (prompt and generated) a request may span: the
+        model's ``max_position_embeddings`` unless ``limit_context`` lowered it."""
+        return self.intake.max_len
+
+    def limit_context(self, tokens: int) -> None:
+        """Requests span at most ``tokens`` (prompt and generated), at most
+        the model's own context; ``ValueError`` naming the numbers else."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 2:
+            raise ValueError(f"expected a context of at least 2 tokens, got {tokens!r}")
+        if self.max_len is not None and tokens > self.max_len:
+            raise ValueError(
+                f"expected a context within the model's {self.max_len} tokens, got {tokens}"
+            )
+        self.intake = dataclasses.replace(self.intake, max_len=tokens)
 
     def peak_pages(
         self, prompt_len: int, params: SamplingParams, uncond_len: int | None = None

@@ -31,7 +31,6 @@ __all__ = ["compile_forward", "compile_refusal", "restore_eager"]
 # Smallest token count (and kept-logit count) a compiled step runs: shapes of 1
 # would be specialized into graphs of their own.
 MIN_TOKENS = 2
-WARM_UP_ID = "mstar-compile-warm-up"
 
 
 def configure_caches() -> None:

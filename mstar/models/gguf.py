@@ -52,14 +52,10 @@ def load_gguf(path: Path, *, pack: bool) -> tuple[Any, GGUFWeights]:
     types hold meta weights for ``quantize_model`` to swap; without, every
     weight is its float32 dequantization. ``ValueError`` naming a weight the
     model has and the file lacks."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     folder = gguf_folder(path)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(
-            AutoConfig.from_pretrained(folder), dtype=torch.float32
-        )
+    model = _empty_model(AutoConfig.from_pretrained(folder))
     linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     weights: GGUFWeights = {}
     with torch.no_grad():
@@ -88,19 +84,26 @@ def gguf_folder(path: Path) -> Path:
     return cached(f"{file_key(path)}-gguf", INDEX, lambda scratch: _write_folder(path, scratch))
 
 
-def _write_folder(path: Path, scratch: Path) -> None:
+def _empty_model(config: Any) -> Any:
+    """The float32 model of ``config``, its parameters on the meta device
+    (its buffers real)."""
     from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _write_folder(path: Path, scratch: Path) -> None:
     from gguf import GGUFReader
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     reader = GGUFReader(path)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     _head_dim_from_file(config, reader, arch)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    names = get_gguf_hf_weights_map(model, _processor(arch, config))
+    names = get_gguf_hf_weights_map(_empty_model(config), _processor(arch, config))
     tensors = [
         {"name": t.name, "hf": names[t.name], "type": t.tensor_type.name,
          "dtype": str(t.data.dtype), "shape": list(t.data.shape), "offset": int(t.data_offset)}

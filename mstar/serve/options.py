@@ -282,8 +282,7 @@ def cap_context(engine: Any, max_model_len: int | None) -> None:
         raise UsageError(
             f"--max-model-len {max_model_len} is over the model's context of {own} tokens"
         )
-    engine.max_len = max_model_len
-    engine.intake = dataclasses.replace(engine.intake, max_len=max_model_len)
+    engine.limit_context(max_model_len)
 
 
 def float32_unless_checked(

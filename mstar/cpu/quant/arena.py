@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import mmap
 from typing import Any
 
@@ -95,9 +94,8 @@ def trim_heap() -> bool:
     False where the C library has none. A load frees the tensors ``gather``
     copied and the unpacked forms it read, which glibc otherwise keeps
     resident: a 3B-shaped Q4_0 file's model 14.2 GB once loaded, 8.8 after."""
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    if libc is None or not hasattr(libc, "malloc_trim"):
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own C library
+    if trim is None:
         return False
-    libc.malloc_trim(0)
+    trim(0)
     return True
