@@ -5,6 +5,7 @@ falls back (compiled -> eager, half precision -> float32) saying why."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -295,3 +296,44 @@ def test_the_reference_shares_the_packed_and_float32_tensors_and_dequantizes_per
     with torch.inference_mode():
         want = torch.log_softmax(whole(torch.tensor([ids])).logits[0], dim=-1)
     assert torch.equal(reference(ids), want)
+
+
+def test_a_passed_check_is_recorded_and_read_at_the_next_load_of_the_same_files(
+    packed_kernels, tmp_path, monkeypatch
+):
+    """A load from files records its passed check (keyed by the files, the
+    mode, the code, the CPU, the prompts as the pool cuts them); the next
+    load of the same files in the same settings reads it instead of
+    checking; other settings, or the file
+    touched, check again; a model built in memory is checked every time."""
+    from gguf_files import write_llama_gguf
+
+    from mstar.engine import build
+
+    monkeypatch.setenv("MSTAR_KV_CACHE", str(tmp_path / "cache"))
+    path = write_llama_gguf(tmp_path / "q8.gguf", lambda *_: "Q8_0")
+    runs = []
+    real = build.check_mode
+    monkeypatch.setattr(build, "check_mode", lambda *a: runs.append(1) or real(*a))
+
+    def loaded(**options):
+        with Engine.from_pretrained(str(path), quantization="auto", **options) as engine:
+            return engine.mode_check
+
+    first = loaded()
+    assert len(runs) == 1 and first.ok and not first.recorded
+    again = loaded()
+    assert (
+        len(runs) == 1
+        and again.recorded
+        and (again.worst, again.tokens) == (first.worst, first.tokens)
+    )
+    assert "recorded at an earlier load" in again.describe()
+    assert not loaded(page_size=8).recorded and len(runs) == 2  # other settings
+    assert loaded(num_pages=96).recorded and len(runs) == 2  # a pool the prompts fit alike
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert not loaded().recorded and len(runs) == 3  # the file touched
+    for _ in range(2):  # in memory: never recorded
+        Engine(build_model(seed=0)[1].to(torch.bfloat16), **OPTIONS).close()
+    assert len(runs) == 5

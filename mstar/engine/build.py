@@ -22,10 +22,16 @@ from mstar.engine.sampling.params import SamplingParams
 from mstar.engine.verify import (
     ModeCheck,
     ModeMismatch,
+    Reference,
     Tolerance,
     check_mode,
+    check_params,
+    check_prompts,
     float32_reference,
     is_packed,
+    record_check,
+    record_key,
+    recorded_check,
 )
 from mstar.models.compiled import compile_forward, compile_refusal, restore_eager
 from mstar.models.device import checked_device, flashinfer_or_none
@@ -289,8 +295,10 @@ def checked_forward(engine: Any, compile: bool) -> tuple[str | None, ModeCheck |
     eager one that disagrees raises ``ModeMismatch`` (the caller serves
     float32 instead). Eager float32 weights over a float32 KV cache are the
     reference itself, and tensor parallel shards are not checked: ``check``
-    None. A half-precision KV cache is part of the mode (not exact). What
-    the check freed goes back to the OS (``trim_heap``: 3.2 GB on a
+    None. A half-precision KV cache is part of the mode (not exact). A
+    check passed before on the same model files, code, CPU and settings is
+    read from its record (``verify.record_key``: a 1B model's second load
+    spared ~50 s). What the check freed goes back to the OS (``trim_heap``: 3.2 GB on a
     3B-shaped model)."""
     try:
         return _checked_forward(engine, compile)
@@ -305,21 +313,33 @@ def _checked_forward(engine: Any, compile: bool) -> tuple[str | None, ModeCheck 
         weights, exact = ", ".join(filter(None, (weights, kv))), False
     if engine.tp is not None or (weights is None and not compile):
         return (compiled_or_why(engine) if compile else None), None
-    reference = float32_reference(engine.model)
+    reference: list[Reference] = []  # made once, where no record spares the check
+
+    def check(forward: str) -> ModeCheck:
+        prompts = check_prompts(engine, check_params())  # cut to what the pool holds
+        settings = f"{weights}|{forward}|exact={exact}|{engine.mgr.page_size}|{prompts}"
+        key = record_key(engine.model, settings)
+        if (found := recorded_check(key)) is not None:
+            return found
+        reference[:] = reference or [float32_reference(engine.model)]
+        result = check_mode(engine, reference[0], Tolerance.of(exact=exact))
+        record_check(key, result)
+        return result
+
     compiled = compiled_or_why(engine) if compile else None
     if compiled is not None and compiled.startswith("compiled"):
-        check = check_mode(engine, reference, Tolerance.of(exact=exact))
-        if check.ok:
-            return compiled, check
+        found = check(compiled)
+        if found.ok:
+            return compiled, found
         restore_eager(engine.model)
         what = f"compiled {weights or 'float32'}"
-        compiled = f"eager: {what} disagrees with eager float32 ({check.failure})"
+        compiled = f"eager: {what} disagrees with eager float32 ({found.failure})"
     if weights is None:
         return compiled, None
-    check = check_mode(engine, reference, Tolerance.of(exact=exact))
-    if not check.ok:
-        raise ModeMismatch(f"{weights} disagrees with eager float32: {check.failure}")
-    return compiled, check
+    found = check("eager")
+    if not found.ok:
+        raise ModeMismatch(f"{weights} disagrees with eager float32: {found.failure}")
+    return compiled, found
 
 
 def weights_mode(model: Any) -> str | None:

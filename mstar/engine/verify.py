@@ -22,13 +22,18 @@ tolerance and the reference its weights dequantize to
 from __future__ import annotations
 
 import copy
+import json
+import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from mstar.cpu.cachedir import cache_root, code_digest
 
 __all__ = [
     "ModeCheck",
@@ -37,6 +42,9 @@ __all__ = [
     "check_mode",
     "float32_reference",
     "is_packed",
+    "record_check",
+    "record_key",
+    "recorded_check",
 ]
 
 PROMPTS = (
@@ -45,6 +53,7 @@ PROMPTS = (
     "How do I sort a list in Python?",
 )
 NEW_TOKENS = 8
+RECORDS = "checks"  # under the cache folder: passed checks, by ``record_key``
 TOP = 5  # the top log-probabilities compared at each step
 
 Reference = Callable[[Sequence[int]], torch.Tensor]  # token ids -> [T, V] float32 logprobs
@@ -86,6 +95,7 @@ class ModeCheck:
     tokens: int
     flips: int
     failure: str | None
+    recorded: bool = False  # read from a record (``recorded_check``), not run at this load
 
     @property
     def ok(self) -> bool:
@@ -95,7 +105,47 @@ class ModeCheck:
         if self.failure is not None:
             return self.failure
         flips = f", {self.flips} near-tie flips" if self.flips else ""
-        return f"agrees with eager float32 ({self.tokens} greedy tokens{flips}, max |dlogprob| {self.worst:.1g})"
+        when = "; recorded at an earlier load of these files, build and settings" * self.recorded
+        return f"agrees with eager float32 ({self.tokens} greedy tokens{flips}, max |dlogprob| {self.worst:.1g}{when})"
+
+
+def record_key(model: Any, settings: str) -> str | None:
+    """A name for a check of ``model`` in the mode ``settings`` describes
+    on this CPU and build: the files it was loaded from
+    (``model.mstar_source``, as ``mstar.models.loader.load`` sets it: each
+    file's name, size and modification time), ``settings``, the CPU, and
+    mstar's code (``code_digest``); None for a model not loaded by mstar
+    (one built or changed in memory): those are checked at every load."""
+    from mstar.cpu.info import cpu_info
+
+    if getattr(model, "mstar_source", None) is None:
+        return None
+    source = Path(model.mstar_source)
+    files = sorted(source.iterdir()) if source.is_dir() else [source]
+    parts = [str(source.resolve()), settings, cpu_info().describe()]
+    parts += [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files if p.is_file()]
+    return code_digest(*parts)
+
+
+def recorded_check(key: str | None) -> ModeCheck | None:
+    """The passed check recorded under ``key`` (``record_check``), or None."""
+    path = cache_root() / RECORDS / f"{key}.json"
+    if key is None or not path.exists():
+        return None
+    return ModeCheck(**json.loads(path.read_text()), recorded=True)
+
+
+def record_check(key: str | None, check: ModeCheck) -> None:
+    """Keep a passed ``check`` under ``key`` for later loads (written aside,
+    then renamed into place); a failed one is not kept."""
+    if key is None or not check.ok:
+        return
+    folder = cache_root() / RECORDS
+    folder.mkdir(parents=True, exist_ok=True)
+    fields = {"worst": check.worst, "tokens": check.tokens, "flips": check.flips, "failure": None}
+    scratch = folder / f".{key}.{os.getpid()}"
+    scratch.write_text(json.dumps(fields))
+    scratch.replace(folder / f"{key}.json")
 
 
 def float32_reference(model: Any) -> Reference:
@@ -179,13 +229,18 @@ def check_prompts(engine: Any, params: Any) -> list[list[int]]:
     return prompts
 
 
+def check_params() -> Any:
+    """The check's sampling: ``NEW_TOKENS`` greedy tokens, the ``TOP`` log-probabilities."""
+    from mstar.engine.sampling.params import SamplingParams
+
+    return SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP)
+
+
 def check_mode(engine: Any, reference: Reference, tolerance: Tolerance) -> ModeCheck:
     """Greedy tokens and top log-probabilities of ``engine`` on the fixed
     prompts against ``reference`` (see the module). Leaves the engine's
     counters as they were; nothing stays queued."""
-    from mstar.engine.sampling.params import SamplingParams
-
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP)
+    params = check_params()
     stats = copy.deepcopy(engine.stats)
     prompts = check_prompts(engine, params)
     try:

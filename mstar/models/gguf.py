@@ -46,12 +46,16 @@ INDEX = "tensors.json"  # the index of the file's tensors, in the cache folder
 GGUFWeights = dict[str, tuple[Packed | None, str]]
 
 
-def load_gguf(path: Path, *, pack: bool) -> tuple[Any, GGUFWeights]:
+def load_gguf(
+    path: Path, *, pack: bool, skip: frozenset[str] = frozenset()
+) -> tuple[Any, GGUFWeights]:
     """The float32 model of the GGUF file at ``path`` in eval mode, and its
     weights (``GGUFWeights``). With ``pack``, linear layers of the packed
     types hold meta weights for ``quantize_model`` to swap; without, every
-    weight is its float32 dequantization. ``ValueError`` naming a weight the
-    model has and the file lacks."""
+    weight is its float32 dequantization. The weights ``skip`` names are not
+    read (they stay meta: packed layers stored from an earlier load take
+    their place). ``ValueError`` naming a weight the model has and the file
+    lacks."""
     from transformers import AutoConfig
 
     folder = gguf_folder(path)
@@ -59,7 +63,7 @@ def load_gguf(path: Path, *, pack: bool) -> tuple[Any, GGUFWeights]:
     linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     weights: GGUFWeights = {}
     with torch.no_grad():
-        for name, type_name, value in _tensors(path, folder, model, pack):
+        for name, type_name, value in _tensors(path, folder, model, pack, skip):
             weights[name] = (value if isinstance(value, Packed) else None, type_name)
             if isinstance(value, Packed) and name in linear:
                 continue  # stays meta: quantize_model swaps the layer
@@ -68,7 +72,9 @@ def load_gguf(path: Path, *, pack: bool) -> tuple[Any, GGUFWeights]:
         if getattr(model.config, "tie_word_embeddings", False):
             model.tie_weights()
     missing = [
-        n for n, p in model.named_parameters() if p.is_meta and weights.get(n, (None,))[0] is None
+        n
+        for n, p in model.named_parameters()
+        if p.is_meta and n not in skip and weights.get(n, (None,))[0] is None
     ]
     if missing:
         raise ValueError(
@@ -131,7 +137,7 @@ def _processor(arch: str, config: Any) -> Any:
 
 
 def _tensors(
-    path: Path, folder: Path, model: Any, pack: bool
+    path: Path, folder: Path, model: Any, pack: bool, skip: frozenset[str]
 ) -> Iterator[tuple[str, str, Packed | torch.Tensor]]:
     """Each tensor of the file the model maps: ``(state-dict name, GGUF
     type, packed weights or float32 tensor)``, one at a time, read from the
@@ -142,6 +148,8 @@ def _tensors(
     processor = _processor(index["architecture"], model.config)
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
     for entry in index["tensors"]:
+        if entry["hf"] in skip:
+            continue
         dtype, shape = np.dtype(entry["dtype"]), tuple(entry["shape"])
         count = int(np.prod(shape)) * dtype.itemsize
         data = mapped[entry["offset"] : entry["offset"] + count].view(dtype).reshape(shape)

@@ -58,36 +58,56 @@ def load(
     """``(model, tokenizer)`` on the CPU in ``dtype``, in eval mode (the
     tokenizer None for a folder without one), its linear layers quantized as
     ``quantization`` says (see ``mstar.cpu.quant``; ``device``: where it
-    will run). ``model.mstar_quantization`` describes what was done."""
+    will run). ``model.mstar_quantization`` describes what was done;
+    ``model.mstar_source`` is the file or folder read (what a start-up
+    check's record is keyed by: ``mstar.engine.verify.record_key``)."""
     from mstar.cpu.quant import quantize_model, resolve_quantization
 
     choice = resolve_quantization(quantization, gguf=is_gguf(name), device=device, dtype=dtype)
     # packed layers take float32 activations (bfloat16: their arithmetic, see quant)
     loaded = torch.float32 if choice.mode != "none" else dtype
     if is_gguf(name):
-        model, tokenizer, weights = _from_gguf(_source(name), choice.mode == "gguf", loaded)
+        path = _source(name)
+        model, tokenizer = _from_gguf(path, choice, loaded)
     else:
         from transformers import AutoModelForCausalLM
 
         path = model_folder(name)
         tokenizer = load_tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=loaded).eval()
-        weights = None
-    quantize_model(model, choice, weights)
-    if choice.mode != "none" and weights is None:
-        own_unpacked_parameters(model)
-    del weights  # the forms read, now packed or dequantized into the model
+        quantize_model(model, choice)
+        if choice.mode != "none":
+            own_unpacked_parameters(model)
     trim_heap()
+    model.mstar_source = str(path)
     return model, tokenizer
 
 
-def _from_gguf(path: Path, pack: bool, dtype: torch.dtype) -> tuple[Any, Any, Any]:
-    """The GGUF file's model in ``dtype`` (its packed types packed: ``pack``),
-    tokenizer and weights (``mstar.models.gguf.load_gguf``)."""
+def _from_gguf(path: Path, choice: Any, dtype: torch.dtype) -> tuple[Any, Any]:
+    """The GGUF file's model in ``dtype``, quantized as ``choice`` says, and
+    its tokenizer. In the file's own format its packed layers are stored
+    after the first load (``mstar.cpu.quant.stored``: every linear layer
+    packed) and read back at later ones, the file's linear tensors unread."""
+    from mstar.cpu.quant import quantize_model
+    from mstar.cpu.quant import stored as packed_store
+    from mstar.cpu.quant.linear import PackedLinear
     from mstar.models.gguf import load_gguf
 
-    model, weights = load_gguf(path, pack=pack)
-    return model.to(dtype), tokenizer_of(str(path)), weights
+    pack = choice.mode == "gguf"
+    folder = packed_store.folder_for(path, f"{choice.mode}/{choice.arithmetic}") if pack else None
+    names = packed_store.layer_names(folder) if pack else None
+    skip = frozenset(f"{n}.weight" for n in names or ())
+    model, weights = load_gguf(path, pack=pack, skip=skip)
+    model = model.to(dtype)
+    if names is not None:
+        packed_store.restore(model, folder)
+    else:
+        quantize_model(model, choice, weights)
+        del weights  # the forms read, now packed or dequantized into the model
+        linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear | PackedLinear)]
+        if pack and all(isinstance(m, PackedLinear) for m in linear):
+            packed_store.save(model, folder)
+    return model, tokenizer_of(str(path))
 
 
 def own_unpacked_parameters(model: Any) -> None:
