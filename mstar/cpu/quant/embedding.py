@@ -53,7 +53,9 @@ class QuantizedEmbedding(torch.nn.Module):
         from gguf import GGMLQuantizationType, dequantize
 
         ids = input_ids.reshape(-1).to(self.blocks.device)
-        if ids.numel() and int(ids.min()) < 0:  # indexing would count from the end
+        if not ids.numel():  # (gguf-py's dequantize takes no empty rows)
+            return torch.empty(*input_ids.shape, self.embedding_dim, device=self.blocks.device)
+        if int(ids.min()) < 0:  # indexing would count from the end
             raise IndexError(f"expected token ids from 0, got {int(ids.min())}")
         rows = self.blocks[ids]
         floats = dequantize(rows.numpy(), GGMLQuantizationType[self.type_name])
