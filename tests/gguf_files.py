@@ -132,13 +132,16 @@ def write_llama_gguf(
     shape: LlamaShape = LlamaShape(),
     seed: int = 0,
     arch: str = "llama",
+    tied: bool = False,
 ) -> Path:
     """A Llama GGUF at ``path`` of ``shape``, its linear tensors and embedding
     in the types ``types`` gives (a function of the GGUF name without
     ``blk.N.`` / ``.weight``, the layer and the layer count, the head's
     name ``output``, the embedding's ``token_embd``; or a mapping of those
     names, ``Q4_K`` where absent); norms float32. ``arch`` ``qwen2`` adds
-    q/k/v biases, ``qwen3`` q/k RMSNorms (float32, as llama.cpp writes them)."""
+    q/k/v biases, ``qwen3`` q/k RMSNorms (float32, as llama.cpp writes them).
+    ``tied``: no ``output.weight``, the head tied to the embedding (as
+    SmolLM2's and Llama 3.2 1B's files)."""
     import gguf
 
     if arch not in ("llama", "qwen2", "qwen3"):
@@ -166,7 +169,8 @@ def write_llama_gguf(
             writer.add_tensor(f"blk.{i}.attn_q_norm.weight", _norm(shape.head_dim, rng))
             writer.add_tensor(f"blk.{i}.attn_k_norm.weight", _norm(shape.head_dim, rng))
     writer.add_tensor("output_norm.weight", _norm(shape.hidden, rng))
-    add("output.weight", pick("output", 0, shape.layers), shape.vocab, shape.hidden)
+    if not tied:
+        add("output.weight", pick("output", 0, shape.layers), shape.vocab, shape.hidden)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

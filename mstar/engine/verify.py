@@ -151,8 +151,8 @@ def record_check(key: str | None, check: ModeCheck) -> None:
 def float32_reference(model: Any) -> Reference:
     """An eager float32 forward over ``model``'s weights, as a function of
     token ids returning log-probabilities; the model itself unchanged. It
-    shares the model's float32 and packed tensors (only half-precision
-    weights are copied, upcast): each packed layer dequantizes its weights
+    shares the model's float32, integer and packed tensors (only
+    half-precision weights are copied, upcast): each packed layer dequantizes its weights
     as it runs, so one layer's float32 weights exist at a time, not the
     model's. Free it by dropping the function."""
     reference = copy.deepcopy(model, memo=_shared(model))
@@ -198,10 +198,16 @@ class Dequantizing(torch.nn.Module):
 def _shared(model: Any) -> dict[int, Any]:
     """A ``deepcopy`` memo: each packed layer enters the copy as
     ``Dequantizing`` over the layer itself (never copied), and the float32
-    tensors as they are (the reference reads them, never writes)."""
+    tensors and those of no float dtype (a quantized embedding's blocks,
+    which ``.float()`` leaves) as they are (the reference reads them, never
+    writes)."""
     packed = {id(m): Dequantizing(m) for m in model.modules() if is_packed(m)}
-    floats = {id(t): t for t in (*model.parameters(), *model.buffers()) if t.dtype == torch.float32}
-    return {**floats, **packed}
+    shared = {
+        id(t): t
+        for t in (*model.parameters(), *model.buffers())
+        if t.dtype == torch.float32 or not t.is_floating_point()
+    }
+    return {**shared, **packed}
 
 
 def is_packed(module: torch.nn.Module) -> bool:

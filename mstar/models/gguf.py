@@ -14,13 +14,17 @@ each tensor is read once:
   Q8_0) stay packed as they stand (``mstar.cpu.quant.gguf.decode_blocks``):
   their module keeps a meta weight until ``quantize_model`` swaps it for a
   ``PackedLinear``;
+- with ``pack``, the token embedding (a plain ``nn.Embedding``) of any
+  type but F32 stays in its blocks (``QuantizedEmbedding``: rows
+  dequantized as looked up), never a float32 table; a head tied to it
+  gets its own packed form of the blocks (Q4_0, Q4_1, Q8_0) or, of other
+  types, its float32 dequantization (``quantize_model`` makes that panels);
 - every other tensor is dequantized to float32 (gguf-py's ``dequantize``,
-  what transformers' own conversion does) into the parameter it maps to;
-  a packable embedding keeps its packed form too, for a head tied to it.
+  what transformers' own conversion does) into the parameter it maps to.
 
 Rows come in the Hugging Face model's order: transformers' tensor processor
 (llama's q/k permutation) applies to float tensors as it does on conversion
-and to a packed tensor's rows.
+and to a packed tensor's or the kept embedding's rows.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import numpy as np
 import torch
 
 from mstar.cpu.cachedir import cached, file_key
+from mstar.cpu.quant.embedding import QuantizedEmbedding
 from mstar.cpu.quant.gguf import BLOCK_BYTES, decode_blocks
 from mstar.cpu.quant.packed import Packed
 
@@ -51,7 +56,8 @@ def load_gguf(
 ) -> tuple[Any, GGUFWeights]:
     """The float32 model of the GGUF file at ``path`` in eval mode, and its
     weights (``GGUFWeights``). With ``pack``, linear layers of the packed
-    types hold meta weights for ``quantize_model`` to swap; without, every
+    types hold meta weights for ``quantize_model`` to swap, and a quantized
+    embedding stays in its blocks (``QuantizedEmbedding``); without, every
     weight is its float32 dequantization. The weights ``skip`` names are not
     read (they stay meta: packed layers stored from an earlier load take
     their place). ``ValueError`` naming a weight the model has and the file
@@ -61,16 +67,23 @@ def load_gguf(
     folder = gguf_folder(path)
     model = _empty_model(AutoConfig.from_pretrained(folder))
     linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    kept = _embedding_weight(model) if pack else None
     weights: GGUFWeights = {}
     with torch.no_grad():
-        for name, type_name, value in _tensors(path, folder, model, pack, skip):
+        for name, type_name, value in _tensors(path, folder, model, pack, kept, skip):
             weights[name] = (value if isinstance(value, Packed) else None, type_name)
+            if isinstance(value, QuantizedEmbedding):
+                model.set_input_embeddings(value)
+                continue
             if isinstance(value, Packed) and name in linear:
                 continue  # stays meta: quantize_model swaps the layer
             floats = value.dequantize() if isinstance(value, Packed) else value
             _assign(model, name, floats)
         if getattr(model.config, "tie_word_embeddings", False):
-            model.tie_weights()
+            if isinstance(model.get_input_embeddings(), QuantizedEmbedding):
+                _tie_head(model, weights, skip)
+            else:
+                model.tie_weights()
     missing = [
         n
         for n, p in model.named_parameters()
@@ -136,12 +149,43 @@ def _processor(arch: str, config: Any) -> Any:
     return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
 
 
+def _embedding_weight(model: Any) -> str | None:
+    """The state-dict name of ``model``'s input embedding's weight where it
+    may stay quantized (a plain ``nn.Embedding``, no ``max_norm``: no scale
+    or renorm of its own), else None."""
+    embedding = model.get_input_embeddings()
+    if type(embedding) is not torch.nn.Embedding or embedding.max_norm is not None:
+        return None
+    return next(f"{n}.weight" for n, m in model.named_modules() if m is embedding)
+
+
+def _tie_head(model: Any, weights: GGUFWeights, skip: frozenset[str]) -> None:
+    """The head tied to the quantized input embedding, from its blocks: its
+    packed form where a kernel takes the type (a meta weight until
+    ``quantize_model`` swaps the layer), else its float32 dequantization;
+    none where ``skip`` names it (stored packed from an earlier load)."""
+    embedding = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    name = next(f"{n}.weight" for n, m in model.named_modules() if m is head)
+    if name in skip:
+        return
+    type_name = embedding.type_name
+    packed = None
+    if type_name in BLOCK_BYTES:
+        packed = decode_blocks(type_name, embedding.blocks.numpy())
+    weights[name] = (packed, type_name)
+    if packed is None:
+        _assign(model, name, embedding.dequantize())
+
+
 def _tensors(
-    path: Path, folder: Path, model: Any, pack: bool, skip: frozenset[str]
-) -> Iterator[tuple[str, str, Packed | torch.Tensor]]:
+    path: Path, folder: Path, model: Any, pack: bool, kept: str | None, skip: frozenset[str]
+) -> Iterator[tuple[str, str, Packed | QuantizedEmbedding | torch.Tensor]]:
     """Each tensor of the file the model maps: ``(state-dict name, GGUF
-    type, packed weights or float32 tensor)``, one at a time, read from the
-    memory-mapped file at the offsets ``folder``'s index holds."""
+    type, packed weights, the embedding kept in its blocks (``kept``, of a
+    type other than F32) or float32 tensor)``, one at a time (none of those
+    ``skip`` names), read from the memory-mapped file at the offsets
+    ``folder``'s index holds."""
     from gguf import GGMLQuantizationType, dequantize
 
     index = json.loads((folder / INDEX).read_text())
@@ -154,15 +198,25 @@ def _tensors(
         count = int(np.prod(shape)) * dtype.itemsize
         data = mapped[entry["offset"] : entry["offset"] + count].view(dtype).reshape(shape)
         name, type_name = entry["hf"], entry["type"]
+        if name == kept and type_name != "F32":
+            order = _row_order(processor, entry["name"], shape[0])
+            blocks = torch.from_numpy(data.view(np.uint8)[order])  # its own memory
+            yield name, type_name, QuantizedEmbedding(blocks, type_name)
+            continue
         if pack and type_name in BLOCK_BYTES:
-            packed = decode_blocks(type_name, data)
-            rows = np.arange(packed.shape[0], dtype=np.float32)[:, None]
-            order = processor.process(weights=rows, name=entry["name"]).weights[:, 0]
-            yield name, type_name, packed.rows(torch.from_numpy(order.astype(np.int64)))
+            order = torch.from_numpy(_row_order(processor, entry["name"], shape[0]))
+            yield name, type_name, decode_blocks(type_name, data).rows(order)
             continue
         floats = dequantize(data, GGMLQuantizationType[type_name])
         floats = processor.process(weights=floats, name=entry["name"]).weights
         yield name, type_name, torch.from_numpy(np.array(floats, np.float32))  # its own memory
+
+
+def _row_order(processor: Any, name: str, rows: int) -> np.ndarray:
+    """The file's rows of the tensor ``name`` in the Hugging Face model's
+    order (int64 ``[rows]``): ``processor`` applied to the row numbers."""
+    numbers = np.arange(rows, dtype=np.float32)[:, None]
+    return processor.process(weights=numbers, name=name).weights[:, 0].astype(np.int64)
 
 
 def _assign(model: Any, name: str, value: torch.Tensor) -> None:

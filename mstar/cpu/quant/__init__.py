@@ -19,7 +19,8 @@
   SmolLM2 4.7x a bfloat16 model's, whose products stream its weights at a
   quarter of the bandwidth: docs/quantization.md); else ``none``.
 
-Every linear layer (the head too; a tied embedding keeps its float weights)
+Every linear layer (the head too; a GGUF's embedding stays in its blocks,
+``embedding.QuantizedEmbedding``, a float one keeps its float weights)
 becomes a ``PackedLinear``: float32 activations through the AVX2 kernels of
 ``kernels.cpp``. Where they cannot run (no AVX2, no compiler), the layers
 stay ``nn.Linear`` holding the dequantized weights: the same values, not
@@ -218,12 +219,12 @@ def _gguf_layers(
     """The layers the GGUF's packed weights serve (``{name: (packed, gguf type)}``),
     those of a type no integer kernel takes exactly (``{name: gguf type}``:
     Q4_K, Q6_K, F16, ...), and the others with why (kept float32)."""
-    embedding = model.get_input_embeddings()
+    tied = getattr(model.get_input_embeddings(), "weight", None)  # None: kept quantized
     packed, dequantized, unpacked = {}, {}, {}
     for name, mod in layers.items():
         key = f"{name}.weight"
-        if key not in weights and embedding is not None and mod.weight is embedding.weight:
-            key = next(k for k, p in model.named_parameters() if p is embedding.weight)
+        if key not in weights and tied is not None and mod.weight is tied:
+            key = next(k for k, p in model.named_parameters() if p is tied)
         weight, type_name = weights.get(key, (None, "not in the file"))
         if weight is None and key in weights:
             dequantized[name] = type_name

@@ -5,7 +5,8 @@ as HF's eager forward does (up to float32 rounding), or None, and then
 ``forward_step`` runs HF's own forward. It serves ``LlamaForCausalLM``
 (SmolLM2, Llama 2/3, TinyLlama, ...) with HF's own modules (any rope type,
 activation, bias), float32 activations on the CPU, plain or packed
-(``PackedLinear``) linear layers, in eval mode, without hooks or replaced
+(``PackedLinear``) linear layers, a float32 or GGUF-block
+(``QuantizedEmbedding``) embedding, in eval mode, without hooks or replaced
 forwards (a compiled forward is one);
 anything else is refused up front (``fused_refusal`` says why).
 
@@ -22,6 +23,7 @@ from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaModel, LlamaRMSNorm
 
 from mstar.cpu.layer_ops import layer_ops_or_why
+from mstar.cpu.quant.embedding import QuantizedEmbedding
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.plan import KVPlanOutput
 from mstar.models.llama.attention import StepAttention
@@ -62,15 +64,13 @@ def fused_refusal(model: PreTrainedModel) -> str | None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return "runs in a process group (tensor parallel shards)"
     inner = model.model
-    if type(inner.embed_tokens) is not torch.nn.Embedding or type(inner.norm) is not LlamaRMSNorm:
-        return "has an embedding or final norm of its own"
-    if inner.embed_tokens.max_norm is not None:
-        return "renormalizes its embeddings (max_norm)"
+    reason = _embedding_refusal(inner.embed_tokens)
+    if reason is not None:
+        return reason
+    if type(inner.norm) is not LlamaRMSNorm:
+        return "has a final norm of its own"
     if len(inner.layers) != model.config.num_hidden_layers:
         return "runs fewer layers than it holds (config.num_hidden_layers)"
-    weight = inner.embed_tokens.weight
-    if weight.dtype != torch.float32 or weight.device.type != "cpu":
-        return f"computes in {weight.dtype} on {weight.device}, not float32 on the CPU"
     floats = [p for p in model.parameters() if p.is_floating_point()]
     if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in floats):
         return "has parameters that are not float32 on the CPU"
@@ -82,6 +82,22 @@ def fused_refusal(model: PreTrainedModel) -> str | None:
     for layer in inner.layers:
         reason = reason or layer_refusal(layer)
     return reason
+
+
+def _embedding_refusal(embed: torch.nn.Module) -> str | None:
+    """Why the fused forward cannot look tokens up in ``embed`` (None: it
+    can): a float32 ``nn.Embedding`` on the CPU without ``max_norm``, or a
+    ``QuantizedEmbedding`` (float32 rows; called as HF's forward calls it)."""
+    if type(embed) is QuantizedEmbedding:
+        return None
+    if type(embed) is not torch.nn.Embedding:
+        return "has an embedding of its own"
+    if embed.max_norm is not None:
+        return "renormalizes its embeddings (max_norm)"
+    weight = embed.weight
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return f"computes in {weight.dtype} on {weight.device}, not float32 on the CPU"
+    return None
 
 
 class FusedLlama:
@@ -130,7 +146,10 @@ class FusedLlama:
         the step ``input_ids`` ``[T]`` at ``position_ids`` ``[T]``; writes
         every layer's keys and values into ``cache`` where ``plan`` says."""
         with torch.no_grad():
-            h = torch.nn.functional.embedding(input_ids, self.embed.weight)
+            if type(self.embed) is QuantizedEmbedding:
+                h = self.embed(input_ids)
+            else:
+                h = torch.nn.functional.embedding(input_ids, self.embed.weight)
             rotary = self._rotary(position_ids.to(h.device))
             attention = StepAttention(plan, cache, self.scaling, h.device, self.kernels)
             pending = None if self.stack is None else self.stack(h, rotary, attention)
