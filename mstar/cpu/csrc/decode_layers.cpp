@@ -16,8 +16,8 @@
 // post-attention norm weight, gate/up, down, each linear as (qweight, scales, mins):
 // qweight uint8 for int4 (mins its float16 minimums), int8 for int8 (mins empty),
 // bfloat16 panels [N/32, K/2, 32, 2] for bf16 (scales and mins empty); int4 or int8 weights
-// laid out as lanes (lanes.h: uint8 [N/16, K/32 * 320] or int8 [N/16, K/32 * 544])
-// with scales and mins empty;
+// laid out as lanes (lanes.h: uint8 [N/16, K/32 * 320] or int8 [N/16, K/32 * 544]; with
+// float32 scales [N/16, K/32, 384 or 640]) with scales and mins empty;
 // int16_activations: they take their activations rounded to int16 (int4/int8_linear_i16).
 // caches: per layer its KV tensor [P, 2, S, H_kv, D] (float32 or bfloat16); the rest as
 // layer_ops' attention's.
