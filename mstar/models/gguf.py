@@ -11,7 +11,7 @@ with its parameters on the meta device (accelerate's
 each tensor is read once:
 
 - a linear layer's weights of a type the kernels take exactly (Q4_0, Q4_1,
-  Q8_0) stay packed as they stand (``mstar.cpu.quant.gguf.decode_blocks``):
+  Q8_0, Q4_K, Q6_K) stay packed as they stand (``mstar.cpu.quant.gguf.decode_blocks``):
   their module keeps a meta weight until ``quantize_model`` swaps it for a
   ``PackedLinear``;
 - every other tensor is dequantized to float32 (gguf-py's ``dequantize``,
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from mstar.cpu.cachedir import cached, file_key
-from mstar.cpu.quant.gguf import BLOCK_BYTES, decode_blocks
+from mstar.cpu.quant.gguf import PACKED_TYPES, decode_blocks
 from mstar.cpu.quant.packed import Packed
 
 __all__ = ["GGUFWeights", "gguf_folder", "load_gguf"]
@@ -146,7 +146,7 @@ def _tensors(
         count = int(np.prod(shape)) * dtype.itemsize
         data = mapped[entry["offset"] : entry["offset"] + count].view(dtype).reshape(shape)
         name, type_name = entry["hf"], entry["type"]
-        if pack and type_name in BLOCK_BYTES:
+        if pack and type_name in PACKED_TYPES:
             packed = decode_blocks(type_name, data)
             rows = np.arange(packed.shape[0], dtype=np.float32)[:, None]
             order = processor.process(weights=rows, name=entry["name"]).weights[:, 0]

@@ -165,15 +165,18 @@ std::pair<int64_t, int64_t> lanes_shape(const at::Tensor& lanes) {
 }
 
 // y [M, N] = x [M, K] @ W.T for M <= lanes_rows() rows of x (contiguous float32) rounded to
-// int16, W int4 or int8 `lanes` of N x K (`lanes_shape`). No tensors: for decode_layers.cpp.
-void multiply_lanes(const at::Tensor& lanes, int64_t N, int64_t K, const float* x, int64_t M, float* y) {
+// int16, W int4 or int8 `lanes` of N x K (`lanes_shape`); y's rows `ldy` apart (0: N). No
+// tensors: for decode_layers.cpp.
+void multiply_lanes(const at::Tensor& lanes, int64_t N, int64_t K, const float* x, int64_t M, float* y,
+                    int64_t ldy = 0) {
   const bool int4 = lanes.scalar_type() == at::kByte, f32 = lanes.dim() == 3;
   check_lane_rows(M);
 #if defined(__AVX512VNNI__)
-  if (int4 && f32) lanes_i16<uint8_t, true>(lanes.data_ptr<uint8_t>(), x, M, N, K, y);
-  else if (int4) lanes_i16<uint8_t, false>(lanes.data_ptr<uint8_t>(), x, M, N, K, y);
-  else if (f32) lanes_i16<int8_t, true>(lanes.data_ptr<int8_t>(), x, M, N, K, y);
-  else lanes_i16<int8_t, false>(lanes.data_ptr<int8_t>(), x, M, N, K, y);
+  ldy = ldy ? ldy : N;
+  if (int4 && f32) lanes_i16<uint8_t, true>(lanes.data_ptr<uint8_t>(), x, M, N, K, y, ldy);
+  else if (int4) lanes_i16<uint8_t, false>(lanes.data_ptr<uint8_t>(), x, M, N, K, y, ldy);
+  else if (f32) lanes_i16<int8_t, true>(lanes.data_ptr<int8_t>(), x, M, N, K, y, ldy);
+  else lanes_i16<int8_t, false>(lanes.data_ptr<int8_t>(), x, M, N, K, y, ldy);
 #endif
 }
 

@@ -98,12 +98,12 @@ inline __m512i quad(const void* p) {
   return _mm512_set1_epi32(v);
 }
 
-// y[m0 + i, 16 b .. 16 b + 16) for activation rows m0..m0+ROWS-1: per block, per group, the
-// four octets' nibbles dotted with each row's high and low bytes (four 32-bit sums a row,
-// two chains each side), joined as 256 high + low, made float32, times weight scale x
-// activation scale, plus minimum x the activations' sum.
+// y[m0 + i, 16 b .. 16 b + 16) (y's rows ldy apart) for activation rows m0..m0+ROWS-1: per
+// block, per group, the four octets' nibbles dotted with each row's high and low bytes (four
+// 32-bit sums a row, two chains each side), joined as 256 high + low, made float32, times
+// weight scale x activation scale, plus minimum x the activations' sum.
 template <int ROWS, bool F32>
-void lanes_gemv(const uint8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, float* y, int64_t N) {
+void lanes_gemv(const uint8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, float* y, int64_t ldy) {
   constexpr int64_t BYTES = lane_bytes<uint8_t, F32>();
   const int64_t G = x.G, K = x.K;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -140,7 +140,7 @@ void lanes_gemv(const uint8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, 
                                acc[m]);
     }
   }
-  for (int m = 0; m < ROWS; ++m) _mm512_storeu_ps(y + (m0 + m) * N + b * LANE_ROWS, acc[m]);
+  for (int m = 0; m < ROWS; ++m) _mm512_storeu_ps(y + (m0 + m) * ldy + b * LANE_ROWS, acc[m]);
 }
 
 // y[m0 + i, 16 b .. 16 b + 16) for activation rows m0..m0+ROWS-1 and int8 lanes: per
@@ -148,7 +148,7 @@ void lanes_gemv(const uint8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, 
 // chains a row: pairs even and odd, or with float32 scales pairs 0-7 and 8-15), made
 // float32, times weight scale x activation scale (float32: each chain its own scale).
 template <int ROWS, bool F32>
-void lanes8_gemv(const int8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, float* y, int64_t N) {
+void lanes8_gemv(const int8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, float* y, int64_t ldy) {
   constexpr int64_t BYTES = lane_bytes<int8_t, F32>();
   const int64_t G = x.G, K = x.K;
   const int8_t* p = lanes + b * G * BYTES;
@@ -180,15 +180,16 @@ void lanes8_gemv(const int8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, 
       }
     }
   }
-  for (int m = 0; m < ROWS; ++m) _mm512_storeu_ps(y + (m0 + m) * N + b * LANE_ROWS, acc[m]);
+  for (int m = 0; m < ROWS; ++m) _mm512_storeu_ps(y + (m0 + m) * ldy + b * LANE_ROWS, acc[m]);
 }
 
 // y = x @ W.T for M <= I16_ROWS rows of x [M, K] and int4 (uint8 `lanes`) or int8 (int8
 // `lanes`) weights W [N, K] of float16 or float32 (`F32`) scales, the activations rounded to
-// int16 first; blocks of 16 rows handed out as `stream_piece` hands out rows, each block's
-// weights read once from memory (a pass of up to LANE_PASS rows at a time, the rest from cache).
+// int16 first, y's rows ldy apart; blocks of 16 rows handed out as `stream_piece` hands out
+// rows, each block's weights read once from memory (a pass of up to LANE_PASS rows at a time,
+// the rest from cache).
 template <typename T, bool F32>
-void lanes_i16(const T* lanes, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
+void lanes_i16(const T* lanes, const float* x, int64_t M, int64_t N, int64_t K, float* y, int64_t ldy) {
   const LaneRows xq(x, M, K);
   const int64_t blocks = N / LANE_ROWS;
   const int64_t piece = std::max<int64_t>(1, stream_piece(N, K) / LANE_ROWS);
@@ -196,8 +197,8 @@ void lanes_i16(const T* lanes, const float* x, int64_t M, int64_t N, int64_t K, 
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t m0 = 0; m0 < M; m0 += LANE_PASS)
         with_rows<LANE_PASS>(std::min(LANE_PASS, M - m0), [&](auto rows) {
-          if constexpr (std::is_same_v<T, uint8_t>) lanes_gemv<rows(), F32>(lanes, xq, m0, b, y, N);
-          else lanes8_gemv<rows(), F32>(lanes, xq, m0, b, y, N);
+          if constexpr (std::is_same_v<T, uint8_t>) lanes_gemv<rows(), F32>(lanes, xq, m0, b, y, ldy);
+          else lanes8_gemv<rows(), F32>(lanes, xq, m0, b, y, ldy);
         });
   });
 }
