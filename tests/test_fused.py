@@ -71,8 +71,8 @@ def _llama(
     int16 activations with ``int16`` (and their ``lanes`` with ``lanes``);
     or with ``bf16`` every layer as bfloat16 panels; or with ``kquants``
     as a Q4_K_M file's (v, down and the head int8 of float32 scales per 16
-    columns, the rest int4 of float32 scales) on lanes and bfloat16 panels
-    alone, q/k/v side by side."""
+    columns, the rest int4 of float32 scales) on lanes alone (many rows on
+    panels dequantized from them), q/k/v side by side."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES, **settings)).eval()
     if packed:
@@ -85,8 +85,8 @@ def _llama(
                 if kquants:
                     int8 = head or name.endswith(("v_proj", "down_proj"))
                     weights = _k_quant(module.weight, int8)
-                    panels = bf16_panels(weights)
-                    layer = PackedLinear(weights, module.bias, panels, True, weights.lanes())
+                    lanes = weights.lanes()  # many rows on panels from the lanes, none held
+                    layer = PackedLinear(weights, module.bias, None, True, lanes, lane_panels=True)
                     model.set_submodule(name, layer)
                     continue
                 if bf16:

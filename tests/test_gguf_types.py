@@ -154,8 +154,8 @@ def test_the_description_names_each_type_and_what_serves_it(mixed, lanes):
 
 def test_q4_k_m_file_serves_on_lanes_and_agrees_with_its_float32_model(files, lanes):
     """``quantization="auto"`` on a Q4_K_M-like file: every linear layer on
-    the integer lanes (Q4_K int4, Q6_K int8, float32 scales) with bfloat16
-    panels beside them (none float32), the start-up check passed (bfloat16
+    the integer lanes alone (Q4_K int4, Q6_K int8, float32 scales; many rows
+    on bfloat16 panels dequantized from them; none float32), the start-up check passed (bfloat16
     arithmetic: the half-precision bound), the decode step fused as one
     stack (layer 1's q/k int4 and v int8 side by side), and the greedy
     tokens agree with the HF model on the file's float32 dequantization
@@ -175,7 +175,7 @@ def test_q4_k_m_file_serves_on_lanes_and_agrees_with_its_float32_model(files, la
         linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
         assert not linears
         packed = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
-        assert all(m.lanes is not None and m.panels is not None for m in packed)
+        assert all(m.lanes is not None and m.lane_panels and m.qweight is None for m in packed)
         assert engine.mode_check is not None and engine.mode_check.ok
         fused = fused_step(engine.model)
         assert fused.stack is not None

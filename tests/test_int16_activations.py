@@ -401,7 +401,8 @@ def test_packed_linear_multiplies_few_rows_on_its_lanes(lanes, rows):
 
 def test_bfloat16_arithmetic_holds_lanes_where_the_build_has_them(lanes):
     """A model quantized int4 or int8 in bfloat16 arithmetic holds lanes in
-    every layer and, beside its panels, no row-major copy (rebuilt from the
+    every layer and, where its many rows take panels from them, no panels
+    and no row-major copy (rebuilt from the
     lanes, the same weights); its logits are within 1e-4 of the same layers'
     without lanes (the same integers: sums in another order, so an
     activation a layer on may round to the neighbouring int16)."""
@@ -410,14 +411,74 @@ def test_bfloat16_arithmetic_holds_lanes_where_the_build_has_them(lanes):
     plain = build_model(0)[1].eval()
     for name, m in list(model.named_modules()):
         if isinstance(m, PackedLinear):
-            assert m.lanes is not None and (m.qweight is None) == (m.panels is not None)
+            assert m.lanes is not None and m.panels is None
+            assert (m.qweight is None) == m.lane_panels
             again = quantize_int4(plain.get_submodule(name).weight)
             assert torch.equal(m.packed().qweight, again.qweight)
-            plain.set_submodule(name, PackedLinear(m.packed(), m.bias, m.panels, True))
+            held = bf16_panels(m.packed()) if m.lane_panels else None
+            plain.set_submodule(name, PackedLinear(m.packed(), m.bias, held, True))
     ids = torch.randint(0, 256, (1, 1), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ours, theirs = model(ids).logits, plain(ids).logits
     assert 0 < (ours - theirs).abs().max() < 1e-4 * theirs.abs().max()
+    prompt = torch.randint(0, 256, (1, BF16_ROWS + 3), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():  # many rows: panels from the lanes are the held ones, bit for bit
+        assert torch.equal(model(prompt).logits, plain(prompt).logits)
     int8 = build_model(0)[1].eval()
     quantize_model(int8, QuantChoice("int8", "as asked", "bfloat16"))
     assert all(m.lanes is not None for m in int8.modules() if isinstance(m, PackedLinear))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_panels_from_float32_scale_lanes_are_the_held_panels_bit_for_bit(lanes, type_name):
+    """Q4_K's and Q6_K's lanes (float32 scales) dequantized a panel at a time
+    (``lanes_bf16``) are ``bf16_panels`` of their weights: the same products
+    bit for bit at every row count; a layer reads its rows back from them."""
+    if bf16_or_why() is not None:
+        pytest.skip(bf16_or_why())
+    packed = k_quant(type_name, 96, 512, seed=6)
+    ops = torch.ops.mstar_quant
+    for rows in (1, 7, BF16_ROWS, 33):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(
+            ops.lanes_bf16(x, packed.lanes()), ops.bf16_linear(x, bf16_panels(packed))
+        )
+    layer = PackedLinear(packed, None, None, True, packed.lanes(), lane_panels=True)
+    assert torch.equal(layer.weight_rows(32, 96), packed.dequantize()[32:96])
+
+
+@pytest.mark.parametrize("quantize", [quantize_int4, quantize_int8])
+def test_panels_from_the_lanes_are_the_held_panels_bit_for_bit(lanes, quantize):
+    """``lanes_bf16`` (each 32-row panel dequantized from the lanes as the
+    product reaches it) equals ``bf16_linear`` on ``bf16_panels`` of the same
+    weights at every row count, and a layer with ``lane_panels`` takes it
+    from ``BF16_ROWS`` rows on, holding neither panels nor a row-major copy."""
+    if bf16_or_why() is not None:
+        pytest.skip(bf16_or_why())
+    packed = quantize(torch.randn(96, 320, generator=torch.Generator().manual_seed(4)))
+    ops = torch.ops.mstar_quant
+    for rows in (1, 7, BF16_ROWS, 33):
+        x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(
+            ops.lanes_bf16(x, packed.lanes()), ops.bf16_linear(x, bf16_panels(packed))
+        )
+    layer = PackedLinear(packed, None, None, True, packed.lanes(), lane_panels=True)
+    held = PackedLinear(packed, None, bf16_panels(packed), True, packed.lanes())
+    assert layer.panels is None and layer.qweight is None and layer.arithmetic == "bfloat16+int16"
+    x = torch.randn(2, BF16_ROWS, 320)
+    assert torch.equal(layer(x), held(x)) and not torch.equal(layer(x), layer.dequantized()(x))
+    assert torch.equal(layer.weight_rows(32, 96), packed.dequantize()[32:96])  # from the lanes
+    assert torch.equal(held.weight_rows(0, 96), packed.dequantize())  # row-major
+    with pytest.raises(ValueError, match=r"multiples of 32, got \[16, 32\)"):
+        layer.weight_rows(16, 32)
+    with pytest.raises(ValueError, match="lane panels only with lanes"):
+        PackedLinear(packed, None, None, True, None, lane_panels=True)
+    with pytest.raises(ValueError, match="rows divisible by 32"):
+        PackedLinear(
+            quantize(torch.randn(48, 64)),
+            None,
+            None,
+            True,
+            quantize(torch.randn(48, 64)).lanes(),
+            lane_panels=True,
+        )

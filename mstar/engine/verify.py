@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 __all__ = [
     "ModeCheck",
@@ -120,16 +121,28 @@ def float32_reference(model: Any) -> Reference:
 
 class Dequantizing(torch.nn.Module):
     """A packed layer as the reference runs it: float32 ``F.linear`` on its
-    weights dequantized at each call (``dequantized()``), freed after. It
-    holds the layer's method, not the layer: ``.float()`` on the reference
-    must not upcast the layer's bfloat16 panels into copies."""
+    weights dequantized at each call, ``ROWS_AT_ONCE`` output rows at a
+    time (``weight_rows``), each slice freed after. It holds the layer's
+    method, not the layer: ``.float()`` on the reference must not upcast
+    a bf16 layer's panels into copies."""
+
+    ROWS_AT_ONCE = 1024  # a 49k-row head: 8 MiB of float32 weights a slice at K = 2048, not 400
 
     def __init__(self, packed: torch.nn.Module) -> None:
         super().__init__()
-        self.dequantized = packed.dequantized
+        self.weight_rows, self.rows = packed.weight_rows, packed.out_features
+        self.bias = (
+            () if packed.bias is None else (packed.bias.detach().float(),)
+        )  # not a parameter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dequantized()(x.float())
+        x = x.float()
+        slices = [
+            F.linear(x, self.weight_rows(start, min(start + self.ROWS_AT_ONCE, self.rows)))
+            for start in range(0, self.rows, self.ROWS_AT_ONCE)
+        ]
+        y = torch.cat(slices, dim=-1)
+        return y + self.bias[0] if self.bias else y
 
 
 def _shared(model: Any) -> dict[int, Any]:

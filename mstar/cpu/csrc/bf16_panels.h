@@ -44,20 +44,28 @@ void micro_bf16_rows(int64_t rows, const uint16_t* x, const uint16_t* panel, int
   with_rows<ROWS_MAX>(rows, [&](auto r) { micro_bf16<decltype(r)::value>(x, panel, K, y, ldy); });
 }
 
+// n float32 values (n % 16 == 0) rounded to bfloat16, to nearest even.
+std::vector<uint16_t> bf16_activations(const float* xf, int64_t n) {
+  std::vector<uint16_t> xb(n);
+  for (int64_t i = 0; i < n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb.data() + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xf + i)));
+  return xb;
+}
+
+// y[m, 0..32) (rows of stride N) = x[m, :] . panel for every m < M (x bfloat16 [M, K]).
+void bf16_panel_rows(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* panel, float* y, int64_t N) {
+  for (int64_t m = 0; m < M; m += ROWS_MAX)
+    micro_bf16_rows(std::min<int64_t>(ROWS_MAX, M - m), xb + m * K, panel, K, y + m * N, N);
+}
+
 // y [M, N] = x [M, K] @ W.T for float32 x (contiguous) and bfloat16 panels [N/32, K/2, 32,
 // 2] at w (N = panel count * 32, K % 32 == 0): the activations rounded to bfloat16 once.
 void bf16_rows(const float* xf, int64_t M, int64_t K, const uint16_t* w, int64_t panel_count,
                float* out) {
   const int64_t N = panel_count * BF16_NB;
-  std::vector<uint16_t> xb(M * K);  // K % 32 == 0: converted in whole 16-lane vectors
-  for (int64_t i = 0; i < M * K; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb.data() + i),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xf + i)));
+  const std::vector<uint16_t> xb = bf16_activations(xf, M * K);  // K % 32 == 0: whole vectors
   share(panel_count, 1, N * K * M >= PARALLEL_MIN, [&](int64_t p0, int64_t p1, int) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t m = 0; m < M; m += ROWS_MAX)
-        micro_bf16_rows(std::min<int64_t>(ROWS_MAX, M - m), xb.data() + m * K, w + p * K * BF16_NB,
-                        K, out + m * N + p * BF16_NB, N);
+    for (int64_t p = p0; p < p1; ++p) bf16_panel_rows(xb.data(), M, K, w + p * K * BF16_NB, out + p * BF16_NB, N);
   });
 }
 #endif

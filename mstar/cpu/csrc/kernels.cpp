@@ -35,17 +35,20 @@
 // AVX2's `vpmaddwd`): no float conversion of the weights, close to exact but not exact;
 // `int8_linear_i16` the same for int8 weights at one row (AVX2's, every build);
 // `lanes_i16` the same products on int4 or int8 weights laid out 16 rows to a vector
-// (lanes.h, AVX512-VNNI builds: `lanes_rows()` rows, int8's too), their scales float16 or
-// float32 (GGUF's Q4_K and Q6_K: int4 groups of 32, int8 a scale per 16 columns), which only
-// the lanes take.
+// (lanes.h, AVX512-VNNI builds: `lanes_rows()` rows, int8's too); `lanes_bf16` any row
+// count of them in bfloat16, each 32-row panel dequantized from the lanes as it is reached
+// (lane_panels.h, AVX512-BF16 builds): `bf16_linear` on the panels it would hold, bit for bit.
+// The lanes' scales are float16 or float32 (GGUF's Q4_K and Q6_K: int4 groups of 32, int8 a
+// scale per 16 columns), which only the lanes take.
 //
-// The parts, in cpp/: common.h, team.h, formats.h, gemv.h, i16_gemv.h, lanes.h, panels.h,
-// bf16_panels.h.
+// The parts, in csrc/: common.h, team.h, formats.h, gemv.h, i16_gemv.h, lanes.h, panels.h,
+// bf16_panels.h, lane_panels.h.
 #include "bf16_panels.h"
 #include "gemv.h"
 #include "panels.h"
 #include "i16_gemv.h"
 #include "lanes.h"
+#include "lane_panels.h"
 
 namespace {
 
@@ -193,6 +196,30 @@ at::Tensor lanes_i16_linear(const at::Tensor& x_in, const at::Tensor& lanes) {
   return y.view(sizes);
 }
 
+// y = x @ W.T for float32 x [..., K] (any rows) rounded to bfloat16 and int4 or int8 weights W
+// laid out as `lanes` (N % 32 == 0), each 32-row panel dequantized to bfloat16 as reached.
+at::Tensor lanes_bf16_linear(const at::Tensor& x_in, const at::Tensor& lanes) {
+  const auto [N, K] = lanes_shape(lanes);
+  check_linear(x_in, N, K);
+  TORCH_CHECK(N % 32 == 0, "expected lanes of rows divisible by 32 for bfloat16 panels, got ", N);
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  const bool int4 = lanes.scalar_type() == at::kByte, f32 = lanes.dim() == 3;
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (int4 && f32) lanes_bf16_rows<uint8_t, true>(lanes.data_ptr<uint8_t>(), xp, x.size(0), N, K, yp);
+  else if (int4) lanes_bf16_rows<uint8_t, false>(lanes.data_ptr<uint8_t>(), xp, x.size(0), N, K, yp);
+  else if (f32) lanes_bf16_rows<int8_t, true>(lanes.data_ptr<int8_t>(), xp, x.size(0), N, K, yp);
+  else lanes_bf16_rows<int8_t, false>(lanes.data_ptr<int8_t>(), xp, x.size(0), N, K, yp);
+#else
+  TORCH_CHECK(false, "the kernels were built without AVX512-BF16 (this CPU's flags lack it)");
+#endif
+  auto sizes = x_in.sizes().vec();
+  sizes.back() = N;
+  return y.view(sizes);
+}
+
 // Most rows the int4 (bits 4) or int8 (bits 8) ops `*_i16` round to int16.
 int64_t int16_rows(int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "expected bits 4 or 8, got ", bits);
@@ -210,6 +237,7 @@ TORCH_LIBRARY(mstar_quant, m) {
   m.def("lanes_rows() -> int", &lane_rows);
   m.def("lanes_i16(Tensor x, Tensor lanes) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor panels) -> Tensor");
+  m.def("lanes_bf16(Tensor x, Tensor lanes) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mstar_quant, CPU, m) {
@@ -219,4 +247,5 @@ TORCH_LIBRARY_IMPL(mstar_quant, CPU, m) {
   m.impl("int8_linear_i16", &int8_linear_i16);
   m.impl("bf16_linear", &bf16_linear);
   m.impl("lanes_i16", &lanes_i16_linear);
+  m.impl("lanes_bf16", &lanes_bf16_linear);
 }

@@ -32,11 +32,12 @@ smaller, and the description says why.
 
 Arithmetic: ``dtype`` float32 (the model's activations, exact against the
 dequantized weights), or bfloat16: the model stays float32 and what rounds
-is the packed layers' products. Where the CPU has AVX512-BF16 each packed
-layer also holds its weights as bfloat16 panels, which inputs of
+is the packed layers' products. Where the CPU has AVX512-BF16, inputs of
 ``linear.BF16_ROWS`` rows or more (prefill, batched decode) multiply in
-bfloat16, ~2.5x faster at 32 rows (the panels cost two bytes a weight
-beside the packed ones); elsewhere those rows stay float32. Few rows
+bfloat16 on panels of the weights dequantized from their lanes (below) as
+the product reaches them (``lane_panels``: ~2.5x float32 at 32 rows, no
+panels held, where held ones cost two bytes a weight); elsewhere those rows
+stay float32. Few rows
 (decode) stream the packed weights on their activations rounded to int16
 per group of 32 (``PackedLinear.int16_rows`` of them: int4 1-8 with AVX512-VNNI's
 16-bit dot products, which every CPU with AVX512-BF16 has, at one row
@@ -64,7 +65,7 @@ from mstar.cpu.quant.arena import gather
 from mstar.cpu.quant.at_load import quantize_int4, quantize_int8
 from mstar.cpu.quant.kernels import bf16_or_why, kernel_or_why
 from mstar.cpu.quant.linear import BF16_ROWS, PackedLinear
-from mstar.cpu.quant.packed import GROUP, LANES, PANEL, Packed, bf16_panels, pack_bf16
+from mstar.cpu.quant.packed import GROUP, LANES, PANEL, Packed, pack_bf16
 
 __all__ = ["QUANTIZATIONS", "QuantChoice", "quantize_model", "resolve_quantization"]
 
@@ -143,7 +144,9 @@ def quantize_model(
     """Switch ``model``'s linear layers to ``choice``'s packed weights (a GGUF's
     own: ``gguf``, each weight's packed form or None and its GGUF type, as
     ``mstar.models.gguf.load_gguf`` reads them; a layer whose packed weights
-    it holds may keep a meta weight until swapped); returns the description
+    it holds may keep a meta weight until swapped; the entries layers take
+    are removed from it, so each read form is freed as its layer is packed:
+    lanes and row-major forms never all at once); returns the description
     for the start-up line, also kept as ``model.mstar_quantization``.
     ``ValueError`` before any change when a layer's shape does not fit the
     packing."""
@@ -169,15 +172,18 @@ def quantize_model(
     rounded = why is None and choice.arithmetic == "bfloat16"
     panels = rounded and bf16_or_why() is None
     off_lanes = {} if why else _off_lanes(model, layers, packed, dequantized)
-    for name, (weights, _) in packed.items():
+    kinds: dict[str, tuple[str, str]] = {}  # each packed layer's kind and source type
+    for name in list(packed):  # each read form dropped once its layer holds what it keeps
+        weights, type_name = packed.pop(name)
         wide = weights.scales.dtype == torch.float32  # lanes and panels alone, whatever the dtype
         _swap(model, name, weights, why is None, panels=panels or wide, int16=rounded or wide)
+        kinds[name] = (weights.kind, type_name)
     panelled, kept = _dequantized_as_panels(model, layers, dequantized)
     gather(model)  # each kind of the packed tensors in one allocation, in the step's order
-    summary = _summary(choice, packed, unpacked, panelled, kept, off_lanes)
+    summary = _summary(choice, kinds, unpacked, panelled, kept, off_lanes)
     if why is not None:
         summary += f"; run as float32 (dequantized): {why}"
-    elif int16 := {n: p for n, p in packed.items() if model.get_submodule(n).int16_activations}:
+    elif int16 := {n: k for n, k in kinds.items() if model.get_submodule(n).int16_activations}:
         summary += f"; {_rounded_summary(model, int16)}"
     model.mstar_quantization = summary
     return summary
@@ -238,7 +244,7 @@ def _gguf_layers(
         if fits and (
             mod.weight.is_meta or torch.equal(weight.dequantize(), mod.weight.detach().float())
         ):
-            packed[name] = (weight, type_name)
+            packed[name] = weights.pop(key)  # the caller's reference goes with the layer's
             continue
         if mod.weight.is_meta and weight is not None:
             mod.weight = torch.nn.Parameter(weight.dequantize(), requires_grad=False)
@@ -305,15 +311,16 @@ def _swap(
     owner = model.get_submodule(parent) if parent else model
     old = getattr(owner, attr)
     if use_kernel:
-        held = bf16_panels(weights) if panels and weights.shape[0] % PANEL == 0 else None
         laned = int16 and weights.shape[0] % LANES == 0
         lanes = weights.lanes() if laned and torch.ops.mstar_quant.lanes_rows() else None
-        setattr(owner, attr, PackedLinear(weights, old.bias, held, int16, lanes))
+        # many rows on panels dequantized from the lanes as they run: none held
+        lane_panels = panels and lanes is not None and weights.shape[0] % PANEL == 0
+        setattr(owner, attr, PackedLinear(weights, old.bias, None, int16, lanes, lane_panels))
     else:  # a parameter of its own: a tied embedding keeps its weights
         old.weight = torch.nn.Parameter(weights.dequantize(), requires_grad=False)
 
 
-def _rounded_summary(model: Any, packed: dict[str, tuple[Packed, str]]) -> str:
+def _rounded_summary(model: Any, packed: dict[str, tuple[str, str]]) -> str:
     """The summary's clause on bfloat16 arithmetic: the rows on int16
     activations, per kind of layer, and how many layers take them on lanes;
     the rows on bfloat16 panels (naming the layers ``_swap`` left without),
@@ -321,7 +328,7 @@ def _rounded_summary(model: Any, packed: dict[str, tuple[Packed, str]]) -> str:
     if (why := bf16_or_why()) is not None:
         many = f"more rows float32 ({why})"
     else:
-        odd = [name for name in packed if model.get_submodule(name).panels is None]
+        odd = [name for name in packed if not model.get_submodule(name).lane_panels]
         kept = f" (float32 for {', '.join(odd)}: rows not a multiple of {PANEL})" if odd else ""
         many = f"{BF16_ROWS}+ rows multiply in bfloat16{kept}"
     layers = [m for m in map(model.get_submodule, packed) if m.int16_activations]
@@ -342,7 +349,7 @@ def _rounded_summary(model: Any, packed: dict[str, tuple[Packed, str]]) -> str:
 
 def _summary(
     choice: QuantChoice,
-    packed: dict[str, tuple[Packed, str]],
+    packed: dict[str, tuple[str, str]],
     unpacked: dict[str, str],
     panelled: dict[str, str] | None = None,
     kept: dict[str, tuple[str, str]] | None = None,
@@ -353,8 +360,8 @@ def _summary(
     float32 scales are not on lanes (``off_lanes``), and the layers no
     packing took, named."""
     counts: Counter[str] = Counter()
-    for weights, type_name in packed.values():
-        counts[f"{weights.kind} ({type_name})" if choice.mode == "gguf" else weights.kind] += 1
+    for kind, type_name in packed.values():
+        counts[f"{kind} ({type_name})" if choice.mode == "gguf" else kind] += 1
     for type_name in (panelled or {}).values():
         counts[f"bf16 panels ({type_name} dequantized)"] += 1
     parts = [", ".join(_layers(n, label) for label, n in counts.items())] if counts else []

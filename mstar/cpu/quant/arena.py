@@ -57,15 +57,20 @@ def gather(model: Any) -> int:
             arena = allocation(total) if device.type == "cpu" else None
             if arena is None:
                 arena = torch.empty(total, dtype=torch.uint8, device=device)
-            views = {}
-            for key, t in unique.items():
+            holders: dict[tuple, list[PackedLinear]] = {}
+            for m, t in zip(layers, held):
+                if t is not None and t.numel():
+                    holders.setdefault(_key(t), []).append(m)
+            del held
+            for key in list(unique):  # each tensor freed once moved: the arena and the rest
+                t = unique.pop(key)
                 at = offsets[key]
                 view = arena[at : at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
                 view.copy_(t)
-                views[key] = view
-            for m, t in zip(layers, held):
-                if t is not None and t.numel():
-                    m._buffers[kind] = views[_key(t)]
+                for m in holders[key]:
+                    m._buffers[kind] = view
+            del t
+            trim_heap()  # the moved tensors' heap pages back to the OS before the next kind
             moved += total
     return moved
 

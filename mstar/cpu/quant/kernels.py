@@ -98,6 +98,10 @@ def _register_fakes() -> None:
     def _(x, lanes):
         return x.new_empty((*x.shape[:-1], lanes.shape[0] * 16))
 
+    @torch.library.register_fake("mstar_quant::lanes_bf16")
+    def _(x, lanes):
+        return x.new_empty((*x.shape[:-1], lanes.shape[0] * 16))
+
     @torch.library.register_fake("mstar_quant::bf16_linear")
     def _(x, panels):
         return x.new_empty((*x.shape[:-1], panels.shape[0] * panels.shape[2]))

@@ -7,13 +7,16 @@ of ``BF16_ROWS`` rows or more multiply in bfloat16 instead; with
 ``torch.ops.mstar_quant.int16_rows``: int4 8 with AVX512-VNNI, 4 on AVX2;
 int8 1) are rounded to int16 per group of 32 and multiplied in integers;
 weights also held as ``lanes`` (``Packed.lanes``, where the kernels'
-``lanes_rows()``: 1-8 with AVX512-VNNI, int8 too) multiply those rows there."""
+``lanes_rows()``: 1-8 with AVX512-VNNI, int8 too) multiply those rows there;
+with ``lane_panels``, inputs of ``BF16_ROWS`` rows or more multiply in
+bfloat16 on panels dequantized from the lanes as the product reaches them
+(``lanes_bf16``: the products of held panels bit for bit, none held)."""
 
 from __future__ import annotations
 
 import torch
 
-from mstar.cpu.quant.packed import PANEL, Packed, lanes_shape
+from mstar.cpu.quant.packed import LANES, PANEL, Packed, lanes_shape
 
 # fewest input rows for the bfloat16 panels; fewer stream the packed weights, faster up to
 # 8 rows on AVX512-BF16 (1536x576 from memory: 48 against 67 us at 8 rows, 36 against 54 at 5)
@@ -32,8 +35,10 @@ class PackedLinear(torch.nn.Module):
     (``packed.lanes()``, with int16 activations) those rows multiply
     on them, the same integers in another order of float32 sums; with
     lanes and panels, which then take every row count, it holds no
-    row-major copy (``qweight``, ``scales``, ``mins`` None). bf16
-    weights (the panels themselves) take every row count as the panels do."""
+    row-major copy (``qweight``, ``scales``, ``mins`` None); ``lane_panels``
+    (with lanes, rows a multiple of 32, no ``panels``) is held panels'
+    arithmetic without holding them. bf16 weights (the panels themselves)
+    take every row count as the panels do."""
 
     def __init__(
         self,
@@ -42,6 +47,7 @@ class PackedLinear(torch.nn.Module):
         panels: torch.Tensor | None = None,
         int16_activations: bool = False,
         lanes: torch.Tensor | None = None,
+        lane_panels: bool = False,
     ) -> None:
         super().__init__()
         if packed.kind == "bf16" and (panels is not None or int16_activations):
@@ -54,7 +60,13 @@ class PackedLinear(torch.nn.Module):
                 f"expected lanes only for int4/int8 weights with int16 activations, got {packed.kind}"
                 f" weights, int16={int16_activations}"
             )
+        if lane_panels and (lanes is None or panels is not None or packed.shape[0] % PANEL):
+            raise ValueError(
+                f"expected lane panels only with lanes, no held panels and rows divisible by {PANEL},"
+                f" got lanes={lanes is not None}, panels={panels is not None}, {packed.shape[0]} rows"
+            )
         self.kind = packed.kind
+        self.lane_panels = lane_panels
         self._int16 = int16_activations
         self.out_features, self.in_features = packed.shape
         want = (self.out_features // PANEL, self.in_features // 2, PANEL, 2)
@@ -75,7 +87,8 @@ class PackedLinear(torch.nn.Module):
         self._lane_rows = 0 if lanes is None else torch.ops.mstar_quant.lanes_rows()
         # the row-major bytes, where a row count reads them: not where the lanes take every
         # count below the panels' (``packed()`` then rebuilds them from the lanes)
-        row_major = panels is None or self._lane_rows + 1 < BF16_ROWS
+        many = panels is not None or lane_panels
+        row_major = not many or self._lane_rows + 1 < BF16_ROWS
         for name in ("qweight", "scales", "mins"):
             self.register_buffer(name, getattr(packed, name) if row_major else None)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
@@ -101,13 +114,13 @@ class PackedLinear(torch.nn.Module):
         """``float32`` (exact against the dequantized weights), else what
         rounds: ``bfloat16`` (many rows on the panels), ``int16`` (few rows'
         activations), or ``bfloat16+int16``."""
-        panels = self.panels is not None or self.kind == "bf16"
+        panels = self.panels is not None or self.lane_panels or self.kind == "bf16"
         rounded = ["bfloat16"] * panels + ["int16"] * self.int16_activations
         return "+".join(rounded) or "float32"
 
     def _panelled(self, rows: int) -> bool:
-        """Whether ``rows`` input rows multiply on the bfloat16 panels."""
-        return self._buffers["panels"] is not None and rows >= BF16_ROWS
+        """Whether ``rows`` input rows multiply on bfloat16 panels (held or from the lanes)."""
+        return (self.lane_panels or self._buffers["panels"] is not None) and rows >= BF16_ROWS
 
     def _laned(self, rows: int) -> bool:
         """Whether ``rows`` input rows multiply on the lanes."""
@@ -122,7 +135,12 @@ class PackedLinear(torch.nn.Module):
         if self.kind == "bf16":
             y = ops.bf16_linear.default(x, b["qweight"])
         elif self._panelled(rows):
-            y = ops.bf16_linear.default(x, b["panels"])
+            panels = b["panels"]
+            y = (
+                ops.bf16_linear.default(x, panels)
+                if panels is not None
+                else ops.lanes_bf16.default(x, b["lanes"])
+            )
         elif self._laned(rows):
             y = ops.lanes_i16.default(x, b["lanes"])
         elif self.kind == "int4":
@@ -134,10 +152,10 @@ class PackedLinear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
     def read_tensors(self, rows: int) -> list[torch.Tensor]:
-        """The tensors a call on ``rows`` input rows reads (the panels, or
-        the packed weights; the bias)."""
+        """The tensors a call on ``rows`` input rows reads (the panels, the
+        lanes, or the row-major weights; the bias)."""
         if self._panelled(rows):
-            tensors = [self.panels]
+            tensors = [self.lanes if self.panels is None else self.panels]
         elif self._laned(rows):
             tensors = [self.lanes]
         else:
@@ -150,10 +168,32 @@ class PackedLinear(torch.nn.Module):
             return Packed.from_lanes(self.kind, self.lanes)
         return Packed(self.kind, self.qweight, self.scales, self.mins)
 
+    def weight_rows(self, start: int, stop: int) -> torch.Tensor:
+        """The float32 weights of output rows ``[start, stop)``, dequantized
+        (bf16: the panels' values); both multiples of ``PANEL`` (or ``stop``
+        the layer's rows): a reference reads a big layer a slice at a time."""
+        if start % PANEL or (stop % PANEL and stop != self.out_features) or not start < stop:
+            raise ValueError(
+                f"expected rows [start, stop) on multiples of {PANEL}, got [{start}, {stop})"
+            )
+        b = self._buffers
+        if self.kind == "bf16":
+            return Packed(
+                "bf16", b["qweight"][start // PANEL : -(-stop // PANEL)], None
+            ).dequantize()
+        if b["qweight"] is None:
+            return Packed.from_lanes(
+                self.kind, b["lanes"][start // LANES : stop // LANES]
+            ).dequantize()
+        mins = None if b["mins"] is None else b["mins"][start:stop]
+        return Packed(
+            self.kind, b["qweight"][start:stop], b["scales"][start:stop], mins
+        ).dequantize()
+
     def dequantized(self) -> torch.nn.Linear:
         """A float32 ``nn.Linear`` of the same weights, dequantized (the mode
         check's reference)."""
-        weight = self.packed().dequantize()
+        weight = self.weight_rows(0, self.out_features)
         linear = torch.nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
         linear.weight = torch.nn.Parameter(weight, requires_grad=False)
         if self.bias is not None:

@@ -249,7 +249,9 @@ def _joined(layers: Sequence[torch.nn.Module]) -> torch.nn.Module:
             if lanes_alone
             else Packed(first.kind, *parts[:3])
         )
-        return PackedLinear(packed, bias, parts[3], first.int16_activations, parts[4])
+        return PackedLinear(
+            packed, bias, parts[3], first.int16_activations, parts[4], first.lane_panels
+        )
     weight = torch.cat([m.weight for m in layers])
     joined = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     joined.weight = torch.nn.Parameter(weight, requires_grad=False)
