@@ -17,12 +17,17 @@ from mstar.cpu.layer_ops import layer_ops_or_why  # noqa: E402
 from mstar.cpu.quant.at_load import quantize_int4, quantize_int8  # noqa: E402
 from mstar.cpu.quant.kernels import bf16_or_why, kernel_or_why  # noqa: E402
 from mstar.cpu.quant.linear import BF16_ROWS, PackedLinear  # noqa: E402
-from mstar.cpu.quant.packed import bf16_panels, pack_bf16  # noqa: E402
+from mstar.cpu.quant.packed import Packed, bf16_panels, pack_bf16  # noqa: E402
 from mstar.engine.resources.kv.cache import KVCache  # noqa: E402
 from mstar.models import hf  # noqa: E402
 from mstar.models.hf import forward_step, register  # noqa: E402
 from mstar.models.llama import step as llama_step  # noqa: E402
-from mstar.models.llama.fused_linear import RowConcat, StorageCheck, concat_refusal  # noqa: E402
+from mstar.models.llama.fused_linear import (  # noqa: E402
+    RowConcat,
+    SideBySide,
+    StorageCheck,
+    concat_refusal,
+)
 from mstar.models.llama.stack import LayerStack  # noqa: E402
 from mstar.models.llama.step import fused_refusal, fused_step  # noqa: E402
 
@@ -40,22 +45,50 @@ SIZES = {
 TOL = 1e-4
 
 
+def _k_quant(weight: torch.Tensor, int8: bool) -> Packed:
+    """``weight`` packed as GGUF's K-quants are, float32 scales: int8 with a
+    scale per 16 columns (Q6_K's 6-bit values), else int4 groups of 32."""
+    if int8:
+        rows = weight.shape[0]
+        scales = weight.detach().abs().view(rows, -1, 16).amax(-1) / 31
+        q = torch.round(weight.detach() / scales.repeat_interleave(16, dim=1)).clamp(-32, 31)
+        return Packed("int8", q.to(torch.int8), scales)
+    p = quantize_int4(weight)
+    return Packed("int4", p.qweight, p.scales.float(), p.mins.float())
+
+
 def _llama(
-    packed: bool = False, int16: bool = False, bf16: bool = False, lanes: bool = False, **settings
+    packed: bool = False,
+    int16: bool = False,
+    bf16: bool = False,
+    lanes: bool = False,
+    kquants: bool = False,
+    **settings,
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
     """A seeded tiny Llama (the reference: its own forward, SDPA attention)
     and its twin on the plan; ``packed``: both with int4 layers and an int8
     head (the reference dequantized, as the mode check's), the int4 ones on
     int16 activations with ``int16`` (and their ``lanes`` with ``lanes``);
-    or with ``bf16`` every layer as bfloat16 panels."""
+    or with ``bf16`` every layer as bfloat16 panels; or with ``kquants``
+    as a Q4_K_M file's (v, down and the head int8 of float32 scales per 16
+    columns, the rest int4 of float32 scales) on lanes alone (many rows on
+    panels dequantized from them), q/k/v side by side."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES, **settings)).eval()
     if packed:
-        if (why := kernel_or_why() or (bf16_or_why() if bf16 else None)) is not None:
+        needs_panels = bf16 or kquants
+        if (why := kernel_or_why() or (bf16_or_why() if needs_panels else None)) is not None:
             pytest.skip(f"packed kernels: {why}")
         for name, module in list(model.named_modules()):
             if isinstance(module, torch.nn.Linear):
                 head = name == "lm_head"
+                if kquants:
+                    int8 = head or name.endswith(("v_proj", "down_proj"))
+                    weights = _k_quant(module.weight, int8)
+                    lanes = weights.lanes()  # many rows on panels from the lanes, none held
+                    layer = PackedLinear(weights, module.bias, None, True, lanes, lane_panels=True)
+                    model.set_submodule(name, layer)
+                    continue
                 if bf16:
                     weights = pack_bf16(module.weight)
                 else:
@@ -242,15 +275,16 @@ def test_storage_check_joins_checks_and_sees_new_or_absent_tensors():
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "weights",
-    ["float32", "int16", "lanes", "bf16"],
-    ids=["float32", "int16 activations", "int4 lanes", "bf16 panels"],
+    ["float32", "int16", "lanes", "bf16", "kquants"],
+    ids=["float32", "int16 activations", "int4 lanes", "bf16 panels", "K-quant lanes"],
 )
 def test_layer_stack_is_the_layers_bit_for_bit(weights, kv_dtype):
     """Steps of fewer than ``BF16_ROWS`` tokens on packed layers (decode
     rows, a short prefill chunk beside one) run as one ``decode_layers``
     call: the same logits, bit for bit, as layer by layer, the int4 layers
     on float32 or int16 activations (from their lanes too), or bf16 layers
-    (bfloat16 panels), over
+    (bfloat16 panels), or a Q4_K_M file's layers (lanes of float32 scales,
+    int4 q/k and int8 v side by side), over
     a float32 or a bfloat16 KV cache;
     a long prefill, and ``BF16_ROWS`` rows (the bfloat16 panels' count), run
     layer by layer; float32 layers, and
@@ -292,10 +326,15 @@ def _stack_against_layers(weights: str, kv_dtype: torch.dtype) -> None:
     if layer_ops_or_why() is not None:
         pytest.skip(f"layer ops: {layer_ops_or_why()}")
     assert "not packed" in LayerStack.refusal(fused_step(_llama()[1]).layers)
-    int16, lanes = weights in ("int16", "lanes"), weights == "lanes"
+    int16, lanes = weights in ("int16", "lanes"), weights in ("lanes", "kquants")
     if lanes and (kernel_or_why() or not torch.ops.mstar_quant.lanes_rows()):
         pytest.skip("the kernels' build has no int4 lanes (no AVX512-VNNI)")
-    _, paged = _llama(packed=True, int16=int16, bf16=weights == "bf16", lanes=lanes)
+    kquants = weights == "kquants"
+    _, paged = _llama(
+        packed=True, int16=int16, bf16=weights == "bf16", lanes=lanes, kquants=kquants
+    )
+    if kquants:
+        assert all(isinstance(layer.qkv.module, SideBySide) for layer in fused_step(paged).layers)
     if int16:
         _, mixed = _llama(packed=True, int16=True)
         mlp = mixed.model.layers[1].mlp

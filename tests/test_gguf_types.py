@@ -1,9 +1,10 @@
 """GGUF files in the types people download (Q4_K_M's Q4_K and Q6_K, Q5_K,
 and the types the integer kernels take), written here (``gguf_files``):
 the weights served equal gguf-py's dequantization bit for bit (Q4_0, Q4_1,
-Q8_0 packed) or rounded to bfloat16 (every other type, as bfloat16 panels);
-a Q4_K_M-like file served through the engine agrees with the float32 HF
-model of the file; what the panels cannot take is named float32, with why."""
+Q8_0, Q4_K, Q6_K packed) or rounded to bfloat16 (every other type, as
+bfloat16 panels); a Q4_K_M-like file served through the engine, on the
+integer lanes, agrees with the float32 HF model of the file; what the
+lanes or panels cannot take is named, with why."""
 
 from __future__ import annotations
 
@@ -45,7 +46,12 @@ MIXED = {
     "output": "Q6_K",
     "token_embd": "Q4_K",
 }
-PACKED_TYPES = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
+PACKED_TYPES = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8", "Q4_K": "int4", "Q6_K": "int8"}
+# the clause on the K-quants' lanes (int16 activations whatever the arithmetic) in MIXED's description
+K_LANES = (
+    "int16 activations at 1-8 rows (the 4 int4 layers, the 3 int8 layers) (7 of them on lanes,"
+    " 16 rows a vector), 9+ rows multiply in bfloat16"
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +61,13 @@ def panels_run():
     why = kernel_or_why() or bf16_or_why()
     if why is not None:
         pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def lanes(panels_run):
+    """The kernels' lanes (AVX512-VNNI: every CPU with AVX512-BF16 has it)."""
+    if not torch.ops.mstar_quant.lanes_rows():
+        pytest.skip("the kernels' build has no lanes (no AVX512-VNNI)")
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +134,7 @@ def test_q5_0_and_q5_1_load_from_the_file_as_panels_of_their_dequantization(file
     path = write_llama_gguf(files / "q5.gguf", types, LlamaShape(layers=1))
     model = load(str(path), quantization="gguf")[0]
     assert model.mstar_quantization.startswith(
-        "gguf (as asked): 2 layers bf16 panels (Q5_0 dequantized),"
+        "gguf (as asked): 5 layers int4 (Q4_K), 2 layers bf16 panels (Q5_0 dequantized),"
         " 1 layer bf16 panels (Q5_1 dequantized)"
     )
     layers = {n: w for n, (t, w) in gguf_reference(path, model).items() if t in ("Q5_0", "Q5_1")}
@@ -131,34 +144,42 @@ def test_q5_0_and_q5_1_load_from_the_file_as_panels_of_their_dequantization(file
         assert torch.equal(got, expected.bfloat16().float()), name
 
 
-def test_the_description_names_each_type_and_what_serves_it(mixed):
+def test_the_description_names_each_type_and_what_serves_it(mixed, lanes):
     assert mixed[1].mstar_quantization == (
         "gguf (as asked): 2 layers int4 (Q4_0), 2 layers int4 (Q4_1), 2 layers int8 (Q8_0),"
-        " 4 layers bf16 panels (Q4_K dequantized), 2 layers bf16 panels (Q5_K dequantized),"
-        " 3 layers bf16 panels (Q6_K dequantized)"
+        " 4 layers int4 (Q4_K), 3 layers int8 (Q6_K), 2 layers bf16 panels (Q5_K dequantized);"
+        f" {K_LANES}"
     )
 
 
-def test_q4_k_m_file_serves_on_panels_and_agrees_with_its_float32_model(files):
+def test_q4_k_m_file_serves_on_lanes_and_agrees_with_its_float32_model(files, lanes):
     """``quantization="auto"`` on a Q4_K_M-like file: every linear layer on
-    bfloat16 panels (none float32), the start-up check passed (bfloat16
-    arithmetic: the half-precision bound), the decode step fused, and the
-    greedy tokens agree with the HF model on the file's float32
-    dequantization under that bound."""
+    the integer lanes alone (Q4_K int4, Q6_K int8, float32 scales; many rows
+    on bfloat16 panels dequantized from them; none float32), the start-up check passed (bfloat16
+    arithmetic: the half-precision bound), the decode step fused as one
+    stack (layer 1's q/k int4 and v int8 side by side), and the greedy
+    tokens agree with the HF model on the file's float32 dequantization
+    under that bound."""
     from transformers import AutoModelForCausalLM
 
+    from mstar.models.llama.fused_linear import SideBySide
     from mstar.models.llama.step import fused_step
 
     path = write_llama_gguf(files / "q4_k_m.gguf", q4_k_m_types)
     with Engine.from_pretrained(str(path), quantization="auto") as engine:
         assert engine.model.mstar_quantization == (
-            "gguf (auto: the file's own format): 12 layers bf16 panels (Q4_K dequantized),"
-            " 3 layers bf16 panels (Q6_K dequantized)"
+            "gguf (auto: the file's own format): 12 layers int4 (Q4_K), 3 layers int8 (Q6_K);"
+            " int16 activations at 1-8 rows (the 12 int4 layers, the 3 int8 layers) (15 of them"
+            " on lanes, 16 rows a vector), 9+ rows multiply in bfloat16"
         )
         linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
         assert not linears
+        packed = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
+        assert all(m.lanes is not None and m.lane_panels and m.qweight is None for m in packed)
         assert engine.mode_check is not None and engine.mode_check.ok
-        assert fused_step(engine.model).stack is not None
+        fused = fused_step(engine.model)
+        assert fused.stack is not None
+        assert isinstance(fused.layers[1].qkv.module, SideBySide)
         hf = AutoModelForCausalLM.from_pretrained(model_folder(str(path)), dtype=torch.float32)
         check = check_mode(engine, float32_reference(hf.eval()), Tolerance.of(exact=False))
     assert check.ok, check.failure
@@ -174,21 +195,24 @@ def test_without_bf16_panels_the_types_are_named_float32_with_why(mixed, monkeyp
     description = quantize_model(model, QuantChoice("gguf", "as asked"), weights)
     assert description == (
         "gguf (as asked): 2 layers int4 (Q4_0), 2 layers int4 (Q4_1), 2 layers int8 (Q8_0);"
-        " 4 layers float32 (Q4_K dequantized), 2 layers float32 (Q5_K dequantized),"
-        " 3 layers float32 (Q6_K dequantized): the CPU lacks AVX512-BF16"
+        " 2 layers float32 (Q5_K dequantized), 4 layers float32 (Q4_K dequantized),"
+        " 3 layers float32 (Q6_K dequantized): the CPU lacks AVX512-BF16;"
+        " Q4_K, Q6_K dequantized, not on int4/int8 lanes: the CPU lacks AVX512-BF16"
     )
     kept = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
     assert len(kept) == 9 and "lm_head" in kept
 
 
-def test_a_layer_the_panels_cannot_shape_stays_float32_and_is_named(files):
+def test_a_layer_the_panels_cannot_shape_stays_float32_and_is_named(files, lanes):
     """A head of 280 rows (not a multiple of 32): float32, named with why."""
     path = write_llama_gguf(files / "odd.gguf", q4_k_m_types, LlamaShape(layers=1, vocab=280))
     model = load(str(path), quantization="gguf")[0]
     assert model.mstar_quantization == (
-        "gguf (as asked): 5 layers bf16 panels (Q4_K dequantized), 2 layers bf16 panels (Q6_K"
-        " dequantized); 1 layer float32 (Q6_K dequantized): rows not a multiple of 32 or width"
-        " of 32"
+        "gguf (as asked): 5 layers int4 (Q4_K), 2 layers int8 (Q6_K); 1 layer float32 (Q6_K"
+        " dequantized): rows not a multiple of 32 or width of 32; Q6_K dequantized, not on"
+        " int4/int8 lanes: rows not a multiple of 32; int16 activations at 1-8 rows (the 5 int4"
+        " layers, the 2 int8 layers) (7 of them on lanes, 16 rows a vector), 9+ rows multiply"
+        " in bfloat16"
     )
     assert type(model.lm_head) is torch.nn.Linear
 

@@ -6,11 +6,15 @@ it applies and how it is named."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from gguf_files import random_blocks
 
 from mstar.cpu.quant import QuantChoice, quantize_model
 from mstar.cpu.quant.at_load import quantize_int4, quantize_int8
+from mstar.cpu.quant.gguf import decode_blocks
 from mstar.cpu.quant.kernels import bf16_or_why, kernel_or_why
 from mstar.cpu.quant.linear import BF16_ROWS, PackedLinear
 from mstar.cpu.quant.packed import Packed, bf16_panels, pack_bf16
@@ -294,6 +298,76 @@ def test_int8_lanes_kernel_is_its_rounding_of_every_row_count(lanes, rows, group
         torch.ops.mstar_quant.lanes_i16(torch.randn(most + 1, 192), packed.lanes())
 
 
+def k_quant(type_name: str, rows: int, width: int, seed: int) -> Packed:
+    """Random GGUF blocks of ``type_name`` (Q4_K, Q6_K), packed: float32 scales."""
+    pytest.importorskip("gguf")
+    data = random_blocks(type_name, rows, width, np.random.default_rng(seed))
+    return decode_blocks(type_name, data)
+
+
+def test_float32_scale_lanes_hold_each_weight_and_scale_at_its_place():
+    """With float32 scales the lanes take a third axis, the layout's bytes a
+    group: int4 (Q4_K) 384, the nibbles as with float16 scales, then the
+    16 rows' float32 scales and minimums; int8 (Q6_K) 640, the pairs as
+    with float16 scales, then the rows' scales of columns 0-15, then of
+    16-31. ``from_lanes`` gives the weights back bit for bit, float32."""
+    q4 = k_quant("Q4_K", 48, 512, seed=1)
+    held = q4.lanes()
+    assert held.dtype == torch.uint8 and held.shape == (3, 16, 384)
+    q = q4.values()
+    for row, column in ((0, 0), (17, 37), (47, 511), (30, 300)):
+        block, r, group, k = row // 16, row % 16, column // 32, column % 32
+        octet, half, j = k // 8, k % 8 // 4, k % 4
+        assert (int(held[block, group, 64 * octet + 4 * r + j]) >> 4 * half) & 0x0F == q[
+            row, column
+        ]
+        assert held[block, group, 256:320].view(torch.float32)[r] == q4.scales[row, group]
+        assert held[block, group, 320:].view(torch.float32)[r] == q4.mins[row, group]
+    q6 = k_quant("Q6_K", 32, 256, seed=2)
+    held = q6.lanes()
+    assert held.dtype == torch.int8 and held.shape == (2, 8, 640)
+    for row, column in ((0, 0), (17, 37), (31, 255), (5, 20)):
+        block, r, group, k = row // 16, row % 16, column // 32, column % 32
+        assert held[block, group, 32 * (k // 2) + 2 * r + k % 2] == q6.qweight[row, column]
+        scales = held[block, group, 512:].view(torch.float32).view(2, 16)
+        assert scales[k // 16, r] == q6.scales[row, column // 16]
+    for packed in (q4, q6):
+        back = Packed.from_lanes(packed.kind, packed.lanes())
+        for name in ("qweight", "scales", "mins"):
+            theirs, ours = getattr(packed, name), getattr(back, name)
+            assert (theirs is None and ours is None) or torch.equal(ours, theirs), name
+        assert back.scales.dtype == torch.float32
+    with pytest.raises(ValueError, match="expected int4 lanes"):
+        Packed.from_lanes("int4", q4.lanes()[:, :, :320])
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("shape", [(48, 256), (32, 1536), (464, 768)])
+def test_float32_scale_lanes_kernel_is_its_rounding_of_the_activations(
+    lanes, rows, type_name, shape
+):
+    """Q4_K's and Q6_K's lanes at every row count the lanes take: against
+    the float64 model of the rounding, and within 1e-4 of ``F.linear`` on
+    the dequantized weights (gguf-py's float32 values); non-contiguous
+    activations, a group of zeros and one of denormals; enough weights to
+    share among threads (464 x 768)."""
+    packed = k_quant(type_name, *shape, seed=shape[0])
+    held = packed.lanes()
+    weight = packed.dequantize()
+    g = torch.Generator().manual_seed(5)
+    for count in range(1, rows + 1):
+        x = activations(count, shape[1], g)
+        y = torch.ops.mstar_quant.lanes_i16(x, held)
+        assert y.shape == (count, shape[0]) and y.dtype == torch.float32
+        expected = rounded_reference(x, packed)
+        top = float(expected.abs().max())
+        torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * top)
+        exact = F.linear(x.double(), weight.double())
+        torch.testing.assert_close(y.double(), exact, rtol=0, atol=1e-4 * top)
+    with pytest.raises(RuntimeError, match=r"\[N/16, K/32, 384 or 640\] \(float32\)"):
+        torch.ops.mstar_quant.lanes_i16(torch.randn(1, shape[1]), held[:, :, :-1].contiguous())
+
+
 def test_packed_linear_multiplies_few_rows_on_its_lanes(lanes, rows):
     """With lanes, up to the rows the kernel rounds multiply on them, bit
     for bit the lanes op; past them the int4 weights (or the panels) as
@@ -353,6 +427,24 @@ def test_bfloat16_arithmetic_holds_lanes_where_the_build_has_them(lanes):
     int8 = build_model(0)[1].eval()
     quantize_model(int8, QuantChoice("int8", "as asked", "bfloat16"))
     assert all(m.lanes is not None for m in int8.modules() if isinstance(m, PackedLinear))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_panels_from_float32_scale_lanes_are_the_held_panels_bit_for_bit(lanes, type_name):
+    """Q4_K's and Q6_K's lanes (float32 scales) dequantized a panel at a time
+    (``lanes_bf16``) are ``bf16_panels`` of their weights: the same products
+    bit for bit at every row count; a layer reads its rows back from them."""
+    if bf16_or_why() is not None:
+        pytest.skip(bf16_or_why())
+    packed = k_quant(type_name, 96, 512, seed=6)
+    ops = torch.ops.mstar_quant
+    for rows in (1, 7, BF16_ROWS, 33):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(
+            ops.lanes_bf16(x, packed.lanes()), ops.bf16_linear(x, bf16_panels(packed))
+        )
+    layer = PackedLinear(packed, None, None, True, packed.lanes(), lane_panels=True)
+    assert torch.equal(layer.weight_rows(32, 96), packed.dequantize()[32:96])
 
 
 @pytest.mark.parametrize("quantize", [quantize_int4, quantize_int8])

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf_files import random_blocks as random_k_blocks
 
 from mstar.cpu import build as cpp_build
 from mstar.cpu.quant import QuantChoice, quantize_model, resolve_quantization
@@ -44,6 +45,26 @@ def test_gguf_blocks_decode_as_gguf_dequantizes_bit_for_bit(type_name):
     theirs = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name])
     assert ours.dtype == torch.float32
     assert torch.equal(ours, torch.from_numpy(theirs))
+
+
+@pytest.mark.parametrize(
+    ("type_name", "kind", "per_scale"), [("Q4_K", "int4", 32), ("Q6_K", "int8", 16)]
+)
+def test_k_quant_super_blocks_decode_as_gguf_dequantizes_bit_for_bit(type_name, kind, per_scale):
+    """Q4_K as int4 and Q6_K as int8, float32 scales (and minimums) per
+    sub-block: every bit pattern of the packed six-bit scales (random
+    bytes), three super-blocks a row, several rows."""
+    data = random_k_blocks(type_name, 12, 768, np.random.default_rng(3))
+    packed = decode_blocks(type_name, data)
+    assert packed.kind == kind and packed.scales.dtype == torch.float32
+    assert packed.scales.shape == (12, 768 // per_scale)
+    theirs = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name])
+    assert torch.equal(packed.dequantize(), torch.from_numpy(theirs))
+
+
+def test_decode_blocks_refuses_a_type_it_does_not_pack():
+    with pytest.raises(ValueError, match="expected a GGUF type of Q4_0, Q4_1, Q8_0, Q4_K, Q6_K"):
+        decode_blocks("Q5_K", np.zeros((1, 176), np.uint8))
 
 
 def test_smollm2_file_tensors_decode_bit_for_bit():

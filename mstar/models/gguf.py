@@ -11,7 +11,7 @@ with its parameters on the meta device (accelerate's
 each tensor is read once:
 
 - a linear layer's weights of a type the kernels take exactly (Q4_0, Q4_1,
-  Q8_0) stay packed as they stand (``mstar.cpu.quant.gguf.decode_blocks``):
+  Q8_0, Q4_K, Q6_K) stay packed as they stand (``mstar.cpu.quant.gguf.decode_blocks``):
   their module keeps a meta weight until ``quantize_model`` swaps it for a
   ``PackedLinear``;
 - with ``pack``, the token embedding (a plain ``nn.Embedding``) of any
@@ -39,7 +39,7 @@ import torch
 
 from mstar.cpu.cachedir import cached, file_key
 from mstar.cpu.quant.embedding import QuantizedEmbedding
-from mstar.cpu.quant.gguf import BLOCK_BYTES, decode_blocks
+from mstar.cpu.quant.gguf import PACKED_TYPES, decode_blocks
 from mstar.cpu.quant.packed import Packed
 
 __all__ = ["GGUFWeights", "gguf_folder", "load_gguf"]
@@ -171,7 +171,7 @@ def _tie_head(model: Any, weights: GGUFWeights, skip: frozenset[str]) -> None:
         return
     type_name = embedding.type_name
     packed = None
-    if type_name in BLOCK_BYTES:
+    if type_name in PACKED_TYPES:
         packed = decode_blocks(type_name, embedding.blocks.numpy())
     weights[name] = (packed, type_name)
     if packed is None:
@@ -203,7 +203,7 @@ def _tensors(
             blocks = torch.from_numpy(data.view(np.uint8)[order])  # its own memory
             yield name, type_name, QuantizedEmbedding(blocks, type_name)
             continue
-        if pack and type_name in BLOCK_BYTES:
+        if pack and type_name in PACKED_TYPES:
             order = torch.from_numpy(_row_order(processor, entry["name"], shape[0]))
             yield name, type_name, decode_blocks(type_name, data).rows(order)
             continue

@@ -16,8 +16,10 @@
 // post-attention norm weight, gate/up, down, each linear as (qweight, scales, mins):
 // qweight uint8 for int4 (mins its float16 minimums), int8 for int8 (mins empty),
 // bfloat16 panels [N/32, K/2, 32, 2] for bf16 (scales and mins empty); int4 or int8 weights
-// laid out as lanes (lanes.h: uint8 [N/16, K/32 * 320] or int8 [N/16, K/32 * 544])
-// with scales and mins empty;
+// laid out as lanes (lanes.h: uint8 [N/16, K/32 * 320] or int8 [N/16, K/32 * 544]; with
+// float32 scales [N/16, K/32, 384 or 640]) with scales and mins empty; or up to three such
+// lanes of different layouts in its three slots (the rest empty), their outputs side by side
+// (fused_linear.py's `SideBySide`: a Q4_K_M file's q/k int4 and v int8);
 // int16_activations: they take their activations rounded to int16 (int4/int8_linear_i16).
 // caches: per layer its KV tensor [P, 2, S, H_kv, D] (float32 or bfloat16); the rest as
 // layer_ops' attention's.
@@ -28,12 +30,20 @@ namespace {
 
 constexpr int64_t LAYER_TENSORS = 14;
 
+// Whether t holds lanes (uint8 or int8: lanes.h's layouts), not scales.
+bool holds_lanes(const at::Tensor& t) {
+  return t.scalar_type() == at::kByte || t.scalar_type() == at::kChar;
+}
+
 // One linear layer of the stack (its tensors at w: qweight, scales, mins; or bfloat16 panels
-// or lanes, scales empty), N x K, checked by `stack_linear` before the step runs.
+// or lanes, scales empty; or `parts` lanes side by side, each of `rows[i]` output rows), N x K,
+// checked by `stack_linear` before the step runs.
 struct StackLinear {
   const at::Tensor* w;
   int64_t N, K;
   bool int16_activations;
+  int parts = 0;                // lanes tensors side by side (0: not lanes)
+  int64_t rows[3] = {0, 0, 0};  // each one's output rows
 
   // y [M, N] = x [M, K] @ W.T, packed_linear's kernels.
   void operator()(const float* x, int64_t M, float* y) const {
@@ -41,8 +51,9 @@ struct StackLinear {
 #if defined(__AVX512BF16__)
       bf16_rows(x, M, K, reinterpret_cast<const uint16_t*>(w[0].data_ptr()), w[0].size(0), y);
 #endif
-    } else if (w[1].numel() == 0) {
-      multiply_lanes(w[0], N, K, x, M, y);
+    } else if (parts > 0) {
+      int64_t at = 0;  // the part's first output column
+      for (int i = 0; i < parts; at += rows[i], ++i) multiply_lanes(w[i], rows[i], K, x, M, y + at, N);
     } else if (w[0].scalar_type() == at::kByte) {
       linear_rows(int4_weights(w[0], w[1], w[2]), x, M, N, K, int16_activations, y);
     } else {
@@ -53,19 +64,27 @@ struct StackLinear {
 
 // The linear layer at w for M rows of activations of width K, checked as its op checks it.
 StackLinear stack_linear(const at::Tensor* w, int64_t K, int64_t M, bool int16_activations) {
-  int64_t N = 0, held = K;  // held: the width the weights take
+  StackLinear linear{w, 0, K, int16_activations};
+  int64_t held = K;  // held: the width the weights take
   if (w[0].scalar_type() == at::kBFloat16) {
-    N = panels_rows(w[0], K);
-  } else if (w[1].numel() == 0) {
-    std::tie(N, held) = lanes_shape(w[0]);
+    linear.N = panels_rows(w[0], K);
+  } else if (w[1].numel() == 0 || holds_lanes(w[1])) {
     check_lane_rows(M);
+    for (; linear.parts < 3 && w[linear.parts].numel() > 0; ++linear.parts) {
+      TORCH_CHECK(holds_lanes(w[linear.parts]), "expected lanes side by side, got ", w[linear.parts].scalar_type());
+      int64_t n = 0;
+      std::tie(n, held) = lanes_shape(w[linear.parts]);
+      check_shape(n, held, K);
+      linear.rows[linear.parts] = n;
+      linear.N += n;
+    }
   } else if (w[0].scalar_type() == at::kByte) {
-    N = w[0].size(0), held = int4_weights(w[0], w[1], w[2]).K;
+    linear.N = w[0].size(0), held = int4_weights(w[0], w[1], w[2]).K;
   } else {
-    N = w[0].size(0), held = int8_weights(w[0], w[1]).K;
+    linear.N = w[0].size(0), held = int8_weights(w[0], w[1]).K;
   }
-  check_shape(N, held, K);
-  return {w, N, K, int16_activations};
+  check_shape(linear.N, held, K);
+  return linear;
 }
 
 // A norm weight of width n.

@@ -38,6 +38,8 @@
 // (lanes.h, AVX512-VNNI builds: `lanes_rows()` rows, int8's too); `lanes_bf16` any row
 // count of them in bfloat16, each 32-row panel dequantized from the lanes as it is reached
 // (lane_panels.h, AVX512-BF16 builds): `bf16_linear` on the panels it would hold, bit for bit.
+// The lanes' scales are float16 or float32 (GGUF's Q4_K and Q6_K: int4 groups of 32, int8 a
+// scale per 16 columns), which only the lanes take.
 //
 // The parts, in csrc/: common.h, team.h, formats.h, gemv.h, i16_gemv.h, lanes.h, panels.h,
 // bf16_panels.h, lane_panels.h.
@@ -151,27 +153,33 @@ void check_lane_rows(int64_t M) {
   TORCH_CHECK(M <= lane_rows(), "expected at most ", lane_rows(), " activation rows for lanes, got ", M);
 }
 
-// N and K of int4 (uint8) or int8 (int8) weights laid out as `lanes` ([N/16, K/32 * 320]
-// and [N/16, K/32 * 544]: lanes.h), checked.
+// N and K of int4 (uint8) or int8 (int8) weights laid out as `lanes`, checked: float16
+// scales [N/16, K/32 * 320] and [N/16, K/32 * 544], float32 scales [N/16, K/32, 384] and
+// [N/16, K/32, 640] (lanes.h).
 std::pair<int64_t, int64_t> lanes_shape(const at::Tensor& lanes) {
   TORCH_CHECK(lane_rows() > 0, "lanes need a build with AVX512-VNNI (lanes_rows() is 0 here)");
-  const bool int4 = lanes.scalar_type() == at::kByte;
-  const int64_t bytes = int4 ? LANE_GROUP_BYTES : LANE_INT8_BYTES;
-  TORCH_CHECK((int4 || lanes.scalar_type() == at::kChar) && lanes.dim() == 2 && lanes.is_contiguous() &&
-                  lanes.size(1) % bytes == 0,
-              "expected contiguous uint8 (int4) or int8 lanes [N/16, K/32 * 320 or 544], got ",
-              lanes.scalar_type(), " ", lanes.sizes());
-  return {lanes.size(0) * LANE_ROWS, lanes.size(1) / bytes * 32};
+  const bool int4 = lanes.scalar_type() == at::kByte, f32 = lanes.dim() == 3;
+  const int64_t bytes = f32 ? (int4 ? LANE_F32_BYTES : LANE_INT8_F32_BYTES) : (int4 ? LANE_GROUP_BYTES : LANE_INT8_BYTES);
+  TORCH_CHECK((int4 || lanes.scalar_type() == at::kChar) && lanes.is_contiguous() &&
+                  (f32 ? lanes.size(2) == bytes : lanes.dim() == 2 && lanes.size(1) % bytes == 0),
+              "expected contiguous uint8 (int4) or int8 lanes [N/16, K/32 * 320 or 544] (float16 scales) or"
+              " [N/16, K/32, 384 or 640] (float32), got ", lanes.scalar_type(), " ", lanes.sizes());
+  return {lanes.size(0) * LANE_ROWS, (f32 ? lanes.size(1) : lanes.size(1) / bytes) * 32};
 }
 
 // y [M, N] = x [M, K] @ W.T for M <= lanes_rows() rows of x (contiguous float32) rounded to
-// int16, W int4 or int8 `lanes` of N x K (`lanes_shape`). No tensors: for decode_layers.cpp.
-void multiply_lanes(const at::Tensor& lanes, int64_t N, int64_t K, const float* x, int64_t M, float* y) {
-  const bool int4 = lanes.scalar_type() == at::kByte;
+// int16, W int4 or int8 `lanes` of N x K (`lanes_shape`); y's rows `ldy` apart (0: N). No
+// tensors: for decode_layers.cpp.
+void multiply_lanes(const at::Tensor& lanes, int64_t N, int64_t K, const float* x, int64_t M, float* y,
+                    int64_t ldy = 0) {
+  const bool int4 = lanes.scalar_type() == at::kByte, f32 = lanes.dim() == 3;
   check_lane_rows(M);
 #if defined(__AVX512VNNI__)
-  if (int4) lanes_i16(lanes.data_ptr<uint8_t>(), x, M, N, K, y);
-  else lanes_i16(lanes.data_ptr<int8_t>(), x, M, N, K, y);
+  ldy = ldy ? ldy : N;
+  if (int4 && f32) lanes_i16<uint8_t, true>(lanes.data_ptr<uint8_t>(), x, M, N, K, y, ldy);
+  else if (int4) lanes_i16<uint8_t, false>(lanes.data_ptr<uint8_t>(), x, M, N, K, y, ldy);
+  else if (f32) lanes_i16<int8_t, true>(lanes.data_ptr<int8_t>(), x, M, N, K, y, ldy);
+  else lanes_i16<int8_t, false>(lanes.data_ptr<int8_t>(), x, M, N, K, y, ldy);
 #endif
 }
 
@@ -197,10 +205,13 @@ at::Tensor lanes_bf16_linear(const at::Tensor& x_in, const at::Tensor& lanes) {
   const at::Tensor x = x_in.reshape({-1, K}).contiguous();
   at::Tensor y = at::empty({x.size(0), N}, x.options());
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-  if (lanes.scalar_type() == at::kByte)
-    lanes_bf16_rows(lanes.data_ptr<uint8_t>(), x.data_ptr<float>(), x.size(0), N, K, y.data_ptr<float>());
-  else
-    lanes_bf16_rows(lanes.data_ptr<int8_t>(), x.data_ptr<float>(), x.size(0), N, K, y.data_ptr<float>());
+  const bool int4 = lanes.scalar_type() == at::kByte, f32 = lanes.dim() == 3;
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (int4 && f32) lanes_bf16_rows<uint8_t, true>(lanes.data_ptr<uint8_t>(), xp, x.size(0), N, K, yp);
+  else if (int4) lanes_bf16_rows<uint8_t, false>(lanes.data_ptr<uint8_t>(), xp, x.size(0), N, K, yp);
+  else if (f32) lanes_bf16_rows<int8_t, true>(lanes.data_ptr<int8_t>(), xp, x.size(0), N, K, yp);
+  else lanes_bf16_rows<int8_t, false>(lanes.data_ptr<int8_t>(), xp, x.size(0), N, K, yp);
 #else
   TORCH_CHECK(false, "the kernels were built without AVX512-BF16 (this CPU's flags lack it)");
 #endif

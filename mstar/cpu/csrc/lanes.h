@@ -22,6 +22,13 @@
 // float16 scales (a scale per 32 columns, repeated where the groups are wider). Each pair
 // widened to 16 bits (`vpmovsxbw`) and dotted with the int16 activations (`vpdpwssd`): two
 // instructions per 32 weights, where `streamed_i16`'s AVX2 head takes ~10 per 32 a row.
+//
+// Float32 scales (GGUF's K-quants, packed.py's third lanes axis): int4 [N/16, G, 384], the
+// 16 rows' float32 scales and minimums in place of the float16 ones (Q4_K's d * sc and
+// -dmin * m); int8 [N/16, G, 640], after the 512 weights' bytes the rows' float32 scales of
+// columns 0-15, then of columns 16-31 (Q6_K's d * scale, a scale per 16 columns): the pairs'
+// dot products summed in two chains, pairs 0-7 and 8-15, each times its own scale. The same
+// loops, templated on the scales' type (`F32`).
 #pragma once
 
 #include "i16_gemv.h"
@@ -31,6 +38,15 @@ namespace {
 constexpr int64_t LANE_ROWS = 16;          // weight rows a block
 constexpr int64_t LANE_GROUP_BYTES = 320;  // a block's bytes a group: 256 nibbles, 32 scales, 32 minimums
 constexpr int64_t LANE_INT8_BYTES = 544;   // int8: 512 weights' bytes, 32 scales
+constexpr int64_t LANE_F32_BYTES = 384;    // int4, float32 scales: 256 nibbles, 64 scales, 64 minimums
+constexpr int64_t LANE_INT8_F32_BYTES = 640;  // int8, float32 scales: 512 weights' bytes, 2 x 64 scales
+
+// A block's bytes a group of 32 columns: int4 (uint8) or int8 weights, float16 or float32 scales.
+template <typename T, bool F32>
+constexpr int64_t lane_bytes() {
+  if constexpr (std::is_same_v<T, uint8_t>) return F32 ? LANE_F32_BYTES : LANE_GROUP_BYTES;
+  else return F32 ? LANE_INT8_F32_BYTES : LANE_INT8_BYTES;
+}
 
 #if defined(__AVX512VNNI__)
 
@@ -68,6 +84,13 @@ inline void ask_ahead(const void* p, int64_t bytes) {
     _mm_prefetch(static_cast<const char*>(p) + LANES_AHEAD + line, _MM_HINT_T0);
 }
 
+// The 16 rows' scales (or minimums) at p as float32: float32 (`F32`) or float16.
+template <bool F32>
+inline __m512 lane_floats(const void* p) {
+  if constexpr (F32) return _mm512_loadu_ps(p);
+  else return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
+}
+
 // Four bytes at p as one 32-bit value in every lane.
 inline __m512i quad(const void* p) {
   int32_t v;
@@ -75,19 +98,20 @@ inline __m512i quad(const void* p) {
   return _mm512_set1_epi32(v);
 }
 
-// y[m0 + i, 16 b .. 16 b + 16) for activation rows m0..m0+ROWS-1: per block, per group, the
-// four octets' nibbles dotted with each row's high and low bytes (four 32-bit sums a row,
-// two chains each side), joined as 256 high + low, made float32, times weight scale x
-// activation scale, plus minimum x the activations' sum.
-template <int ROWS>
-void lanes_gemv(const uint8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, float* y, int64_t N) {
+// y[m0 + i, 16 b .. 16 b + 16) (y's rows ldy apart) for activation rows m0..m0+ROWS-1: per
+// block, per group, the four octets' nibbles dotted with each row's high and low bytes (four
+// 32-bit sums a row, two chains each side), joined as 256 high + low, made float32, times
+// weight scale x activation scale, plus minimum x the activations' sum.
+template <int ROWS, bool F32>
+void lanes_gemv(const uint8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, float* y, int64_t ldy) {
+  constexpr int64_t BYTES = lane_bytes<uint8_t, F32>();
   const int64_t G = x.G, K = x.K;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const uint8_t* p = lanes + b * G * LANE_GROUP_BYTES;
+  const uint8_t* p = lanes + b * G * BYTES;
   __m512 acc[ROWS];
   for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g, p += LANE_GROUP_BYTES) {
-    ask_ahead(p, LANE_GROUP_BYTES);
+  for (int64_t g = 0; g < G; ++g, p += BYTES) {
+    ask_ahead(p, BYTES);
     __m512i hi[ROWS][2], lo[ROWS][2];
     for (int m = 0; m < ROWS; ++m) hi[m][0] = hi[m][1] = lo[m][0] = lo[m][1] = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -104,8 +128,8 @@ void lanes_gemv(const uint8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, 
         lo[m][1] = _mm512_dpbusd_epi32(lo[m][1], quad(&x.low[at + 4]), second);
       }
     }
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256)));
-    const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 288)));
+    const __m512 scale = lane_floats<F32>(p + 256);
+    const __m512 min = lane_floats<F32>(p + 256 + (F32 ? 64 : 32));
 #pragma GCC unroll 4
     for (int m = 0; m < ROWS; ++m) {
       const int64_t at = (m0 + m) * G + g;
@@ -116,44 +140,56 @@ void lanes_gemv(const uint8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, 
                                acc[m]);
     }
   }
-  for (int m = 0; m < ROWS; ++m) _mm512_storeu_ps(y + (m0 + m) * N + b * LANE_ROWS, acc[m]);
+  for (int m = 0; m < ROWS; ++m) _mm512_storeu_ps(y + (m0 + m) * ldy + b * LANE_ROWS, acc[m]);
 }
 
 // y[m0 + i, 16 b .. 16 b + 16) for activation rows m0..m0+ROWS-1 and int8 lanes: per
 // block, per group, each pair of columns widened and dotted with each row's int16 pair (two
-// chains a row), made float32, times weight scale x activation scale.
-template <int ROWS>
-void lanes8_gemv(const int8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, float* y, int64_t N) {
+// chains a row: pairs even and odd, or with float32 scales pairs 0-7 and 8-15), made
+// float32, times weight scale x activation scale (float32: each chain its own scale).
+template <int ROWS, bool F32>
+void lanes8_gemv(const int8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, float* y, int64_t ldy) {
+  constexpr int64_t BYTES = lane_bytes<int8_t, F32>();
   const int64_t G = x.G, K = x.K;
-  const int8_t* p = lanes + b * G * LANE_INT8_BYTES;
+  const int8_t* p = lanes + b * G * BYTES;
   __m512 acc[ROWS];
   for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g, p += LANE_INT8_BYTES) {
-    ask_ahead(p, LANE_INT8_BYTES);
+  for (int64_t g = 0; g < G; ++g, p += BYTES) {
+    ask_ahead(p, BYTES);
     __m512i dot[ROWS][2];
     for (int m = 0; m < ROWS; ++m) dot[m][0] = dot[m][1] = _mm512_setzero_si512();
 #pragma GCC unroll 16
     for (int pair = 0; pair < 16; ++pair) {
       const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * pair)));
+      const int chain = F32 ? pair / 8 : pair % 2;
 #pragma GCC unroll 4
       for (int m = 0; m < ROWS; ++m)
-        dot[m][pair % 2] = _mm512_dpwssd_epi32(dot[m][pair % 2], w, quad(&x.q[(m0 + m) * K + g * 32 + 2 * pair]));
+        dot[m][chain] = _mm512_dpwssd_epi32(dot[m][chain], w, quad(&x.q[(m0 + m) * K + g * 32 + 2 * pair]));
     }
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 512)));
+    const __m512 scale = lane_floats<F32>(p + 512);
+    const __m512 second = F32 ? lane_floats<F32>(p + 576) : scale;  // float32: columns 16-31's
 #pragma GCC unroll 4
-    for (int m = 0; m < ROWS; ++m)
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot[m][0], dot[m][1])),
-                               _mm512_mul_ps(scale, _mm512_set1_ps(x.scales[(m0 + m) * G + g])), acc[m]);
+    for (int m = 0; m < ROWS; ++m) {
+      const __m512 rows_scale = _mm512_set1_ps(x.scales[(m0 + m) * G + g]);
+      if constexpr (F32) {
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][0]), _mm512_mul_ps(scale, rows_scale), acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][1]), _mm512_mul_ps(second, rows_scale), acc[m]);
+      } else {
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot[m][0], dot[m][1])),
+                                 _mm512_mul_ps(scale, rows_scale), acc[m]);
+      }
+    }
   }
-  for (int m = 0; m < ROWS; ++m) _mm512_storeu_ps(y + (m0 + m) * N + b * LANE_ROWS, acc[m]);
+  for (int m = 0; m < ROWS; ++m) _mm512_storeu_ps(y + (m0 + m) * ldy + b * LANE_ROWS, acc[m]);
 }
 
 // y = x @ W.T for M <= I16_ROWS rows of x [M, K] and int4 (uint8 `lanes`) or int8 (int8
-// `lanes`) weights W [N, K], the activations rounded to int16 first; blocks of 16 rows handed
-// out as `stream_piece` hands out rows, each block's weights read once from memory (a pass of
-// up to LANE_PASS rows at a time, the rest from cache).
-template <typename T>
-void lanes_i16(const T* lanes, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
+// `lanes`) weights W [N, K] of float16 or float32 (`F32`) scales, the activations rounded to
+// int16 first, y's rows ldy apart; blocks of 16 rows handed out as `stream_piece` hands out
+// rows, each block's weights read once from memory (a pass of up to LANE_PASS rows at a time,
+// the rest from cache).
+template <typename T, bool F32>
+void lanes_i16(const T* lanes, const float* x, int64_t M, int64_t N, int64_t K, float* y, int64_t ldy) {
   const LaneRows xq(x, M, K);
   const int64_t blocks = N / LANE_ROWS;
   const int64_t piece = std::max<int64_t>(1, stream_piece(N, K) / LANE_ROWS);
@@ -161,8 +197,8 @@ void lanes_i16(const T* lanes, const float* x, int64_t M, int64_t N, int64_t K, 
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t m0 = 0; m0 < M; m0 += LANE_PASS)
         with_rows<LANE_PASS>(std::min(LANE_PASS, M - m0), [&](auto rows) {
-          if constexpr (std::is_same_v<T, uint8_t>) lanes_gemv<rows()>(lanes, xq, m0, b, y, N);
-          else lanes8_gemv<rows()>(lanes, xq, m0, b, y, N);
+          if constexpr (std::is_same_v<T, uint8_t>) lanes_gemv<rows(), F32>(lanes, xq, m0, b, y, ldy);
+          else lanes8_gemv<rows(), F32>(lanes, xq, m0, b, y, ldy);
         });
   });
 }

@@ -2,8 +2,13 @@
 
 - ``gguf``: a GGUF file's own quantized tensors, served as they stand where
   a kernel takes them exactly (Q4_0/Q4_1 -> int4 groups of 32, Q8_0 -> int8
-  groups of 32: ``mstar.cpu.quant.gguf``); the linear layers of other
-  types (Q4_K, Q6_K, F16, ...) as bfloat16 panels of their float32
+  groups of 32: ``mstar.cpu.quant.gguf``); Q4_K -> int4 and Q6_K -> int8 of
+  float32 scales, which only the lanes take (few rows, on activations
+  rounded to int16 whatever the arithmetic, with bfloat16 panels of the
+  same weights for more: CPUs with AVX512-BF16 and -VNNI, rows a multiple
+  of 32), else dequantized as the other types are, the description saying
+  why; the linear layers of other
+  types (Q5_K, F16, ...) as bfloat16 panels of their float32
   dequantization where the CPU has AVX512-BF16 (as ``bf16`` below), else
   float32; the description counts them per type, and says why float32.
 - ``int8`` / ``int4``: the float weights quantized at load (int8 per output
@@ -167,18 +172,20 @@ def quantize_model(
     why = kernel_or_why()
     rounded = why is None and choice.arithmetic == "bfloat16"
     panels = rounded and bf16_or_why() is None
+    off_lanes = {} if why else _off_lanes(model, layers, packed, dequantized)
     kinds: dict[str, tuple[str, str]] = {}  # each packed layer's kind and source type
     for name in list(packed):  # each read form dropped once its layer holds what it keeps
         weights, type_name = packed.pop(name)
-        _swap(model, name, weights, use_kernel=why is None, panels=panels, int16=rounded)
+        wide = weights.scales.dtype == torch.float32  # lanes and panels alone, whatever the dtype
+        _swap(model, name, weights, why is None, panels=panels or wide, int16=rounded or wide)
         kinds[name] = (weights.kind, type_name)
     panelled, kept = _dequantized_as_panels(model, layers, dequantized)
     gather(model)  # each kind of the packed tensors in one allocation, in the step's order
-    summary = _summary(choice, kinds, unpacked, panelled, kept)
+    summary = _summary(choice, kinds, unpacked, panelled, kept, off_lanes)
     if why is not None:
         summary += f"; run as float32 (dequantized): {why}"
-    elif rounded and kinds:
-        summary += f"; {_rounded_summary(model, kinds)}"
+    elif int16 := {n: k for n, k in kinds.items() if model.get_submodule(n).int16_activations}:
+        summary += f"; {_rounded_summary(model, int16)}"
     model.mstar_quantization = summary
     return summary
 
@@ -244,6 +251,37 @@ def _gguf_layers(
             mod.weight = torch.nn.Parameter(weight.dequantize(), requires_grad=False)
         unpacked[name] = type_name
     return packed, dequantized, unpacked
+
+
+def _off_lanes(
+    model: Any,
+    layers: dict[str, torch.nn.Linear],
+    packed: dict[str, tuple[Packed, str]],
+    dequantized: dict[str, str],
+) -> dict[str, tuple[str, str]]:
+    """The packed weights of float32 scales (GGUF's K-quants), which only
+    the lanes' kernels take (few rows, on activations rounded to int16) with
+    bfloat16 panels beside them (more rows), moved from ``packed`` to
+    ``dequantized`` where those cannot serve them (the kernels run):
+    ``{name: (type, why)}``."""
+    no_panels = bf16_or_why()
+    moved = {}
+    for name, (weights, type_name) in list(packed.items()):
+        if weights.scales.dtype != torch.float32:
+            continue
+        if no_panels is not None:
+            why = no_panels
+        elif weights.shape[0] % PANEL:
+            why = f"rows not a multiple of {PANEL}"
+        else:
+            continue
+        del packed[name]
+        mod = layers[name]
+        if mod.weight.is_meta:
+            mod.weight = torch.nn.Parameter(weights.dequantize(), requires_grad=False)
+        dequantized[name] = type_name
+        moved[name] = (type_name, why)
+    return moved
 
 
 def _dequantized_as_panels(
@@ -316,9 +354,11 @@ def _summary(
     unpacked: dict[str, str],
     panelled: dict[str, str] | None = None,
     kept: dict[str, tuple[str, str]] | None = None,
+    off_lanes: dict[str, tuple[str, str]] | None = None,
 ) -> str:
     """The description: layers per packed kind (and GGUF type), per GGUF
-    type on bfloat16 panels or kept float32 (with why), and the layers no
+    type on bfloat16 panels or kept float32 (with why), why the types of
+    float32 scales are not on lanes (``off_lanes``), and the layers no
     packing took, named."""
     counts: Counter[str] = Counter()
     for kind, type_name in packed.values():
@@ -332,6 +372,12 @@ def _summary(
     for why, types in by_why.items():
         listed = ", ".join(_layers(n, f"float32 ({t} dequantized)") for t, n in types.items())
         parts.append(f"{listed}: {why}")
+    off: dict[str, list[str]] = {}
+    for type_name, why in (off_lanes or {}).values():
+        if type_name not in off.setdefault(why, []):
+            off[why].append(type_name)
+    for why, types in off.items():
+        parts.append(f"{', '.join(types)} dequantized, not on int4/int8 lanes: {why}")
     if unpacked:
         listed = ", ".join(f"{name} ({t})" for name, t in unpacked.items())
         parts.append(f"float32 (dequantized): {listed}")

@@ -3,7 +3,13 @@
 Q4_0 and Q4_1 blocks (a float16 scale ``d``, Q4_1 also a float16 min ``m``,
 and 32 four-bit values) are int4 groups of 32 as they stand: scale ``d``,
 min ``m`` (Q4_0: ``-8 d``, exact in float16); Q8_0 blocks (``d`` and 32
-int8 values) are int8 groups of 32. Every other type is not packed here
+int8 values) are int8 groups of 32. The K-quants' super-blocks of 256 take
+float32 scales: Q4_K (float16 ``d`` and ``dmin``, 6-bit ``sc`` and ``m`` per
+sub-block of 32, 4-bit values) is int4 groups of 32 of scale ``d * sc`` and
+min ``-dmin * m``; Q6_K (int8 ``scale`` per sub-block of 16, float16 ``d``,
+6-bit values ``q``) is int8 ``q - 32`` of scale ``d * scale`` per 16
+columns; each product exact in float32, so ``Packed.dequantize`` is gguf-py's
+float32 dequantization. Every other type is not packed here
 (``quantize_model`` serves its float32 dequantization as bfloat16 panels
 where it can); ``mstar.models.gguf`` reads the file and maps its tensors,
 rows in the Hugging Face model's order, to the model.
@@ -14,25 +20,73 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mstar.cpu.quant.packed import Packed
+from mstar.cpu.quant.packed import GROUP, Packed, pack_int4
 
 # bytes of one block of 32 weights
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# bytes of one super-block of 256 weights
+SUPER_BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
+PACKED_TYPES = (*BLOCK_BYTES, *SUPER_BLOCK_BYTES)  # the types ``decode_blocks`` takes
 
 
 def decode_blocks(type_name: str, data: np.ndarray) -> Packed:
     """The rows of raw blocks ``data`` (uint8 ``[N, blocks * bytes]``) of a
-    Q4_0/Q4_1/Q8_0 tensor, packed."""
+    tensor of one of ``PACKED_TYPES``, packed; ``ValueError`` for another type."""
+    if type_name not in PACKED_TYPES:
+        raise ValueError(f"expected a GGUF type of {', '.join(PACKED_TYPES)}, got {type_name}")
     rows = data.shape[0]
-    blocks = torch.from_numpy(np.array(data, copy=True)).view(rows, -1, BLOCK_BYTES[type_name])
-    scales = blocks[:, :, 0:2].contiguous().view(torch.float16).view(rows, -1)
+    size = BLOCK_BYTES.get(type_name) or SUPER_BLOCK_BYTES[type_name]
+    blocks = torch.from_numpy(np.array(data, copy=True)).view(rows, -1, size)
+    if type_name == "Q4_K":
+        return _q4_k(blocks)
+    if type_name == "Q6_K":
+        return _q6_k(blocks)
+    scales = _halves(blocks, 0)
     if type_name == "Q8_0":
         qweight = blocks[:, :, 2:].contiguous().view(torch.int8).view(rows, -1)
         return Packed("int8", qweight, scales.contiguous())
     if type_name == "Q4_1":
-        mins = blocks[:, :, 2:4].contiguous().view(torch.float16).view(rows, -1)
+        mins = _halves(blocks, 2)
         qs = blocks[:, :, 4:]
     else:
         mins = scales * -8
         qs = blocks[:, :, 2:]
     return Packed("int4", qs.reshape(rows, -1).contiguous(), scales.contiguous(), mins.contiguous())
+
+
+def _halves(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """Each block's float16 at byte ``at``: ``[rows, blocks]``."""
+    return blocks[:, :, at : at + 2].contiguous().view(torch.float16).view(blocks.shape[:2])
+
+
+def _q4_k(blocks: torch.Tensor) -> Packed:
+    """Q4_K super-blocks ``[rows, S, 144]``: ``d``, ``dmin``, 12 bytes of
+    six-bit ``sc`` and ``m`` (8 each), and 128 bytes of nibbles, 32 bytes
+    a pair of sub-blocks (the first's values low, the second's high)."""
+    rows, count = blocks.shape[:2]
+    d, dmin = _halves(blocks, 0).float(), _halves(blocks, 2).float()
+    low, high, rest = blocks[:, :, 4:16].view(rows, count, 3, 4).unbind(2)
+    sc = torch.cat([low & 0x3F, (rest & 0x0F) | ((low >> 2) & 0x30)], dim=2)
+    m = torch.cat([high & 0x3F, (rest >> 4) | ((high >> 2) & 0x30)], dim=2)
+    scales = (d[..., None] * sc.float()).view(rows, -1)
+    mins = -(dmin[..., None] * m.float()).view(rows, -1)
+    pairs = blocks[:, :, 16:].reshape(rows, count, 4, 1, GROUP)
+    q = torch.cat([pairs & 0x0F, pairs >> 4], dim=3)  # [rows, S, pair, sub-block, 32]
+    return pack_int4(q.view(rows, -1), scales, mins, torch.float32)
+
+
+def _q6_k(blocks: torch.Tensor) -> Packed:
+    """Q6_K super-blocks ``[rows, S, 210]``: 128 bytes of low nibbles (byte
+    ``64 h + l``: weight ``128 h + l`` low, ``128 h + 64 + l`` high), 64 of
+    high bit pairs (byte ``32 h + l``, pair ``s``: weight ``128 h + 32 s +
+    l``), 16 int8 scales, ``d``."""
+    rows, count = blocks.shape[:2]
+    ql = blocks[:, :, :128].reshape(rows, count, 2, 1, 64)
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=3).view(rows, count, 256)
+    qh = blocks[:, :, 128:192].reshape(rows, count, 2, 1, 32)
+    high = torch.cat([(qh >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=3)
+    q = (low | (high.view(rows, count, 256) << 4)).view(torch.int8) - 32
+    scale = blocks[:, :, 192:208].contiguous().view(torch.int8).float()
+    d = _halves(blocks, 208).float()
+    scales = (d[..., None] * scale).view(rows, -1)
+    return Packed("int8", q.view(rows, -1).contiguous(), scales.contiguous())

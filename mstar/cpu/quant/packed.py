@@ -3,9 +3,11 @@
 ``int4``: ``qweight`` uint8 ``[N, K/2]`` in GGUF's Q4 block order (in each
 group of 32 weights, byte ``j`` holds weight ``j`` in its low nibble and
 weight ``j + 16`` in its high one), ``scales`` and ``mins`` float16
-``[N, K/32]``: ``w = q * scale + min``.
+``[N, K/32]``: ``w = q * scale + min``; or float32 (GGUF's Q4_K: its
+sub-block scales ``d * sc`` and minimums ``-dmin * m``, exact in float32).
 ``int8``: ``qweight`` int8 ``[N, K]``, ``scales`` float16 ``[N, K/G]``:
-``w = q * scale`` (``G = 32`` for GGUF's Q8_0, ``K`` per channel).
+``w = q * scale`` (``G = 32`` for GGUF's Q8_0, ``K`` per channel); or
+float32 (GGUF's Q6_K: ``G = 16``, ``d * scale`` exact in float32).
 bfloat16 panels (``panels``): float weights rounded to bfloat16,
 ``[N/32, K/2, 32, 2]``: 32 rows a panel, each a run of k pairs, each pair's
 32 rows side by side (``panels[p, j, r, i] = w[32p + r, 2j + i]``); held
@@ -14,8 +16,10 @@ the weights themselves: ``bf16``, ``qweight`` the panels, no scales
 (``pack_bf16``: a float model's linear layers on CPUs with AVX512-BF16).
 lanes (``Packed.lanes``): the same int4 or int8 weights, scales (and
 minimums) 16 rows to a vector's lanes, as ``cpp/lanes.h``'s kernels stream
-them (int4: uint8 ``[N/16, K/32 * 320]``; int8: int8 ``[N/16, K/32 * 544]``);
-held beside the packed weights for few rows.
+them: with float16 scales int4 uint8 ``[N/16, K/32 * 320]``, int8 int8
+``[N/16, K/32 * 544]``; with float32 scales (the K-quants) a third axis
+names the layout, int4 ``[N/16, K/32, 384]``, int8 (a scale per 16
+columns) ``[N/16, K/32, 640]``; held beside the packed weights for few rows.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ GROUP = 32
 PANEL = 32  # weight rows per bfloat16 panel
 LANES = 16  # weight rows per block of lanes
 LANE_BYTES = {"int4": 320, "int8": 544}  # a block's bytes a group of 32 columns (cpp/lanes.h)
+LANE_BYTES_F32 = {"int4": 384, "int8": 640}  # the same with float32 scales (and minimums)
 
 
 @dataclass(frozen=True)
@@ -71,10 +76,12 @@ class Packed:
         block of 16 rows and group of 32 columns, int4 (uint8): four 64-byte
         octets (octet ``o``'s 4-byte lane ``r``: row ``r``'s weights
         ``8o..8o+3`` in the low nibbles, ``8o+4..8o+7`` in the high ones),
-        the 16 rows' float16 scales, then their minimums; int8: 16 pairs of
+        the 16 rows' scales, then their minimums; int8: 16 pairs of
         columns, 32 bytes each (row ``r``'s pair at bytes ``2r, 2r+1``), then
-        the rows' float16 scales, one per 32 columns. ``ValueError`` for bf16
-        or rows not a multiple of 16."""
+        the rows' scales, one per 32 columns (float16) or, float32, the 16
+        rows' scales of columns 0-15, then of columns 16-31. Scales keep
+        their dtype. ``ValueError`` for bf16, rows not a multiple of 16, or
+        float32 int8 scales not a whole number per 16 columns."""
         rows, width = self.shape
         if self.kind == "bf16" or rows % LANES:
             raise ValueError(
@@ -82,6 +89,7 @@ class Packed:
                 f" {self.kind} of {rows} rows"
             )
         blocks, groups = rows // LANES, width // GROUP
+        wide = self.scales.dtype == torch.float32
         if self.kind == "int4":
             # [block, row, group, octet, half, j]: weight 8 octet + 4 half + j
             q = self.values().view(blocks, LANES, groups, 4, 2, 4)
@@ -91,49 +99,54 @@ class Packed:
         else:  # [block, row, group, pair, 2] -> [block, group, pair, row, 2]
             pairs = self.qweight.view(blocks, LANES, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
             per_group = [pairs.reshape(blocks, groups, -1).view(torch.uint8)]
-            scales = [self.scales.repeat_interleave(groups // self.scales.shape[1], dim=1)]
-        for t in scales:
-            per_group.append(
-                t.view(blocks, LANES, groups).transpose(1, 2).contiguous().view(torch.uint8)
-            )
-        return torch.cat(per_group, dim=2).view(blocks, -1).view(self.qweight.dtype)
+            per = 2 * groups if wide else groups  # float32: a scale per 16 columns
+            if per % self.scales.shape[1]:
+                raise ValueError(
+                    f"expected int8 scales a whole number per {GROUP // (per // groups)} columns"
+                    f" for lanes, got {self.scales.shape[1]} for {width}"
+                )
+            scales = [self.scales.repeat_interleave(per // self.scales.shape[1], dim=1)]
+        for t in scales:  # [block, row, group(, half)] -> [block, group(, half), row]
+            t = t.reshape(blocks, LANES, groups, -1).permute(0, 2, 3, 1).contiguous()
+            per_group.append(t.view(blocks, groups, -1).view(torch.uint8))
+        held = torch.cat(per_group, dim=2).view(self.qweight.dtype)
+        return held if wide else held.view(blocks, -1)
 
     @classmethod
     def from_lanes(cls, kind: str, lanes: torch.Tensor) -> Packed:
         """The int4 or int8 weights ``lanes`` hold (``Packed.lanes``), packed
-        row-major again: the same integers, scales and minimums (int8: a
-        scale per 32 columns)."""
+        row-major again: the same integers, scales and minimums, of the
+        lanes' scale dtype (int8: float16, a scale per 32 columns; float32,
+        per 16)."""
         dtype = torch.uint8 if kind == "int4" else torch.int8
+        wide = lanes.dim() == 3
+        sizes = LANE_BYTES_F32 if wide else LANE_BYTES
         if (
-            kind not in LANE_BYTES
+            kind not in sizes
             or lanes.dtype != dtype
-            or lanes.dim() != 2
-            or lanes.shape[1] % LANE_BYTES[kind]
+            or lanes.dim() not in (2, 3)
+            or (lanes.shape[2] != sizes[kind] if wide else lanes.shape[1] % sizes[kind])
         ):
             raise ValueError(f"expected {kind} lanes, got {lanes.dtype} {list(lanes.shape)}")
-        per_group = LANE_BYTES[kind]
-        blocks, groups = lanes.shape[0], lanes.shape[1] // per_group
+        per_group = sizes[kind]
+        blocks, groups = lanes.shape[0], lanes.numel() // lanes.shape[0] // per_group
         held = lanes.view(torch.uint8).view(blocks, groups, per_group)
         rows = blocks * LANES
+        floats = torch.float32 if wide else torch.float16
+        size = LANES * floats.itemsize  # a block's bytes of one scale (or minimum) a row
 
-        def per_row(t: torch.Tensor) -> torch.Tensor:  # [block, group, 16 x] -> [N, groups, x]
-            return (
-                t.reshape(blocks, groups, LANES, -1).permute(0, 2, 1, 3).reshape(rows, groups, -1)
-            )
-
-        def floats(at: int) -> torch.Tensor:  # the rows' float16 at byte ``at`` of each group
-            return per_row(held[..., at : at + 2 * LANES].contiguous().view(torch.float16))[..., 0]
+        def scales(at: int, count: int = 1) -> torch.Tensor:  # ``count`` a group, at byte ``at``
+            t = held[..., at : at + count * size].contiguous().view(floats)
+            return t.view(blocks, groups, count, LANES).permute(0, 3, 1, 2).reshape(rows, -1)
 
         if kind == "int8":
             pairs = held[..., :512].reshape(blocks, groups, GROUP // 2, LANES, 2)  # [.., p, r, i]
-            q = per_row(pairs.transpose(2, 3).reshape(blocks, groups, -1)).view(torch.int8)
-            return cls("int8", q.reshape(rows, -1).contiguous(), floats(512).contiguous())
+            q = pairs.permute(0, 3, 1, 2, 4).reshape(rows, -1).view(torch.int8).contiguous()
+            return cls("int8", q, scales(512, 2 if wide else 1).contiguous())
         octets = held[..., :256].reshape(blocks, groups, 4, LANES, 4)  # [block, group, o, r, j]
-        halves = torch.stack(
-            (octets & 0x0F, octets >> 4), dim=4
-        )  # [..., r, half, j]: 8o + 4 half + j
-        q = per_row(halves.permute(0, 1, 3, 2, 4, 5).reshape(blocks, groups, LANES * GROUP))
-        return pack_int4(q.reshape(rows, -1), floats(256), floats(288))
+        halves = torch.stack((octets & 0x0F, octets >> 4), dim=4)  # [.., r, half, j]: 8o + 4h + j
+        q = halves.permute(0, 3, 1, 2, 4, 5).reshape(rows, -1)
+        return pack_int4(q, scales(256), scales(256 + size), floats)
 
     def values(self) -> torch.Tensor:
         """The integers ``q``, ``[N, K]`` (int4: uint8 0..15; int8: int8)."""
@@ -146,20 +159,29 @@ class Packed:
         return torch.cat([groups & 0x0F, groups >> 4], dim=2).view(rows, width)
 
 
-def lanes_shape(packed: Packed) -> tuple[int, int]:
-    """The shape of ``packed.lanes()``: ``[N/16, K/32 * 320]`` for int4,
-    ``[N/16, K/32 * 544]`` for int8."""
+def lanes_shape(packed: Packed) -> tuple[int, ...]:
+    """The shape of ``packed.lanes()``: with float16 scales ``[N/16, K/32 *
+    320]`` for int4, ``[N/16, K/32 * 544]`` for int8; with float32 scales
+    ``[N/16, K/32, 384]`` and ``[N/16, K/32, 640]``."""
     rows, width = packed.shape
+    if packed.scales.dtype == torch.float32:
+        return rows // LANES, width // GROUP, LANE_BYTES_F32[packed.kind]
     return rows // LANES, width // GROUP * LANE_BYTES[packed.kind]
 
 
-def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Packed:
-    """``q`` (integers 0..15, ``[N, K]``) with a scale and a min per group of 32, packed."""
+def pack_int4(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    dtype: torch.dtype = torch.float16,
+) -> Packed:
+    """``q`` (integers 0..15, ``[N, K]``) with a scale and a min per group of
+    32, packed; the scales and minimums as ``dtype`` (float16 or float32)."""
     rows, width = q.shape
     groups = q.to(torch.uint8).view(rows, -1, 2, GROUP // 2)
     qweight = (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(rows, width // 2)
     return Packed(
-        "int4", qweight.contiguous(), scales.half().contiguous(), mins.half().contiguous()
+        "int4", qweight.contiguous(), scales.to(dtype).contiguous(), mins.to(dtype).contiguous()
     )
 
 

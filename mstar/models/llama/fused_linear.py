@@ -14,7 +14,9 @@ packed ones (``PackedLinear``, int4 or int8 GGUF blocks) their ``qweight``,
 weights and scales (and their bfloat16 panels, 32 rows each, when they
 have them; bf16 layers' ``qweight`` is their panels; their lanes, 16 rows
 a block, when they have them, or those alone where they hold no row-major
-copy).
+copy). Packed layers holding lanes alone may differ in format (a Q4_K_M
+file's q/k Q4_K as int4, v Q6_K as int8): each run of layers of one format
+is joined so, the runs side by side (``SideBySide``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 from mstar.cpu.quant.linear import PackedLinear
 from mstar.cpu.quant.packed import LANES, PANEL, Packed
 
-__all__ = ["RowConcat", "StorageCheck", "concat_refusal", "linear"]
+__all__ = ["RowConcat", "SideBySide", "StorageCheck", "concat_refusal", "linear"]
 
 _PACKED_TENSORS = ("qweight", "scales", "mins", "panels", "lanes")
 
@@ -47,16 +49,45 @@ def concat_refusal(layers: Sequence[torch.nn.Module]) -> str | None:
     tensors = [t for m in layers for t in _tensors(m)]
     if any(type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter for t in tensors):
         return "has linear weights of a tensor subclass (a sharded or quantized tensor)"
-    main = _main(layers)
-    if any(t.dtype != main[0].dtype or t.device != main[0].device for t in main):
-        return "has linear layers of different dtypes or devices"
     packed = isinstance(layers[0], PackedLinear)
-    formats = (
-        {(m.kind, _groups(m), m.arithmetic, m.lanes is None) for m in layers} if packed else set()
-    )
-    if len(formats) > 1:
+    formats = {_format(m) for m in layers} if packed else set()
+    side_by_side = len(formats) > 1 and all(m.qweight is None for m in layers)  # lanes alone
+    main = _main(layers)
+    if any(
+        t.device != main[0].device or (t.dtype != main[0].dtype and not side_by_side) for t in main
+    ):
+        return "has linear layers of different dtypes or devices"
+    if len(formats) > 1 and not side_by_side:
         return "has packed layers of different formats, arithmetic or lanes"
     return None
+
+
+class SideBySide:
+    """Packed layers of different formats, each holding lanes alone, as one
+    linear layer: ``x [T, in] -> [T, sum(out)]``, each part's output beside
+    the one before (``parts``: ``PackedLinear``s)."""
+
+    def __init__(self, parts: Sequence[PackedLinear]) -> None:
+        self.parts = tuple(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(m.out_features for m in parts)
+
+    @property
+    def int16_activations(self) -> bool:
+        """Whether its parts' few rows are rounded to int16 (lanes: always)."""
+        return all(m.int16_activations for m in self.parts)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The parts' biases joined (None where none has one)."""
+        if all(m.bias is None for m in self.parts):
+            return None
+        return torch.cat(
+            [torch.zeros(m.out_features) if m.bias is None else m.bias for m in self.parts]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([m.forward(x) for m in self.parts], dim=-1)
 
 
 class RowConcat:
@@ -69,11 +100,14 @@ class RowConcat:
         if reason is not None:
             raise ValueError(f"expected linear layers that concatenate, got one that {reason}")
         self.layers = tuple(layers)
-        self.widths = tuple(m.out_features for m in layers)
+        self.runs = _runs(self.layers)  # runs of one format, each joined
         with torch.no_grad():
-            self.module = _joined(self.layers)
-            names = _PACKED_TENSORS if isinstance(self.module, PackedLinear) else ("weight",)
-            self._rebind(names + (("bias",) if layers[0].bias is not None else ()))
+            joined = [_joined(run) for run in self.runs]
+            self.module = joined[0] if len(joined) == 1 else SideBySide(joined)
+            names = _PACKED_TENSORS if isinstance(joined[0], PackedLinear) else ("weight",)
+            names += ("bias",) if layers[0].bias is not None else ()
+            for run, module in zip(self.runs, joined, strict=True):
+                _rebind(run, module, names)
         # each layer's main weight where its module holds it: ``current`` runs every step
         self.check = StorageCheck([_main_slot(m) for m in self.layers])
 
@@ -83,25 +117,6 @@ class RowConcat:
     def current(self) -> bool:
         """Whether the layers' weights are still views of the concatenation."""
         return self.check()
-
-    def _rebind(self, names: Sequence[str]) -> None:
-        """Each layer's tensors ``names`` become row views of the joined ones."""
-        bf16 = getattr(self.module, "kind", None) == "bf16"  # its qweight is its panels
-        panelled = {"panels", "qweight"} if bf16 else {"panels"}
-        per_entry = {name: PANEL for name in panelled} | {"lanes": LANES}  # rows an entry of dim 0
-        start = 0
-        for layer, width in zip(self.layers, self.widths):
-            for name in names:
-                joined = getattr(self.module, name)
-                if joined is None:
-                    continue
-                per = per_entry.get(name, 1)
-                view = joined[start // per : (start + width) // per]
-                if isinstance(getattr(layer, name), torch.nn.Parameter):
-                    setattr(layer, name, torch.nn.Parameter(view, requires_grad=False))
-                else:
-                    setattr(layer, name, view)
-            start += width
 
 
 class StorageCheck:
@@ -146,6 +161,52 @@ def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(module) is torch.nn.Linear:
         return F.linear(x, module.weight, module.bias)
     return module.forward(x)
+
+
+def _rebind(
+    layers: Sequence[torch.nn.Module], module: torch.nn.Module, names: Sequence[str]
+) -> None:
+    """Each of ``layers``' tensors ``names`` becomes a row view of ``module``'s
+    (their join, in order)."""
+    bf16 = getattr(module, "kind", None) == "bf16"  # its qweight is its panels
+    panelled = {"panels", "qweight"} if bf16 else {"panels"}
+    per_entry = {name: PANEL for name in panelled} | {"lanes": LANES}  # rows an entry of dim 0
+    start = 0
+    for layer in layers:
+        width = layer.out_features
+        for name in names:
+            joined = getattr(module, name)
+            if joined is None:
+                continue
+            per = per_entry.get(name, 1)
+            view = joined[start // per : (start + width) // per]
+            if isinstance(getattr(layer, name), torch.nn.Parameter):
+                setattr(layer, name, torch.nn.Parameter(view, requires_grad=False))
+            else:
+                setattr(layer, name, view)
+        start += width
+
+
+def _runs(layers: Sequence[torch.nn.Module]) -> list[tuple[torch.nn.Module, ...]]:
+    """``layers`` cut into runs of one format (``_format``; float layers: one run)."""
+    runs: list[list[torch.nn.Module]] = []
+    for layer in layers:
+        same = runs and (
+            not isinstance(layer, PackedLinear) or _format(layer) == _format(runs[-1][0])
+        )
+        if same:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return [tuple(run) for run in runs]
+
+
+def _format(layer: PackedLinear) -> tuple:
+    """What packed layers joined must share: kind, scales a row, arithmetic,
+    and the lanes' layout (None: no lanes; their shape past the rows' axis
+    but for the width: float16 or float32 scales)."""
+    lanes = None if layer.lanes is None else tuple(layer.lanes.shape[2:])
+    return layer.kind, _groups(layer), layer.arithmetic, lanes
 
 
 def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:

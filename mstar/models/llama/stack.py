@@ -7,8 +7,8 @@ o, norm, gate/up, SiLU times up, down), so the same results bit for bit,
 without ~8 Python calls into the dispatcher a layer and the Python between
 them. It serves steps the layer ops' attention serves (``StepAttention.rows``:
 decode, short prefills) of fewer than ``BF16_ROWS`` tokens (more may multiply
-on bfloat16 panels), on layers whose linear layers are all packed, without
-bias, with SiLU; any other step runs layer by layer. The weights are read
+on bfloat16 panels), on layers whose linear layers are all packed (or packed
+side by side: up to three lanes, ``SideBySide``), without bias, with SiLU; any other step runs layer by layer. The weights are read
 from the layers at every step, as the layer-by-layer path reads them.
 """
 
@@ -22,6 +22,7 @@ import torch
 
 from mstar.cpu.quant.linear import BF16_ROWS, PackedLinear
 from mstar.models.llama.attention import StepAttention
+from mstar.models.llama.fused_linear import SideBySide
 from mstar.models.llama.layer import FusedLlamaLayer
 from mstar.models.llama.rotary import StepRotary
 
@@ -49,7 +50,10 @@ class LayerStack:
             for i, module in enumerate(_linears(layer)):
                 if i == 2:
                     slots.append((layer.norm2._parameters, "weight"))
-                if module.lanes is not None:  # decode_layers takes them alone, scales empty
+                if isinstance(module, SideBySide):  # its parts' lanes, the rest empty
+                    lanes = [(m._buffers, "lanes") for m in module.parts]
+                    slots += lanes + [(self._absent, "-")] * (3 - len(lanes))
+                elif module.lanes is not None:  # decode_layers takes them alone, scales empty
                     slots += [(module._buffers, "lanes"), (self._absent, "-"), (self._absent, "-")]
                 else:
                     slots += [(module._buffers, n) for n in ("qweight", "scales", "mins")]
@@ -63,8 +67,10 @@ class LayerStack:
             return "has no layer ops or an activation other than SiLU"
         first = layers[0]
         for layer in layers:
-            if not all(isinstance(m, PackedLinear) for m in _linears(layer)):
+            if not all(isinstance(m, PackedLinear | SideBySide) for m in _linears(layer)):
                 return "has linear layers that are not packed"
+            if any(isinstance(m, SideBySide) and len(m.parts) > 3 for m in _linears(layer)):
+                return "has more than three formats side by side in one linear layer"
             norms = (layer.norm1.variance_epsilon, layer.norm2.variance_epsilon)
             if norms != (first.norm1.variance_epsilon,) * 2 or layer.heads != first.heads:
                 return "has layers of different norm epsilons or head counts"
