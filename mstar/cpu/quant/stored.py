@@ -23,7 +23,7 @@ import torch
 from mstar.cpu.cachedir import cache_root, code_digest, file_key
 from mstar.cpu.quant.arena import KINDS, allocation
 from mstar.cpu.quant.linear import PackedLinear
-from mstar.cpu.quant.packed import Packed
+from mstar.cpu.quant.packed import GROUP, Packed
 
 __all__ = ["LAYERS", "folder_for", "layer_names", "restore", "save"]
 
@@ -107,9 +107,14 @@ def _layer(entry: dict[str, Any], tensors: dict[str, torch.Tensor], bias: Any) -
     kind, dtype = entry["kind"], getattr(torch, entry["dtype"])
     if "qweight" in tensors:
         packed = Packed(kind, tensors["qweight"], tensors.get("scales"), tensors.get("mins"))
-    else:  # lanes alone: the layer keeps no row-major copy, only its shape is read
+    else:  # lanes alone: the layer keeps no row-major copy, only its shape and dtypes are read
         columns = {"int4": width // 2, "int8": width}[kind]
-        packed = Packed(kind, torch.empty(rows, columns, dtype=dtype, device="meta"), None)
+        scales = (
+            torch.float32 if tensors["lanes"].dim() == 3 else torch.float16
+        )  # packed.lanes_shape
+        meta = torch.empty(rows, width // GROUP, dtype=scales, device="meta")
+        qweight = torch.empty(rows, columns, dtype=dtype, device="meta")
+        packed = Packed(kind, qweight, meta, meta if kind == "int4" else None)
     bias = None if bias is None or bias.is_meta else bias
     return PackedLinear(
         packed,
