@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
@@ -19,6 +20,7 @@ __all__ = ["AVX512_FLAGS", "BF16_FLAGS", "FLAGS", "build", "build_or_why", "flag
 # -fopenmp: without it ATen's headers compile ``at::parallel_for`` serial
 # (``INTRA_OP_PARALLEL`` is defined only under ``_OPENMP``); the symbols
 # resolve to torch's own OpenMP runtime
+CODE = (".py", ".cpp", ".h")  # the sources ``code_digest`` hashes
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-fopenmp")
 # the subset torch's "AVX512" capability requires; sources test __AVX512F__
 AVX512_FLAGS = (*FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
@@ -91,3 +93,13 @@ def build_or_why(
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
         return f"{what} did not build ({type(err).__name__}: {first})"
     return None
+
+
+def code_digest(*settings: str) -> str:
+    """A name for what mstar's own code computes in ``settings``: a hash of
+    them, every ``.py``, ``.cpp`` and ``.h`` under ``mstar/`` (~10 ms), the
+    kernels' flags and torch's version; a changed line makes a new name."""
+    digest = hashlib.sha256("\n".join([*settings, torch.__version__, *flags()]).encode())
+    for path in sorted(p for p in Path(__file__).parents[1].rglob("*") if p.suffix in CODE):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]

@@ -11,10 +11,6 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-CODE = (".py", ".cpp", ".h")  # the sources ``code_digest`` hashes
-
 
 def cache_root() -> Path:
     return Path(os.environ.get("MSTAR_KV_CACHE", Path.home() / ".cache" / "mstar-kv"))
@@ -46,15 +42,3 @@ def cached(name: str, marker: str, write: Callable[[Path], None]) -> Path:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return folder
-
-
-def code_digest(*settings: str) -> str:
-    """A name for what mstar's own code computes in ``settings``: a hash of
-    them, every ``.py``, ``.cpp`` and ``.h`` under ``mstar/`` (~10 ms), the
-    kernels' flags and torch's version; a changed line makes a new name."""
-    from mstar.cpu.build import flags
-
-    digest = hashlib.sha256("\n".join([*settings, torch.__version__, *flags()]).encode())
-    for path in sorted(p for p in Path(__file__).parents[1].rglob("*") if p.suffix in CODE):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]

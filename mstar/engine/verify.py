@@ -33,7 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mstar.cpu.cachedir import cache_root, code_digest
+from mstar.cpu.build import code_digest
+from mstar.cpu.cachedir import cache_root
 
 __all__ = [
     "ModeCheck",

@@ -5,7 +5,9 @@ transformers' GGUF config and tokenizer: tens of seconds for a 49k-token
 vocabulary) into a folder under the cache folder (``gguf_folder``): the
 config, the tokenizer and an index of the tensors (name, the Hugging Face
 parameter it maps to, type, offset, shape). A later load reads that folder
-and the tensors straight from the memory-mapped file. The model is built
+and the tensors straight from the file, each read into memory of its own
+(not mapped: a mapping's pages count in the process's RSS until unmapped,
+the whole file by the end of a load). The model is built
 with its parameters on the meta device (accelerate's
 ``init_empty_weights``: buffers such as rotary frequencies stay real), and
 each tensor is read once:
@@ -32,7 +34,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -184,32 +186,41 @@ def _tensors(
     """Each tensor of the file the model maps: ``(state-dict name, GGUF
     type, packed weights, the embedding kept in its blocks (``kept``, of a
     type other than F32) or float32 tensor)``, one at a time (none of those
-    ``skip`` names), read from the memory-mapped file at the offsets
-    ``folder``'s index holds."""
+    ``skip`` names), read from the file at the offsets ``folder``'s index
+    holds."""
     from gguf import GGMLQuantizationType, dequantize
 
     index = json.loads((folder / INDEX).read_text())
     processor = _processor(index["architecture"], model.config)
-    mapped = np.memmap(path, dtype=np.uint8, mode="r")
-    for entry in index["tensors"]:
-        if entry["hf"] in skip:
-            continue
-        dtype, shape = np.dtype(entry["dtype"]), tuple(entry["shape"])
-        count = int(np.prod(shape)) * dtype.itemsize
-        data = mapped[entry["offset"] : entry["offset"] + count].view(dtype).reshape(shape)
-        name, type_name = entry["hf"], entry["type"]
-        if name == kept and type_name != "F32":
-            order = _row_order(processor, entry["name"], shape[0])
-            blocks = torch.from_numpy(data.view(np.uint8)[order])  # its own memory
-            yield name, type_name, QuantizedEmbedding(blocks, type_name)
-            continue
-        if pack and type_name in PACKED_TYPES:
-            order = torch.from_numpy(_row_order(processor, entry["name"], shape[0]))
-            yield name, type_name, decode_blocks(type_name, data).rows(order)
-            continue
-        floats = dequantize(data, GGMLQuantizationType[type_name])
-        floats = processor.process(weights=floats, name=entry["name"]).weights
-        yield name, type_name, torch.from_numpy(np.array(floats, np.float32))  # its own memory
+    with path.open("rb") as file:
+        for entry in index["tensors"]:
+            if entry["hf"] in skip:
+                continue
+            dtype, shape = np.dtype(entry["dtype"]), tuple(entry["shape"])
+            data = _read(file, entry["offset"], int(np.prod(shape)) * dtype.itemsize)
+            data = data.view(dtype).reshape(shape)
+            name, type_name = entry["hf"], entry["type"]
+            if name == kept and type_name != "F32":
+                order = _row_order(processor, entry["name"], shape[0])
+                blocks = torch.from_numpy(data.view(np.uint8)[order])  # its own memory
+                yield name, type_name, QuantizedEmbedding(blocks, type_name)
+                continue
+            if pack and type_name in PACKED_TYPES:
+                order = torch.from_numpy(_row_order(processor, entry["name"], shape[0]))
+                yield name, type_name, decode_blocks(type_name, data).rows(order)
+                continue
+            floats = dequantize(data, GGMLQuantizationType[type_name])
+            floats = processor.process(weights=floats, name=entry["name"]).weights
+            yield name, type_name, torch.from_numpy(np.array(floats, np.float32))  # its own memory
+
+
+def _read(file: BinaryIO, offset: int, count: int) -> np.ndarray:
+    """``count`` bytes of ``file`` from ``offset``, as uint8 of their own."""
+    data = np.empty(count, dtype=np.uint8)
+    file.seek(offset)
+    if file.readinto(memoryview(data)) != count:
+        raise ValueError(f"expected {count} bytes at offset {offset} of {file.name}, got fewer")
+    return data
 
 
 def _row_order(processor: Any, name: str, rows: int) -> np.ndarray:

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from mstar.cpu.cachedir import cache_root, code_digest, file_key
+from mstar.cpu.build import code_digest
+from mstar.cpu.cachedir import cache_root, file_key
 from mstar.cpu.quant.arena import KINDS, allocation
 from mstar.cpu.quant.linear import PackedLinear
 from mstar.cpu.quant.packed import GROUP, Packed
