@@ -1,7 +1,8 @@
 """The fused forward on the Llama family's other architectures: Mistral,
 Qwen2 (q/k/v biases) and Qwen3 (q/k head norms, a head size of its own)
 give HF's logits and greedy tokens, their layer stack the layers' logits bit
-for bit (random int4 layers and a GGUF's Q4_0)."""
+for bit (random int4 layers and a GGUF's Q4_0), and a sliding window's model
+runs fused while its window hides no key."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from test_fused import Twin, _llama, _prompt, _stack_against_layers, stack_equal
 from test_fused import kernels as kernels  # (a fixture)
 
 from mstar.cpu.layer_ops import layer_ops_or_why
+from mstar.models import hf
 from mstar.models.hf import register
 from mstar.models.llama.stack import LayerStack
 from mstar.models.llama.step import fused_refusal, fused_step
@@ -37,6 +39,32 @@ def test_each_architecture_matches_hf(kernels, arch, packed):
         run.decode(["a", "b"])
     for name, prompt in (("a", a), ("b", b)):
         run.check(reference, name, len(prompt))
+
+
+@pytest.mark.parametrize(
+    "arch, settings",
+    [
+        ("mistral", {"sliding_window": 8}),
+        # the first layer without a window, the others with one (a hybrid model)
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    ],
+)
+def test_a_window_s_model_runs_fused_while_its_window_hides_no_key(kernels, arch, settings):
+    """A step whose every position is below the (smallest) window of 8
+    runs fused; a step past it runs HF's forward, whose window hides the
+    early keys: HF's logits and greedy tokens throughout."""
+    reference, paged = _llama(arch=arch, **settings)
+    assert fused_refusal(paged) is None
+    spec = hf.kv_spec(paged)
+    assert min(w for w in spec.layer_windows if w is not None) == 8
+    assert hf._fused(paged, spec, torch.tensor([0, 7, 3])) is not None
+    assert hf._fused(paged, spec, torch.tensor([0, 8])) is None
+    prompt = _prompt(6, 4)
+    run = Twin(paged)
+    run.step([("a", prompt)])
+    for _ in range(6):  # positions 6 to 11: the window hides keys from 8 on
+        run.decode(["a"])
+    run.check(reference, "a", len(prompt))
 
 
 @pytest.mark.parametrize("weights", ["float32", "lanes"], ids=["float32", "int4 lanes"])
