@@ -111,3 +111,23 @@ def test_the_family_table_checks_each_architecture_s_own_classes():
     _, qwen3 = _llama(arch="qwen3", head_dim=24)
     qwen3.model.layers[0].self_attn.k_norm.variance_epsilon = 1e-3
     assert fused_refusal(qwen3) == "has query and key head norms of different epsilons"
+
+
+def test_biased_layers_side_by_side_run_layer_by_layer():
+    """A Qwen2 of a Q4_K_M file's formats (q/k int4, v int8: side by side,
+    each with its bias): the stack refuses it, and the layers give HF's
+    logits and greedy tokens."""
+    if layer_ops_or_why() is not None:
+        pytest.skip(f"layer ops: {layer_ops_or_why()}")
+    reference, paged = _llama(packed=True, kquants=True, arch="qwen2")
+    fused = fused_step(paged)
+    assert fused.stack is None
+    assert LayerStack.refusal(fused.layers) == (
+        "has linear layers of several formats side by side with a bias"
+    )
+    prompt = _prompt(6, 1)
+    run = Twin(paged)
+    run.step([("a", prompt)])
+    for _ in range(3):
+        run.decode(["a"])
+    run.check(reference, "a", len(prompt))
