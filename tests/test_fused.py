@@ -43,6 +43,13 @@ SIZES = {
     "rope_theta": 500.0,
 }
 TOL = 1e-4
+# the Llama family's architectures: (causal LM, config) class names
+ARCHS = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig"),
+    "mistral": ("MistralForCausalLM", "MistralConfig"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"),
+}
 
 
 def _k_quant(weight: torch.Tensor, int8: bool) -> Packed:
@@ -63,18 +70,25 @@ def _llama(
     bf16: bool = False,
     lanes: bool = False,
     kquants: bool = False,
+    arch: str = "llama",
     **settings,
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """A seeded tiny Llama (the reference: its own forward, SDPA attention)
-    and its twin on the plan; ``packed``: both with int4 layers and an int8
-    head (the reference dequantized, as the mode check's), the int4 ones on
-    int16 activations with ``int16`` (and their ``lanes`` with ``lanes``);
-    or with ``bf16`` every layer as bfloat16 panels; or with ``kquants``
-    as a Q4_K_M file's (v, down and the head int8 of float32 scales per 16
-    columns, the rest int4 of float32 scales) on lanes alone (many rows on
-    panels dequantized from them), q/k/v side by side."""
+    """A seeded tiny Llama (or another of ``ARCHS``; its biases, zeros
+    when made, drawn at random) (the reference: its own forward, SDPA
+    attention) and its twin on the plan; ``packed``: both with int4 layers
+    and an int8 head (the reference dequantized, as the mode check's), the
+    int4 ones on int16 activations with ``int16`` (and their ``lanes`` with
+    ``lanes``); or with ``bf16`` every layer as bfloat16 panels; or with
+    ``kquants`` as a Q4_K_M file's (v, down and the head int8 of float32
+    scales per 16 columns, the rest int4 of float32 scales) on lanes alone
+    (many rows on panels dequantized from them), q/k/v side by side."""
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES, **settings)).eval()
+    causal_lm, config = (getattr(transformers, name) for name in ARCHS[arch])
+    model = causal_lm(config(**SIZES, **settings)).eval()
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith(".bias"):
+                weight.normal_(0, 0.1)
     if packed:
         needs_panels = bf16 or kquants
         if (why := kernel_or_why() or (bf16_or_why() if needs_panels else None)) is not None:
@@ -214,11 +228,12 @@ def test_rope_scaling_and_bias_follow_the_model(kernels):
 
 
 def test_refused_models_run_hf_forward():
-    """A Mistral, a layer with a hook, training mode, a compiled or wrapped
-    forward: refused, and ``forward_step`` runs HF's forward (exact as before)."""
-    config = transformers.MistralConfig(**SIZES)
-    mistral = transformers.MistralForCausalLM(config).eval()
-    assert "not a LlamaForCausalLM" in fused_refusal(mistral)
+    """A Gemma (not of the Llama family), a layer with a hook, training
+    mode, a compiled or wrapped forward: refused, and ``forward_step`` runs
+    HF's forward (exact as before)."""
+    config = transformers.GemmaConfig(**SIZES, head_dim=16)
+    gemma = transformers.GemmaForCausalLM(config).eval()
+    assert "is a GemmaForCausalLM, not one of LlamaForCausalLM" in fused_refusal(gemma)
     _, paged = _llama()
     paged.model.layers[1].mlp.register_forward_hook(lambda *args: None)
     assert fused_refusal(paged) == "has hooks on its modules" and fused_step(paged) is None
@@ -322,20 +337,22 @@ def test_layer_stack_checks_every_layer_before_any_runs():
     assert all(torch.equal(cache.layer(i), b) for i, b in enumerate(before))
 
 
-def _stack_against_layers(weights: str, kv_dtype: torch.dtype) -> None:
+def _stack_against_layers(
+    weights: str, kv_dtype: torch.dtype, arch: str = "llama", **settings
+) -> None:
+    """``test_layer_stack_is_the_layers_bit_for_bit`` on a tiny model of ``arch``."""
     if layer_ops_or_why() is not None:
         pytest.skip(f"layer ops: {layer_ops_or_why()}")
-    assert "not packed" in LayerStack.refusal(fused_step(_llama()[1]).layers)
+    assert "not packed" in LayerStack.refusal(fused_step(_llama(arch=arch, **settings)[1]).layers)
     int16, lanes = weights in ("int16", "lanes"), weights in ("lanes", "kquants")
     if lanes and (kernel_or_why() or not torch.ops.mstar_quant.lanes_rows()):
         pytest.skip("the kernels' build has no int4 lanes (no AVX512-VNNI)")
     kquants = weights == "kquants"
-    _, paged = _llama(
-        packed=True, int16=int16, bf16=weights == "bf16", lanes=lanes, kquants=kquants
-    )
+    _, paged = _llama(packed=True, int16=int16, bf16=weights == "bf16", lanes=lanes,
+                      kquants=kquants, arch=arch, **settings)  # fmt: skip
     if kquants:
         assert all(isinstance(layer.qkv.module, SideBySide) for layer in fused_step(paged).layers)
-    if int16:
+    if int16 and arch == "llama":
         _, mixed = _llama(packed=True, int16=True)
         mlp = mixed.model.layers[1].mlp
         mlp.down_proj = PackedLinear(mlp.down_proj.packed(), None, None, False)
@@ -344,6 +361,17 @@ def _stack_against_layers(weights: str, kv_dtype: torch.dtype) -> None:
         for name, weight in paged.named_parameters():
             if "norm" in name:
                 weight.uniform_(0.5, 1.5)
+    stack_equals_layers(paged, kv_dtype)
+    o_proj = paged.model.layers[1].self_attn.o_proj  # a bias given afterwards: read by the stack
+    o_proj.bias = torch.nn.Parameter(torch.zeros(o_proj.out_features), requires_grad=False)
+    assert fused_step(paged).stack._biases()[4 + 1] is o_proj.bias
+
+
+def stack_equals_layers(paged: torch.nn.Module, kv_dtype: torch.dtype = torch.float32) -> None:
+    """Steps of prefills, decode rows from 1 to ``BF16_ROWS`` and a short
+    chunk through ``paged`` (packed, on the plan) with and without its layer
+    stack: the same logits bit for bit, the stack serving those of fewer
+    than ``BF16_ROWS`` tokens."""
     fused = fused_step(paged)
     stack, served = fused.stack, []
     assert stack is not None
@@ -377,9 +405,6 @@ def _stack_against_layers(weights: str, kv_dtype: torch.dtype) -> None:
     assert served == [False, True, True, True, True, True, False, True, True]
     for a, b in zip(logits[True], logits[False]):
         assert torch.equal(a, b)
-    o_proj = paged.model.layers[1].self_attn.o_proj  # a bias given afterwards: layer by layer
-    o_proj.bias = torch.nn.Parameter(torch.zeros(o_proj.out_features), requires_grad=False)
-    assert stack._weights() is None
 
 
 def test_row_concat_shares_the_layers_weights():

@@ -62,7 +62,8 @@ def forward_step(
     model (every page kept).
 
     ``fused`` (the default) runs a model ``fused_step`` serves (the Llama
-    family on the CPU, float32 activations, eager) through its fused layers
+    family on the CPU, float32 activations, eager; a windowed model's steps
+    within its window) through its fused layers
     (``mstar.models.llama.step``), the same logits up to float32
     rounding; anything else, or ``fused=False``, runs HF's forward."""
     spec = kv_spec(model)
@@ -97,7 +98,8 @@ def forward_step(
     for each, window in zip(plans, windows):
         if each.kv_offsets is not None:
             _check_window(each, position_ids.numpy(), window)
-    fast = _fused(model, spec) if fused and flashinfer is None and len(plans) == 1 else None
+    served = fused and flashinfer is None and len(plans) == 1
+    fast = _fused(model, spec, position_ids) if served else None
     if fast is not None:
         logits = fast(input_ids, position_ids, plans[0], caches[0], keep)
         return logits if logits_at is None else logits[: len(logits_at)]
@@ -124,15 +126,24 @@ def forward_step(
 def runs_fused(model: PreTrainedModel) -> bool:
     """Whether ``forward_step(model, ...)`` (``fused=True``, no FlashInfer)
     runs the fused forward: a model ``fused_step`` serves, every layer
-    attending causally over every key."""
+    attending causally over every key (a sliding window's model: its steps
+    within the window, see ``_fused``)."""
     return _fused(model, kv_spec(model)) is not None
 
 
-def _fused(model: PreTrainedModel, spec: KVSpec) -> FusedLlama | None:
+def _fused(
+    model: PreTrainedModel, spec: KVSpec, position_ids: torch.Tensor | None = None
+) -> FusedLlama | None:
     """The model's fused forward (``fused_step``) when every layer attends
-    causally over every key (no window, chunks or sinks: what
-    ``StepAttention`` computes), else None."""
-    if spec.sinks or any(spec.chunk_sizes) or any(spec.layer_windows):
+    causally over every key of the step at ``position_ids`` (None: of some
+    step), else None. No chunks or sinks; a layer's sliding window of ``W``
+    keys hides none from queries at positions below ``W``, so such steps
+    are what ``StepAttention`` computes (a step past it runs HF's forward)."""
+    if spec.sinks or any(spec.chunk_sizes):
+        return None
+    windows = [w for w in spec.layer_windows if w is not None]
+    positions = [] if position_ids is None or not windows else position_ids
+    if len(positions) and int(positions.max()) >= min(windows):
         return None
     return fused_step(model)
 

@@ -1,4 +1,4 @@
-// A decode step's whole stack of Llama layers in one call (mstar/models/llama/step.py):
+// A decode step's whole stack of Llama-family layers in one call (mstar/models/llama/step.py):
 // the layer ops of layer_ops.cpp and the packed linear layers of quant/kernels.cpp, in the
 // order FusedLlamaLayer calls them, so the same results bit for bit, without a Python
 // call and a trip through the dispatcher per op (~8 a layer, ~1.5 us each, and the
@@ -21,6 +21,11 @@
 // lanes of different layouts in its three slots (the rest empty), their outputs side by side
 // (fused_linear.py's `SideBySide`: a Q4_K_M file's q/k int4 and v int8);
 // int16_activations: they take their activations rounded to int16 (int4/int8_linear_i16).
+// biases: none (no layer has one), or per layer 4: q/k/v's, o's, gate/up's and down's,
+// float32 [N] each (empty: that layer has none), added after its product (as PackedLinear's
+// `y + bias`). head_norms: none, or per layer 2: the RMSNorm weights [D] of each query head
+// and of each key head (Qwen3), applied to q/k/v's output in place before the attention
+// (layer_ops' head_norms_), eps the layers' norm epsilon.
 // caches: per layer its KV tensor [P, 2, S, H_kv, D] (float32 or bfloat16); the rest as
 // layer_ops' attention's.
 // h [T, hidden] gets every layer's attention and all but the last layer's MLP output
@@ -36,17 +41,28 @@ bool holds_lanes(const at::Tensor& t) {
 }
 
 // One linear layer of the stack (its tensors at w: qweight, scales, mins; or bfloat16 panels
-// or lanes, scales empty; or `parts` lanes side by side, each of `rows[i]` output rows), N x K,
-// checked by `stack_linear` before the step runs.
+// or lanes, scales empty; or `parts` lanes side by side, each of `rows[i]` output rows; its
+// bias [N] or nullptr), N x K, checked by `stack_linear` before the step runs.
 struct StackLinear {
   const at::Tensor* w;
   int64_t N, K;
   bool int16_activations;
   int parts = 0;                // lanes tensors side by side (0: not lanes)
   int64_t rows[3] = {0, 0, 0};  // each one's output rows
+  const float* bias = nullptr;  // (nullptr: none)
 
-  // y [M, N] = x [M, K] @ W.T, packed_linear's kernels.
+  // y [M, N] = x [M, K] @ W.T (+ bias), packed_linear's kernels (the bias added after, its
+  // rows shared as the norms' are).
   void operator()(const float* x, int64_t M, float* y) const {
+    product(x, M, y);
+    if (bias == nullptr) return;
+    spread(M, grain(M, N), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t j = 0; j < N; ++j) y[r * N + j] += bias[j];
+    });
+  }
+
+  void product(const float* x, int64_t M, float* y) const {
     if (w[0].scalar_type() == at::kBFloat16) {
 #if defined(__AVX512BF16__)
       bf16_rows(x, M, K, reinterpret_cast<const uint16_t*>(w[0].data_ptr()), w[0].size(0), y);
@@ -93,11 +109,21 @@ void check_norm_weight(const at::Tensor& w, int64_t n) {
   TORCH_CHECK(w.dim() == 1 && w.size(0) == n, "expected a norm weight [", n, "], got ", w.sizes());
 }
 
+// The bias of `linear` (empty: none, nullptr), checked.
+const float* stack_bias(const at::Tensor& bias, const StackLinear& linear) {
+  if (bias.numel() == 0) return nullptr;
+  check_f32(bias, "bias");
+  TORCH_CHECK(bias.dim() == 1 && bias.size(0) == linear.N, "expected a bias [", linear.N, "], got ",
+              bias.sizes());
+  return bias.data_ptr<float>();
+}
+
 // decode_layers over caches of elements T (float32, or bfloat16's bits): every layer checked
 // and every buffer made first, then the layers run by a gang of the kernels' threads (each
 // op shared by them, `Gang`: one hand-off a step, not one an op).
 template <typename T>
-at::Tensor run_layers(at::Tensor h, at::TensorList weights, at::TensorList caches, double eps,
+at::Tensor run_layers(at::Tensor h, at::TensorList weights, at::TensorList biases,
+                      at::TensorList head_norms, at::TensorList caches, double eps,
                       const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_rows,
                       const at::Tensor& v_rows, const at::Tensor& q_index, const at::Tensor& q_lens,
                       const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
@@ -106,7 +132,12 @@ at::Tensor run_layers(at::Tensor h, at::TensorList weights, at::TensorList cache
   const int threads = at::in_parallel_region() ? 1 : static_cast<int>(team_threads());
   AttentionStep<T> attention(caches[0], M, k_rows, v_rows, q_index, q_lens, kv_indptr, kv_indices,
                              kv_lens, heads, scale, threads);
-  const int64_t dim = caches[0].size(4);
+  const int64_t dim = caches[0].size(4), kv_heads = caches[0].size(3);
+  TORCH_CHECK(biases.empty() || static_cast<int64_t>(biases.size()) == 4 * layers,
+              "expected no biases or 4 a layer, got ", biases.size());
+  TORCH_CHECK(head_norms.empty() || static_cast<int64_t>(head_norms.size()) == 2 * layers,
+              "expected no head norms or 2 a layer, got ", head_norms.size());
+  for (const at::Tensor& w : head_norms) check_norm_weight(w, dim);
   std::vector<StackLinear> linears;
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* w = weights.data() + i * LAYER_TENSORS;
@@ -121,6 +152,7 @@ at::Tensor run_layers(at::Tensor h, at::TensorList weights, at::TensorList cache
                 "expected o and down of the hidden width ", hidden);
     for (int64_t j = 0; j < 4; ++j) {
       TORCH_CHECK(linears[4 * i + j].N == linears[j].N, "expected every layer of the first's shapes");
+      if (!biases.empty()) linears[4 * i + j].bias = stack_bias(biases[4 * i + j], linears[4 * i + j]);
     }
   }
   // the ops' outputs, made once (each read before the next layer writes it; mlp, the previous
@@ -158,6 +190,9 @@ at::Tensor run_layers(at::Tensor h, at::TensorList weights, at::TensorList cache
       const StackLinear* linear = linears.data() + 4 * i;
       norm(i == 0 ? nullptr : mp, w[0]);
       linear[0](xp, M, qkvp);
+      if (!head_norms.empty())
+        norm_heads(qkvp, M, linear[0].N, head_norms[2 * i].data_ptr<float>(),
+                   head_norms[2 * i + 1].data_ptr<float>(), heads, kv_heads, dim, eps);
       attention(qkvp, cp, sp, static_cast<T*>(caches[i].data_ptr()), qp, outp);
       linear[1](outp, M, op);
       norm(op, w[7]);
@@ -169,7 +204,8 @@ at::Tensor run_layers(at::Tensor h, at::TensorList weights, at::TensorList cache
   return mlp;
 }
 
-at::Tensor decode_layers(at::Tensor h, at::TensorList weights, at::TensorList caches, double eps,
+at::Tensor decode_layers(at::Tensor h, at::TensorList weights, at::TensorList biases,
+                         at::TensorList head_norms, at::TensorList caches, double eps,
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_rows,
                          const at::Tensor& v_rows, const at::Tensor& q_index,
                          const at::Tensor& q_lens, const at::Tensor& kv_indptr,
@@ -186,7 +222,7 @@ at::Tensor decode_layers(at::Tensor h, at::TensorList weights, at::TensorList ca
   TORCH_CHECK((bf16 || caches[0].scalar_type() == at::kFloat) && caches[0].device().is_cpu(),
               "caches: expected float32 or bfloat16 CPU tensors, got ", caches[0].scalar_type());
   const auto run = bf16 ? &run_layers<Bf16> : &run_layers<float>;
-  return run(h, weights, caches, eps, cos, sin, k_rows, v_rows, q_index, q_lens, kv_indptr,
+  return run(h, weights, biases, head_norms, caches, eps, cos, sin, k_rows, v_rows, q_index, q_lens, kv_indptr,
              kv_indices, kv_lens, heads, scale, int16_activations);
 }
 
@@ -194,7 +230,8 @@ at::Tensor decode_layers(at::Tensor h, at::TensorList weights, at::TensorList ca
 
 TORCH_LIBRARY_FRAGMENT(mstar_layer, m) {
   m.def(
-      "decode_layers(Tensor(a!) h, Tensor[] weights, Tensor(b!)[] caches,"
+      "decode_layers(Tensor(a!) h, Tensor[] weights, Tensor[] biases, Tensor[] head_norms,"
+      " Tensor(b!)[] caches,"
       " float eps, Tensor cos, Tensor sin, Tensor k_rows, Tensor v_rows, Tensor q_index,"
       " Tensor q_lens, Tensor kv_indptr, Tensor kv_indices, Tensor kv_lens, int heads,"
       " float scale, bool int16_activations) -> Tensor");

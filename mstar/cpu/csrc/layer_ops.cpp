@@ -2,6 +2,8 @@
 //
 // rms_norm:      y = x * (1 / sqrt(mean(x^2) + eps)) * w, per row; with `delta`, first
 //                x += delta in place (the residual add before the norm).
+// head_norms_:   each query head of x [T, W] (the first `heads` of head_dim D) through
+//                rms_norm of weight q_w [D], the next `kv_heads` (keys) of k_w, in place.
 // rotary_:       the first `heads` heads of each row of x [T, W] (head_dim D) rotated in
 //                place: x * cos + swap(x) * sin', swap exchanging the two halves of a head,
 //                sin' = sin with its first half negated (see rotary.py).
@@ -121,6 +123,33 @@ at::Tensor rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const 
   return out;
 }
 
+// Rows [T, width] of `heads` query heads then `kv_heads` key heads of `dim` floats from
+// each row's start: each head through norm_row of q_w (queries) or k_w (keys) in place,
+// rows shared as `norm_rows` shares them.
+void norm_heads(float* x, int64_t rows, int64_t width, const float* q_w, const float* k_w,
+                int64_t heads, int64_t kv_heads, int64_t dim, double eps) {
+  spread(rows, grain(rows, (heads + kv_heads) * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        float* head = x + r * width + h * dim;
+        norm_row(head, nullptr, h < heads ? q_w : k_w, dim, eps, head);
+      }
+  });
+}
+
+void head_norms_(at::Tensor x, const at::Tensor& q_w, const at::Tensor& k_w, int64_t heads,
+                 int64_t kv_heads, double eps) {
+  check_f32(x, "x");
+  check_f32(q_w, "q_w");
+  check_f32(k_w, "k_w");
+  const int64_t dim = q_w.numel();
+  TORCH_CHECK(x.dim() == 2 && q_w.dim() == 1 && k_w.sizes() == q_w.sizes() &&
+                  (heads + kv_heads) * dim <= x.size(1),
+              "expected x [T, W] holding heads + kv_heads heads of q_w's and k_w's width");
+  norm_heads(x.data_ptr<float>(), x.size(0), x.size(1), q_w.data_ptr<float>(), k_w.data_ptr<float>(),
+             heads, kv_heads, dim, eps);
+}
+
 void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
              int64_t head_dim) {
   check_f32(x, "x");
@@ -182,6 +211,9 @@ at::Tensor silu_mul(const at::Tensor& x) {
 
 TORCH_LIBRARY(mstar_layer, m) {
   m.def("rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "head_norms_(Tensor(a!) x, Tensor q_w, Tensor k_w, int heads, int kv_heads, float eps)"
+      " -> ()");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
   m.def(
       "attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) layer, Tensor k_rows,"
@@ -192,6 +224,7 @@ TORCH_LIBRARY(mstar_layer, m) {
 
 TORCH_LIBRARY_IMPL(mstar_layer, CPU, m) {
   m.impl("rms_norm", rms_norm);
+  m.impl("head_norms_", head_norms_);
   m.impl("rotary_", rotary_);
   m.impl("attention", attention);
   m.impl("silu_mul", silu_mul);

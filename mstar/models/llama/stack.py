@@ -2,14 +2,17 @@
 ``decode_layers`` (``mstar/cpu/csrc/decode_layers.cpp``).
 
 Per layer it calls the same C++ functions in the same order as
-``FusedLlamaLayer`` with the layer ops does (norm, q/k/v, attention,
-o, norm, gate/up, SiLU times up, down), so the same results bit for bit,
-without ~8 Python calls into the dispatcher a layer and the Python between
-them. It serves steps the layer ops' attention serves (``StepAttention.rows``:
-decode, short prefills) of fewer than ``BF16_ROWS`` tokens (more may multiply
-on bfloat16 panels), on layers whose linear layers are all packed (or packed
-side by side: up to three lanes, ``SideBySide``), without bias, with SiLU; any other step runs layer by layer. The weights are read
-from the layers at every step, as the layer-by-layer path reads them.
+``FusedLlamaLayer`` with the layer ops does (norm, q/k/v, its bias added,
+Qwen3's head norms, attention, o, norm, gate/up, SiLU times up, down; each
+bias added after its product), so the same results bit for bit, without ~8
+Python calls into the dispatcher a layer and the Python between them. It
+serves steps the layer ops' attention serves (``StepAttention.rows``:
+decode, short prefills) of fewer than ``BF16_ROWS`` tokens (more may
+multiply on bfloat16 panels), on layers whose linear layers are all packed
+(or packed side by side without bias: up to three lanes, ``SideBySide``),
+with SiLU, every norm of one epsilon; any other step runs layer by layer.
+The weights and biases are read from the layers at every step, as the
+layer-by-layer path reads them.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ class LayerStack:
                     slots += [(module._buffers, n) for n in ("qweight", "scales", "mins")]
         self._held = tuple(held for held, _ in slots)
         self._names = tuple(name for _, name in slots)
+        # Qwen3's head norms' weights, two a layer, read every step (none: no layer has them)
+        norms = [n for layer in self.layers if layer.head_norms for n in layer.head_norms]
+        self._norm_held = tuple(norm._parameters for norm in norms)
 
     @staticmethod
     def refusal(layers: Sequence[FusedLlamaLayer]) -> str | None:
@@ -66,13 +72,20 @@ class LayerStack:
         if not layers or not all(layer.kernels and layer.silu for layer in layers):
             return "has no layer ops or an activation other than SiLU"
         first = layers[0]
+        if len({layer.head_norms is None for layer in layers}) > 1:
+            return "has layers with and without head norms"
         for layer in layers:
             if not all(isinstance(m, PackedLinear | SideBySide) for m in _linears(layer)):
                 return "has linear layers that are not packed"
-            if any(isinstance(m, SideBySide) and len(m.parts) > 3 for m in _linears(layer)):
+            side_by_side = [m for m in _linears(layer) if isinstance(m, SideBySide)]
+            if any(len(m.parts) > 3 for m in side_by_side):
                 return "has more than three formats side by side in one linear layer"
-            norms = (layer.norm1.variance_epsilon, layer.norm2.variance_epsilon)
-            if norms != (first.norm1.variance_epsilon,) * 2 or layer.heads != first.heads:
+            if any(m.bias is not None for m in side_by_side):
+                return "has linear layers of several formats side by side with a bias"
+            norms = [
+                n.variance_epsilon for n in (layer.norm1, layer.norm2, *(layer.head_norms or ()))
+            ]
+            if set(norms) != {first.norm1.variance_epsilon} or layer.heads != first.heads:
                 return "has layers of different norm epsilons or head counts"
         if len({m.int16_activations for layer in layers for m in _linears(layer)}) > 1:
             return "has layers with and without int16 activations"
@@ -90,26 +103,34 @@ class LayerStack:
         one this call serves."""
         if attention.rows is None or h.shape[0] >= BF16_ROWS:
             return None
-        weights = self._weights()
-        if weights is None:
-            return None
         caches = [attention.cache.layer(layer.index) for layer in self.layers]
         return torch.ops.mstar_layer.decode_layers.default(
-            h, weights, caches, self.eps, rotary.cos_rows, rotary.sin_rows,
-            *attention.rows, self.heads, attention.scaling, self.int16_activations,
+            h, self._weights(), self._biases(), self._head_norms(), caches, self.eps,
+            rotary.cos_rows, rotary.sin_rows, *attention.rows, self.heads, attention.scaling,
+            self.int16_activations,
         )  # fmt: skip
 
-    def _weights(self) -> list[torch.Tensor] | None:
-        """The layers' weights as ``decode_layers`` takes them, as they are now
-        (None: a linear layer got a bias)."""
-        if any(map(is_not, map(_BIAS, self._linears), repeat(None))):
-            return None
+    def _weights(self) -> list[torch.Tensor]:
+        """The layers' weights as ``decode_layers`` takes them, as they are now."""
         # one pass at C speed (~420 tensors for SmolLM2), not a Python loop
-        weights = list(map(dict.__getitem__, self._held, self._names))
-        if any(map(is_, weights, repeat(None))):
+        return self._present(list(map(dict.__getitem__, self._held, self._names)))
+
+    def _biases(self) -> list[torch.Tensor]:
+        """The linear layers' biases as they are now, four a layer (none:
+        no layer has one)."""
+        biases = list(map(_BIAS, self._linears))
+        return self._present(biases) if any(map(is_not, biases, repeat(None))) else []
+
+    def _head_norms(self) -> list[torch.Tensor]:
+        """The head norms' weights as they are now, two a layer (or none)."""
+        return list(map(dict.__getitem__, self._norm_held, repeat("weight")))
+
+    def _present(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """``tensors`` with each None as the empty tensor ``decode_layers`` takes for none."""
+        if any(map(is_, tensors, repeat(None))):
             none = self._none
-            weights = [none if t is None else t for t in weights]
-        return weights
+            return [none if t is None else t for t in tensors]
+        return tensors
 
 
 def _linears(layer: FusedLlamaLayer) -> tuple[torch.nn.Module, ...]:

@@ -2,8 +2,9 @@
 
 ``fused_step(model)`` gives a ``FusedLlama`` for a model it computes exactly
 as HF's eager forward does (up to float32 rounding), or None, and then
-``forward_step`` runs HF's own forward. It serves ``LlamaForCausalLM``
-(SmolLM2, Llama 2/3, TinyLlama, ...) with HF's own modules (any rope type,
+``forward_step`` runs HF's own forward. It serves the causal LMs of
+``family.FAMILIES`` (``LlamaForCausalLM``: SmolLM2, Llama 2/3, TinyLlama,
+...; Mistral, Qwen2/2.5, Qwen3) with HF's own modules (any rope type,
 activation, bias), float32 activations on the CPU, plain or packed
 (``PackedLinear``) linear layers, a float32 or GGUF-block
 (``QuantizedEmbedding``) embedding, in eval mode, without hooks or replaced
@@ -20,13 +21,13 @@ from __future__ import annotations
 
 import torch
 from transformers import PreTrainedModel
-from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaModel, LlamaRMSNorm
 
 from mstar.cpu.layer_ops import layer_ops_or_why
 from mstar.cpu.quant.embedding import QuantizedEmbedding
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.plan import KVPlanOutput
 from mstar.models.llama.attention import StepAttention
+from mstar.models.llama.family import FAMILIES
 from mstar.models.llama.fused_linear import StorageCheck, concat_refusal, linear
 from mstar.models.llama.layer import FusedLlamaLayer, added_norm, layer_refusal
 from mstar.models.llama.rotary import RotaryTable, StepRotary
@@ -59,15 +60,19 @@ def fused_refusal(model: PreTrainedModel) -> str | None:
     """Why the fused forward cannot serve ``model`` (None: it can), in
     training mode or with its forward replaced (compiled, wrapped) aside
     (``fused_step`` checks those per step)."""
-    if type(model) is not LlamaForCausalLM or type(model.model) is not LlamaModel:
-        return f"is a {type(model).__name__}, not a LlamaForCausalLM"
+    family = FAMILIES.get(type(model))
+    if family is None:
+        names = ", ".join(kind.__name__ for kind in FAMILIES)
+        return f"is a {type(model).__name__}, not one of {names}"
+    if type(model.model) is not family.model:
+        return f"has a {type(model.model).__name__} where a {family.model.__name__} is expected"
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return "runs in a process group (tensor parallel shards)"
     inner = model.model
     reason = _embedding_refusal(inner.embed_tokens)
     if reason is not None:
         return reason
-    if type(inner.norm) is not LlamaRMSNorm:
+    if type(inner.norm) is not family.norm:
         return "has a final norm of its own"
     if len(inner.layers) != model.config.num_hidden_layers:
         return "runs fewer layers than it holds (config.num_hidden_layers)"
@@ -80,7 +85,7 @@ def fused_refusal(model: PreTrainedModel) -> str | None:
         return "has a module whose forward was replaced on the instance"
     reason = concat_refusal((model.lm_head,))
     for layer in inner.layers:
-        reason = reason or layer_refusal(layer)
+        reason = reason or layer_refusal(layer, family)
     return reason
 
 
@@ -101,15 +106,16 @@ def _embedding_refusal(embed: torch.nn.Module) -> str | None:
 
 
 class FusedLlama:
-    """A ``LlamaForCausalLM`` (``fused_refusal`` None) as fused layers."""
+    """A Llama-family causal LM (``fused_refusal`` None) as fused layers."""
 
     def __init__(self, model: PreTrainedModel) -> None:
         inner = model.model
         self.embed, self.norm, self.head = inner.embed_tokens, inner.norm, model.lm_head
         self.rotary_emb = inner.rotary_emb
         self.kernels = layer_ops_or_why() is None
+        family = FAMILIES[type(model)]
         self.layers = [
-            FusedLlamaLayer(layer, i, self.kernels) for i, layer in enumerate(inner.layers)
+            FusedLlamaLayer(layer, i, family, self.kernels) for i, layer in enumerate(inner.layers)
         ]
         self.scaling = inner.layers[0].self_attn.scaling
         self._signs: torch.Tensor | None = None  # the last step's ``StepRotary.signs``
