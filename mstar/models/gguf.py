@@ -13,9 +13,9 @@ with its parameters on the meta device (accelerate's
 each tensor is read once:
 
 - a linear layer's weights of a type the kernels take exactly (Q4_0, Q4_1,
-  Q8_0, Q4_K, Q6_K) stay packed as they stand (``mstar.cpu.quant.gguf.decode_blocks``):
-  their module keeps a meta weight until ``quantize_model`` swaps it for a
-  ``PackedLinear``;
+  Q8_0, Q4_K, Q6_K) are packed as they stand (``mstar.cpu.quant.gguf.decode_blocks``),
+  read only when ``quantize_model`` swaps the layer (which keeps a meta
+  weight until then) for a ``PackedLinear``: one layer's read form at a time;
 - with ``pack``, the token embedding (a plain ``nn.Embedding``) of any
   type but F32 stays in its blocks (``QuantizedEmbedding``: rows
   dequantized as looked up), never a float32 table; a head tied to it
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -41,7 +42,7 @@ import torch
 
 from mstar.cpu.cachedir import cached, file_key
 from mstar.cpu.quant.embedding import QuantizedEmbedding
-from mstar.cpu.quant.gguf import PACKED_TYPES, decode_blocks
+from mstar.cpu.quant.gguf import PACKED_TYPES, Deferred, decode_blocks
 from mstar.cpu.quant.packed import Packed
 
 __all__ = ["GGUFWeights", "gguf_folder", "load_gguf"]
@@ -50,7 +51,7 @@ INDEX = "tensors.json"  # the index of the file's tensors, in the cache folder
 
 # each weight the file holds, by its state-dict name: its packed form (None
 # where no kernel takes its type, or packing was not asked) and its GGUF type
-GGUFWeights = dict[str, tuple[Packed | None, str]]
+GGUFWeights = dict[str, tuple[Packed | Deferred | None, str]]
 
 
 def load_gguf(
@@ -58,7 +59,9 @@ def load_gguf(
 ) -> tuple[Any, GGUFWeights]:
     """The float32 model of the GGUF file at ``path`` in eval mode, and its
     weights (``GGUFWeights``). With ``pack``, linear layers of the packed
-    types hold meta weights for ``quantize_model`` to swap, and a quantized
+    types hold meta weights for ``quantize_model`` to swap, their tensors
+    not read yet (``Deferred``: read as each layer is packed, so a load
+    holds one layer's read form at a time, not the model's), and a quantized
     embedding stays in its blocks (``QuantizedEmbedding``); without, every
     weight is its float32 dequantization. The weights ``skip`` names are not
     read (they stay meta: packed layers stored from an earlier load take
@@ -68,11 +71,17 @@ def load_gguf(
 
     folder = gguf_folder(path)
     model = _empty_model(AutoConfig.from_pretrained(folder))
-    linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    linear = frozenset(
+        f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+    )
     kept = _embedding_weight(model) if pack else None
     weights: GGUFWeights = {}
     with torch.no_grad():
-        for name, type_name, value in _tensors(path, folder, model, pack, kept, skip):
+        tensors = _tensors(path, folder, model, pack, kept, skip, linear if pack else frozenset())
+        for name, type_name, value in tensors:
+            if isinstance(value, Deferred):  # a linear layer's, read when it is packed
+                weights[name] = (value, type_name)
+                continue
             weights[name] = (value if isinstance(value, Packed) else None, type_name)
             if isinstance(value, QuantizedEmbedding):
                 model.set_input_embeddings(value)
@@ -181,8 +190,14 @@ def _tie_head(model: Any, weights: GGUFWeights, skip: frozenset[str]) -> None:
 
 
 def _tensors(
-    path: Path, folder: Path, model: Any, pack: bool, kept: str | None, skip: frozenset[str]
-) -> Iterator[tuple[str, str, Packed | QuantizedEmbedding | torch.Tensor]]:
+    path: Path,
+    folder: Path,
+    model: Any,
+    pack: bool,
+    kept: str | None,
+    skip: frozenset[str],
+    defer: frozenset[str],
+) -> Iterator[tuple[str, str, Packed | Deferred | QuantizedEmbedding | torch.Tensor]]:
     """Each tensor of the file the model maps: ``(state-dict name, GGUF
     type, packed weights, the embedding kept in its blocks (``kept``, of a
     type other than F32) or float32 tensor)``, one at a time (none of those
@@ -197,9 +212,18 @@ def _tensors(
             if entry["hf"] in skip:
                 continue
             dtype, shape = np.dtype(entry["dtype"]), tuple(entry["shape"])
+            name, type_name = entry["hf"], entry["type"]
+            if name in defer and type_name in PACKED_TYPES:
+                order = torch.from_numpy(_row_order(processor, entry["name"], shape[0]))
+                read = partial(_packed_at, path, entry["offset"], shape, type_name, order)
+                yield (
+                    name,
+                    type_name,
+                    Deferred(tuple(model.get_parameter(name).shape), type_name, read),
+                )
+                continue
             data = _read(file, entry["offset"], int(np.prod(shape)) * dtype.itemsize)
             data = data.view(dtype).reshape(shape)
-            name, type_name = entry["hf"], entry["type"]
             if name == kept and type_name != "F32":
                 order = _row_order(processor, entry["name"], shape[0])
                 blocks = torch.from_numpy(data.view(np.uint8)[order])  # its own memory
@@ -212,6 +236,16 @@ def _tensors(
             floats = dequantize(data, GGMLQuantizationType[type_name])
             floats = processor.process(weights=floats, name=entry["name"]).weights
             yield name, type_name, torch.from_numpy(np.array(floats, np.float32))  # its own memory
+
+
+def _packed_at(
+    path: Path, offset: int, shape: tuple[int, ...], type_name: str, order: torch.Tensor
+) -> Packed:
+    """The blocks of a ``type_name`` tensor (uint8 ``shape``) at ``offset`` of
+    the file ``path``, packed, rows in ``order``."""
+    with path.open("rb") as file:
+        data = _read(file, offset, int(np.prod(shape))).reshape(shape)
+    return decode_blocks(type_name, data).rows(order)
 
 
 def _read(file: BinaryIO, offset: int, count: int) -> np.ndarray:

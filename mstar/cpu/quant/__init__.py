@@ -64,6 +64,7 @@ import torch
 
 from mstar.cpu.quant.arena import gather
 from mstar.cpu.quant.at_load import quantize_int4, quantize_int8
+from mstar.cpu.quant.gguf import Deferred, read_packed
 from mstar.cpu.quant.kernels import bf16_or_why, kernel_or_why
 from mstar.cpu.quant.linear import BF16_ROWS, PackedLinear
 from mstar.cpu.quant.packed import GROUP, LANES, PANEL, Packed, pack_bf16
@@ -140,7 +141,9 @@ def _blocker(device: torch.device, dtype: torch.dtype, tensor_parallel_size: int
 
 
 def quantize_model(
-    model: Any, choice: QuantChoice, gguf: dict[str, tuple[Packed | None, str]] | None = None
+    model: Any,
+    choice: QuantChoice,
+    gguf: dict[str, tuple[Packed | Deferred | None, str]] | None = None,
 ) -> str:
     """Switch ``model``'s linear layers to ``choice``'s packed weights (a GGUF's
     own: ``gguf``, each weight's packed form or None and its GGUF type, as
@@ -176,7 +179,8 @@ def quantize_model(
     kinds: dict[str, tuple[str, str]] = {}  # each packed layer's kind and source type
     for name in list(packed):  # each read form dropped once its layer holds what it keeps
         weights, type_name = packed.pop(name)
-        wide = weights.scales.dtype == torch.float32  # lanes and panels alone, whatever the dtype
+        weights = read_packed(weights)  # a deferred layer read now, one at a time
+        wide = weights.wide  # lanes and panels alone, whatever the dtype
         _swap(model, name, weights, why is None, panels=panels or wide, int16=rounded or wide)
         kinds[name] = (weights.kind, type_name)
     panelled, kept = _dequantized_as_panels(model, layers, dequantized)
@@ -221,8 +225,10 @@ def _check_shapes(layers: dict[str, torch.nn.Linear], mode: str) -> None:
 
 
 def _gguf_layers(
-    model: Any, layers: dict[str, torch.nn.Linear], weights: dict[str, tuple[Packed | None, str]]
-) -> tuple[dict[str, tuple[Packed, str]], dict[str, str], dict[str, str]]:
+    model: Any,
+    layers: dict[str, torch.nn.Linear],
+    weights: dict[str, tuple[Packed | Deferred | None, str]],
+) -> tuple[dict[str, tuple[Packed | Deferred, str]], dict[str, str], dict[str, str]]:
     """The layers the GGUF's packed weights serve (``{name: (packed, gguf type)}``),
     those of a type no integer kernel takes exactly (``{name: gguf type}``:
     Q4_K, Q6_K, F16, ...), and the others with why (kept float32)."""
@@ -243,12 +249,13 @@ def _gguf_layers(
         )
         # a meta weight: read packed from the file, nothing else to agree with
         if fits and (
-            mod.weight.is_meta or torch.equal(weight.dequantize(), mod.weight.detach().float())
+            mod.weight.is_meta
+            or torch.equal(read_packed(weight).dequantize(), mod.weight.detach().float())
         ):
             packed[name] = weights.pop(key)  # the caller's reference goes with the layer's
             continue
         if mod.weight.is_meta and weight is not None:
-            mod.weight = torch.nn.Parameter(weight.dequantize(), requires_grad=False)
+            mod.weight = torch.nn.Parameter(read_packed(weight).dequantize(), requires_grad=False)
         unpacked[name] = type_name
     return packed, dequantized, unpacked
 
@@ -267,7 +274,7 @@ def _off_lanes(
     no_panels = bf16_or_why()
     moved = {}
     for name, (weights, type_name) in list(packed.items()):
-        if weights.scales.dtype != torch.float32:
+        if not weights.wide:
             continue
         if no_panels is not None:
             why = no_panels
@@ -278,7 +285,7 @@ def _off_lanes(
         del packed[name]
         mod = layers[name]
         if mod.weight.is_meta:
-            mod.weight = torch.nn.Parameter(weights.dequantize(), requires_grad=False)
+            mod.weight = torch.nn.Parameter(read_packed(weights).dequantize(), requires_grad=False)
         dequantized[name] = type_name
         moved[name] = (type_name, why)
     return moved

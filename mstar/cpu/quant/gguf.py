@@ -17,6 +17,9 @@ rows in the Hugging Face model's order, to the model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -27,6 +30,27 @@ BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 # bytes of one super-block of 256 weights
 SUPER_BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
 PACKED_TYPES = (*BLOCK_BYTES, *SUPER_BLOCK_BYTES)  # the types ``decode_blocks`` takes
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A linear layer's GGUF tensor not read yet: ``read()`` reads and packs
+    it (``decode_blocks``), so a load holds one layer's read form at a time
+    beside what the packed layers keep, not every layer's at once."""
+
+    shape: tuple[int, int]  # the weight's [N, K]
+    type_name: str
+    read: Callable[[], Packed]
+
+    @property
+    def wide(self) -> bool:
+        """Whether its packed scales are float32 (the K-quants')."""
+        return self.type_name in SUPER_BLOCK_BYTES
+
+
+def read_packed(weights: Packed | Deferred) -> Packed:
+    """``weights`` packed, read first where deferred."""
+    return weights.read() if isinstance(weights, Deferred) else weights
 
 
 def decode_blocks(type_name: str, data: np.ndarray) -> Packed:

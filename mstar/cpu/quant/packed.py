@@ -46,6 +46,11 @@ class Packed:
     mins: torch.Tensor | None = None
 
     @property
+    def wide(self) -> bool:
+        """Whether its scales are float32 (GGUF's K-quants), not float16."""
+        return self.scales is not None and self.scales.dtype == torch.float32
+
+    @property
     def shape(self) -> tuple[int, int]:
         if self.kind == "bf16":
             return self.qweight.shape[0] * PANEL, self.qweight.shape[1] * 2
