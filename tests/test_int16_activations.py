@@ -399,15 +399,25 @@ def test_packed_linear_multiplies_few_rows_on_its_lanes(lanes, rows):
         PackedLinear(packed, None, None, True, random_int4(32, 576, seed=1).lanes())
 
 
-def test_bfloat16_arithmetic_holds_lanes_where_the_build_has_them(lanes):
+def test_bfloat16_arithmetic_holds_lanes_where_the_build_has_them(lanes, monkeypatch):
     """A model quantized int4 or int8 in bfloat16 arithmetic holds lanes in
-    every layer and, where its many rows take panels from them, no panels
-    and no row-major copy (rebuilt from the
+    every layer and, its panels past ``HELD_PANELS_BYTES``, takes its many
+    rows' panels from them: no panels and no row-major copy (rebuilt from the
     lanes, the same weights); its logits are within 1e-4 of the same layers'
     without lanes (the same integers: sums in another order, so an
-    activation a layer on may round to the neighbouring int16)."""
+    activation a layer on may round to the neighbouring int16). Under the
+    bound (a small model) it holds its panels, and no row-major copy."""
+    import mstar.cpu.quant as quant
+
+    small = build_model(0)[1].eval()
+    held = quantize_model(small, QuantChoice("int4", "as asked", "bfloat16"))
+    layers = [m for m in small.modules() if isinstance(m, PackedLinear)]
+    assert all(m.panels is not None and not m.lane_panels and m.qweight is None for m in layers)
+    assert "from the lanes" not in held
+    monkeypatch.setattr(quant, "HELD_PANELS_BYTES", 0)
     model = build_model(0)[1].eval()
-    quantize_model(model, QuantChoice("int4", "as asked", "bfloat16"))
+    lean = quantize_model(model, QuantChoice("int4", "as asked", "bfloat16"))
+    assert "9+ rows multiply in bfloat16 on panels dequantized from the lanes" in lean
     plain = build_model(0)[1].eval()
     for name, m in list(model.named_modules()):
         if isinstance(m, PackedLinear):

@@ -67,11 +67,15 @@ from mstar.cpu.quant.at_load import quantize_int4, quantize_int8
 from mstar.cpu.quant.gguf import Deferred, read_packed
 from mstar.cpu.quant.kernels import bf16_or_why, kernel_or_why
 from mstar.cpu.quant.linear import BF16_ROWS, PackedLinear
-from mstar.cpu.quant.packed import GROUP, LANES, PANEL, Packed, pack_bf16
+from mstar.cpu.quant.packed import GROUP, LANES, PANEL, Packed, bf16_panels, pack_bf16
 
 __all__ = ["QUANTIZATIONS", "QuantChoice", "quantize_model", "resolve_quantization"]
 
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4", "bf16")
+# most bytes of bfloat16 panels a model's many-row products hold (SmolLM2's 0.27 GB: 1.1-1.6x
+# faster at 9-32 rows than dequantizing them from the lanes as they run); a bigger model's
+# are dequantized so, holding none (a 1B's would be 2.1 GB)
+HELD_PANELS_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -176,12 +180,13 @@ def quantize_model(
     rounded = why is None and choice.arithmetic == "bfloat16"
     panels = rounded and bf16_or_why() is None
     off_lanes = {} if why else _off_lanes(model, layers, packed, dequantized)
+    hold = _panel_bytes(packed) <= HELD_PANELS_BYTES
     kinds: dict[str, tuple[str, str]] = {}  # each packed layer's kind and source type
     for name in list(packed):  # each read form dropped once its layer holds what it keeps
         weights, type_name = packed.pop(name)
         weights = read_packed(weights)  # a deferred layer read now, one at a time
         wide = weights.wide  # lanes and panels alone, whatever the dtype
-        _swap(model, name, weights, why is None, panels=panels or wide, int16=rounded or wide)
+        _swap(model, name, weights, why is None, panels or wide, rounded or wide, hold)
         kinds[name] = (weights.kind, type_name)
     panelled, kept = _dequantized_as_panels(model, layers, dequantized)
     gather(model)  # each kind of the packed tensors in one allocation, in the step's order
@@ -312,18 +317,33 @@ def _dequantized_as_panels(
     return panelled, kept
 
 
+def _panel_bytes(packed: dict[str, tuple[Packed | Deferred, str]]) -> int:
+    """The bytes bfloat16 panels of every layer of ``packed`` would take."""
+    return sum(2 * w.shape[0] * w.shape[1] for w, _ in packed.values() if w.shape[0] % PANEL == 0)
+
+
 def _swap(
-    model: Any, name: str, weights: Packed, use_kernel: bool, panels: bool, int16: bool
+    model: Any,
+    name: str,
+    weights: Packed,
+    use_kernel: bool,
+    panels: bool,
+    int16: bool,
+    hold: bool = False,
 ) -> None:
+    """The layer ``name`` on ``weights`` (``use_kernel``: as a ``PackedLinear``,
+    with lanes where ``int16``; many rows on bfloat16 panels where ``panels``:
+    held where ``hold``, else dequantized from the lanes as they run)."""
     parent, _, attr = name.rpartition(".")
     owner = model.get_submodule(parent) if parent else model
     old = getattr(owner, attr)
     if use_kernel:
         laned = int16 and weights.shape[0] % LANES == 0
         lanes = weights.lanes() if laned and torch.ops.mstar_quant.lanes_rows() else None
-        # many rows on panels dequantized from the lanes as they run: none held
-        lane_panels = panels and lanes is not None and weights.shape[0] % PANEL == 0
-        setattr(owner, attr, PackedLinear(weights, old.bias, None, int16, lanes, lane_panels))
+        from_lanes = panels and lanes is not None and weights.shape[0] % PANEL == 0
+        held = bf16_panels(weights) if from_lanes and hold else None
+        layer = PackedLinear(weights, old.bias, held, int16, lanes, from_lanes and held is None)
+        setattr(owner, attr, layer)
     else:  # a parameter of its own: a tied embedding keeps its weights
         old.weight = torch.nn.Parameter(weights.dequantize(), requires_grad=False)
 
@@ -336,9 +356,11 @@ def _rounded_summary(model: Any, packed: dict[str, tuple[str, str]]) -> str:
     if (why := bf16_or_why()) is not None:
         many = f"more rows float32 ({why})"
     else:
-        odd = [name for name in packed if not model.get_submodule(name).lane_panels]
+        layers = [model.get_submodule(name) for name in packed]
+        odd = [n for n, m in zip(packed, layers) if not m.lane_panels and m.panels is None]
         kept = f" (float32 for {', '.join(odd)}: rows not a multiple of {PANEL})" if odd else ""
-        many = f"{BF16_ROWS}+ rows multiply in bfloat16{kept}"
+        lean = " on panels dequantized from the lanes" * any(m.lane_panels for m in layers)
+        many = f"{BF16_ROWS}+ rows multiply in bfloat16{lean}{kept}"
     layers = [m for m in map(model.get_submodule, packed) if m.int16_activations]
     kinds = Counter((m.kind, m.int16_rows) for m in layers)
     by_rows: dict[int, list[str]] = {}
