@@ -1,151 +1,296 @@
-"""A 1B-shaped Q4_K_M GGUF served before and after K-quants became bfloat16
-panels: decode speed and memory, one process.
+"""Our engine beside llama.cpp on the same GGUF files: load, memory, prefill
+and decode speed, one markdown table.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/gguf_models.py [--folder DIR]
-        [--steps 8] [--rounds 3] [--keep]
+    python benchmarks/gguf_models.py --files A.gguf [B.gguf ...]
+        [--llama-bench PATH] [--threads 2] [--folder DIR]
+        [--write 1b:Q4_K_M,1b:Q4_0,8b:Q4_K_M] [--no-ours]
 
-Writes (once, under ``--folder``) a Llama GGUF of 1B's shape (hidden 2048,
-16 layers, 32/8 heads, FFN 8192, vocab 49152) in llama.cpp's Q4_K_M mix
-(``tests/gguf_files.py``: random blocks, scales small and finite) and
-converts it in a child process (the cache folder ``MSTAR_KV_CACHE`` under
-``--folder``, so the converted float32 model goes with it). Then, in this
-process: ``Engine.from_pretrained(file, quantization="gguf")`` (float32
-activations) with the K-quant layers as bfloat16 panels (this tree), its
-peak RSS (``resource.getrusage``: the start-up check's float32 reference
-copy included) and its RSS once started (anonymous and files' pages); then
-the same with the panels refused (``bf16_or_why`` patched: the layers keep
-their float32 dequantization, as before this change), both engines' RSS;
-then the two decode one request in turns, ``--rounds`` rounds of
-``--steps`` decode steps each (after a 32-token prompt and two warm-up
-steps). Prints the median step of
-each engine's best round as tok/s, and the load average. ``--keep`` keeps
-the files (4.7 GB converted), else they are removed at the end.
+``--write SIZE:MIX,...`` first writes Llama-shaped files with random valid
+blocks (``tests/gguf_files.py``) under ``--folder`` and adds them to the
+files: SIZE ``tiny`` (hidden 256, 2 layers), ``1b`` (2048, 16 layers, 32/8
+heads, FFN 8192), ``3b`` (3072, 28, 24/8, 8192), ``8b`` (4096, 32, 32/8,
+14336), vocab 49152; MIX ``Q4_K_M`` (llama.cpp's mix), ``Q4_0`` (the head
+Q6_K, as llama-quantize makes it), ``Q8_0``, ``Q6_K`` or ``F16``.
+
+Each file gets one row per engine and a ratio row (ours / llama.cpp):
+
+- *size*: the file's GiB.
+- *load 1st / 2nd*: seconds. Ours: ``Engine.from_pretrained(file,
+  dtype="auto", quantization="auto")`` in a child process, first with the
+  file's entries removed from the cache folder (``MSTAR_KV_CACHE``, under
+  ``--folder``; on a fresh folder the first file's first load also builds
+  the kernels), then again on that cache. llama.cpp: the wall time of
+  ``llama-bench -p 0 -n 1 -r 1`` (the load, a warm-up token and one token).
+- *peak RSS*: GiB, the process's high-water mark (ours: ``VmHWM`` of the
+  first load / of the measuring child; llama.cpp: ``ru_maxrss`` of the
+  ``llama-bench -p 512 -n 64`` run).
+- *RSS started*: ours, GiB resident once loaded (``VmRSS``).
+- *pp512*: prefill of a 512-token prompt, tok/s (ours: one request, a token
+  budget of 512 so one forward, best of ``--rounds``; llama.cpp: pp512, the
+  best of llama-bench's 5 repetitions, as ours is a best of rounds: on a
+  shared machine the mean mixes in runs that waited for a core).
+- *tg64*: decode of one request, tok/s (ours: 64 steps after a 32-token
+  prompt and 2 warm-up steps, best of ``--rounds``; llama.cpp: tg64, the
+  best of its 5).
+- *8 at once*: ours, decode tok/s of 8 requests together (64 steps after
+  32-token prompts, best of ``--rounds``); llama-bench has no such test.
+
+llama.cpp runs in this process's environment (no ``OMP_WAIT_POLICY``); ours
+runs each measurement in a child with ``OMP_WAIT_POLICY=PASSIVE``, torch on
+``--threads`` threads. Prefix caching is off in ours (each round's prompt
+is computed, as llama-bench's are).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import resource
+import re
 import shutil
-import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-
-from gguf_files import LlamaShape, q4_k_m_types, write_llama_gguf
-
-SHAPE_1B = LlamaShape(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=49152)
-FILE = "llama-1b-shaped.Q4_K_M.gguf"
+TESTS = Path(__file__).parents[1] / "tests"
 GiB = 2**30
+FLAGS = re.compile(r"^(avx512\w*|avx2|fma|f16c)$")
+SIZES = {  # hidden, layers, heads, kv heads, FFN, vocab
+    "tiny": (256, 2, 4, 2, 512, 288),
+    "1b": (2048, 16, 32, 8, 8192, 49152),
+    "3b": (3072, 28, 24, 8, 8192, 49152),
+    "8b": (4096, 32, 32, 8, 14336, 49152),
+}
+COLUMNS = ("size GiB", "load 1st s", "load 2nd s", "peak RSS GiB", "RSS started GiB",
+           "pp512 tok/s", "tg64 tok/s", "8 at once tok/s")  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--folder", type=Path, default=Path("/tmp/mstar-gguf-1b"))
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--files", type=Path, nargs="*", default=[])
+    parser.add_argument("--write", default="", help="SIZE:MIX,... files to write first")
+    parser.add_argument("--folder", type=Path, default=Path("/tmp/mstar-gguf-bench"))
+    parser.add_argument("--llama-bench", default=shutil.which("llama-bench"))
+    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--no-ours", action="store_true", help="llama.cpp's rows only")
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    os.environ["MSTAR_KV_CACHE"] = str(args.folder / "cache")
-    path = args.folder / FILE
-    try:
-        prepared(path)
-        measure(path, args.steps, args.rounds)
-    finally:
-        if not args.keep:
-            shutil.rmtree(args.folder, ignore_errors=True)
+    if args.child is not None:
+        print(json.dumps(measure_here(args.child, args.threads, args.rounds, args.load_only)))
+        return
+    files = [*args.files, *(written(spec, args.folder) for spec in args.write.split(",") if spec)]
+    print(cpu_line() + f"{args.threads} threads; load average {os.getloadavg()[0]:.1f}\n")
+    rows = []
+    for path in files:
+        ours = None if args.no_ours else our_row(path, args.folder / "cache", args)
+        peer = None if args.llama_bench is None else llama_row(path, args.llama_bench, args)
+        rows += [(path.name, "ours", ours)] if not args.no_ours else []
+        rows += [(path.name, "llama.cpp", peer)] if args.llama_bench else []
+        if ours and peer:
+            rows.append((path.name, "ours / llama.cpp", ratios(ours, peer)))
+    print(markdown(rows))
+    print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
 
 
-def prepared(path: Path) -> None:
-    """The file written and converted (in a child: its memory is not this process')."""
+def cpu_line() -> str:
+    """The CPU's model name and its avx512*/avx2/fma/f16c flags (lscpu)."""
+    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    flags = [f for f in fields.get("Flags", "").split() if FLAGS.match(f)]
+    return f"CPU: {fields.get('Model name', '?').strip()}; flags: {' '.join(flags)}\n"
+
+
+def written(spec: str, folder: Path) -> Path:
+    """The file ``SIZE:MIX`` names under ``folder``, written unless there."""
+    sys.path.insert(0, str(TESTS))
+    from gguf_files import LlamaShape, q4_k_m_types, write_llama_gguf
+
+    size, mix = spec.split(":")
+    path = folder / f"llama-{size}-shaped.{mix}.gguf"
     if not path.exists():
+        mixes = {
+            "Q4_K_M": q4_k_m_types,
+            "Q4_0": lambda n, i, k: "Q6_K" if n == "output" else "Q4_0",
+        }
+        types = mixes.get(mix, lambda n, i, k: mix)
         start = time.perf_counter()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_llama_gguf(path.with_suffix(".partial"), q4_k_m_types, SHAPE_1B).rename(path)
-        print(
-            f"wrote {path} ({path.stat().st_size / GiB:.2f} GiB, {time.perf_counter() - start:.0f} s)"
-        )
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        write_llama_gguf(partial, types, LlamaShape(*SIZES[size])).rename(path)
+        print(f"wrote {path} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    return path
+
+
+# --- ours -------------------------------------------------------------------------------
+
+
+def our_row(path: Path, cache: Path, args: argparse.Namespace) -> dict | None:
+    """Ours on ``path``: a first load (the file's cache entries removed),
+    then a second load and the speed runs, each in a child process."""
+    from mstar.cpu.cachedir import file_key
+
+    for stale in cache.glob(f"{file_key(path)}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    first = child(path, cache, args, "--load-only")
+    run = child(path, cache, args)
+    if first is None or run is None:
+        return None
+    return {"size GiB": path.stat().st_size / GiB, "load 1st s": first["load_s"],
+            "load 2nd s": run["load_s"], "peak RSS GiB": (first["peak_gib"], run["peak_gib"]),
+            "RSS started GiB": run["rss_gib"], "pp512 tok/s": run["prefill"],
+            "tg64 tok/s": run["decode"], "8 at once tok/s": run["decode8"]}  # fmt: skip
+
+
+def child(path: Path, cache: Path, args: argparse.Namespace, *extra: str) -> dict | None:
+    """``measure_here`` in a child (OMP_WAIT_POLICY=PASSIVE); None if it failed."""
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "MSTAR_KV_CACHE": str(cache),
+           "OMP_NUM_THREADS": str(args.threads)}  # fmt: skip
+    command = [sys.executable, __file__, "--child", str(path), "--threads", str(args.threads),
+               "--rounds", str(args.rounds), *extra]  # fmt: skip
+    done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        print(f"ours on {path.name} failed (exit {done.returncode})", file=sys.stderr)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_here(path: Path, threads: int, rounds: int, load_only: bool) -> dict:
+    """Load ``path`` in this process and, unless ``load_only``, time it."""
+    import torch
+
+    from mstar.engine import Engine
+
+    torch.set_num_threads(threads)
     start = time.perf_counter()
-    code = "import sys; from mstar.models.loader import model_folder; model_folder(sys.argv[1])"
-    subprocess.run([sys.executable, "-c", code, str(path)], check=True)
-    print(f"converted ({time.perf_counter() - start:.0f} s)")
+    engine = Engine.from_pretrained(
+        str(path), dtype="auto", quantization="auto", token_budget=512, prefix_cache=False
+    )
+    out = {"load_s": time.perf_counter() - start, "rss_gib": status_gib("VmRSS")}
+    print(f"{path.name}: {engine.model.mstar_quantization}", file=sys.stderr)
+    if not load_only:
+        out["prefill"] = max(prefill_rate(engine, 512, r) for r in range(rounds))
+        out["decode"] = max(decode_rate(engine, 1, 64) for _ in range(rounds))
+        out["decode8"] = max(decode_rate(engine, 8, 64) for _ in range(rounds))
+    out["peak_gib"] = status_gib("VmHWM")
+    return out
 
 
-def rss_gib(kind: str = "VmRSS") -> float:
-    """This process' resident memory now (``RssAnon``: its own; ``RssFile``:
-    files' pages it maps, e.g. the converted model's, reclaimable)."""
+def status_gib(field: str) -> float:
+    """``field`` of /proc/self/status (VmRSS, VmHWM) in GiB."""
     with open("/proc/self/status") as status:
-        kib = next(int(line.split()[1]) for line in status if line.startswith(f"{kind}:"))
+        kib = next(int(line.split()[1]) for line in status if line.startswith(f"{field}:"))
     return kib / 2**20
 
 
-def resident() -> str:
-    return f"RSS {rss_gib():.2f} GiB (anonymous {rss_gib('RssAnon'):.2f}, files {rss_gib('RssFile'):.2f})"
+def prompt(engine: object, length: int, seed: int) -> list[int]:
+    vocab = engine.model.config.vocab_size
+    return [(7 * j + 13 * seed + 1) % vocab for j in range(length)]
 
 
-def peak_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+def prefill_rate(engine: object, length: int, seed: int) -> float:
+    """tok/s of one ``length``-token prompt's prefill (one token sampled)."""
+    from mstar.engine import SamplingParams
 
-
-def measure(path: Path, steps: int, rounds: int) -> None:
-    import mstar.cpu.quant as quant
-    from mstar.engine import Engine
-
-    print(f"before loading: {resident()}")
+    until = engine.stats.prefill_tokens + length
     start = time.perf_counter()
-    panels = Engine.from_pretrained(str(path), quantization="gguf")
-    print(f"panels: {panels.model.mstar_quantization}")
-    print(
-        f"  start-up {time.perf_counter() - start:.0f} s, peak RSS {peak_gib():.2f} GiB;"
-        f" once started {resident()} ({panels.mode_check.describe()})"
-    )
-    real = quant.bf16_or_why
-    quant.bf16_or_why = lambda: "refused here: as before the panels"
-    try:
-        start = time.perf_counter()
-        float32 = Engine.from_pretrained(str(path), quantization="gguf")
-    finally:
-        quant.bf16_or_why = real
-    print(f"float32: {float32.model.mstar_quantization}")
-    print(
-        f"  start-up {time.perf_counter() - start:.0f} s; both engines {resident()}"
-        f" (peak of the process so far {peak_gib():.2f} GiB)"
-    )
-    engines = {"float32 (before)": float32, "bf16 panels": panels}
-    best: dict[str, float] = {}
-    for _ in range(rounds):
-        for name, engine in engines.items():
-            step = decode_step(engine, steps)
-            best[name] = min(best.get(name, step), step)
-    load = os.getloadavg()
-    for name, step in best.items():
-        print(
-            f"{name}: decode {1 / step:.2f} tok/s ({step * 1e3:.0f} ms a step, best round's median)"
-        )
-    print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+    engine.add_request(prompt(engine, length, seed), SamplingParams(max_new_tokens=1))
+    while engine.stats.prefill_tokens < until:
+        engine.step()
+    seconds = time.perf_counter() - start
+    while engine.has_unfinished():
+        engine.step()
+    return length / seconds
 
 
-def decode_step(engine: object, steps: int) -> float:
-    """The median wall time of ``steps`` decode steps of one request (a
-    32-token prompt, two warm-up steps first)."""
+def decode_rate(engine: object, batch: int, steps: int) -> float:
+    """tok/s of ``steps`` decode steps of ``batch`` requests (32-token
+    prompts, prefilled, 2 warm-up steps first)."""
     from mstar.engine import SamplingParams
 
     params = SamplingParams(max_new_tokens=steps + 4, ignore_eos=True)
-    rid = engine.add_request([(7 * j) % 1000 for j in range(32)], params)
-    start = engine.stats.decode_steps
-    while engine.stats.decode_steps < start + 2:
+    ids = [engine.add_request(prompt(engine, 32, i), params) for i in range(batch)]
+    warm = engine.stats.decode_steps + 2
+    while engine.stats.decode_steps < warm:
         engine.step()
-    times = []
+    start = time.perf_counter()
     for _ in range(steps):
-        t = time.perf_counter()
         engine.step()
-        times.append(time.perf_counter() - t)
-    engine.abort(rid)
-    return statistics.median(times)
+    seconds = time.perf_counter() - start
+    for rid in ids:
+        engine.abort(rid)
+    return batch * steps / seconds
+
+
+# --- llama.cpp ----------------------------------------------------------------------------
+
+
+def llama_row(path: Path, binary: str, args: argparse.Namespace) -> dict | None:
+    """llama-bench on ``path``: two short runs for the load, then pp512/tg64."""
+    loads = [llama_bench(binary, path, args.threads, 0, 1, "-r", "1")[1] for _ in range(2)]
+    found, _, peak = llama_bench(binary, path, args.threads, 512, 64)
+    if found is None or None in loads:
+        return None
+    rate = {(r["n_prompt"], r["n_gen"]): max(r["samples_ts"]) for r in found}
+    return {"size GiB": path.stat().st_size / GiB, "load 1st s": loads[0],
+            "load 2nd s": loads[1], "peak RSS GiB": peak, "pp512 tok/s": rate.get((512, 0)),
+            "tg64 tok/s": rate.get((0, 64))}  # fmt: skip
+
+
+def llama_bench(
+    binary: str, path: Path, threads: int, prompt_len: int, gen: int, *extra: str
+) -> tuple[list | None, float | None, float]:
+    """(llama-bench's JSON results, wall seconds, peak RSS GiB); Nones if it failed."""
+    command = [binary, "-m", str(path), "-t", str(threads), "-p", str(prompt_len),
+               "-n", str(gen), "-o", "json", *extra]  # fmt: skip
+    start = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True)
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        seconds, peak = time.perf_counter() - start, usage.ru_maxrss / 2**20
+        if proc.returncode != 0:
+            err.seek(0)
+            tail = "\n".join(err.read().strip().splitlines()[-5:])
+            print(
+                f"llama-bench on {path.name} failed ({proc.returncode}):\n{tail}", file=sys.stderr
+            )
+            return None, None, peak
+    return json.loads(out), seconds, peak
+
+
+# --- the table ---------------------------------------------------------------------------
+
+
+def ratios(ours: dict, peer: dict) -> dict:
+    """ours / llama.cpp per column both have (our peak: the higher of the two)."""
+    out = {}
+    for column in COLUMNS:
+        a, b = ours.get(column), peer.get(column)
+        a = max(a) if isinstance(a, tuple) else a
+        if a is not None and b:
+            out[column] = a / b
+    return out
+
+
+def cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, tuple):
+        return " / ".join(cell(v) for v in value)
+    return f"{value:.2f}" if value < 100 else f"{value:.0f}"
+
+
+def markdown(rows: list[tuple[str, str, dict | None]]) -> str:
+    lines = ["| file | engine | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 2) + "|"]
+    for name, engine, row in rows:
+        values = ["failed"] * len(COLUMNS) if row is None else [cell(row.get(c)) for c in COLUMNS]
+        lines.append(f"| {name} | {engine} | " + " | ".join(values) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
