@@ -19,12 +19,15 @@ minimums) 16 rows to a vector's lanes, as ``cpp/lanes.h``'s kernels stream
 them: with float16 scales int4 uint8 ``[N/16, K/32 * 320]``, int8 int8
 ``[N/16, K/32 * 544]``; with float32 scales (the K-quants) a third axis
 names the layout, int4 ``[N/16, K/32, 384]``, int8 (a scale per 16
-columns) ``[N/16, K/32, 640]``; held beside the packed weights for few rows.
+columns) ``[N/16, K/32, 640]``; int4 weights holding Q4_K's own factors
+(``SuperBlocks``) take them instead of float32 scales, uint8
+``[N/16, K/256, 2368]`` (0.58 bytes a weight, not 0.75); held beside the
+packed weights for few rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -33,17 +36,47 @@ PANEL = 32  # weight rows per bfloat16 panel
 LANES = 16  # weight rows per block of lanes
 LANE_BYTES = {"int4": 320, "int8": 544}  # a block's bytes a group of 32 columns (cpp/lanes.h)
 LANE_BYTES_F32 = {"int4": 384, "int8": 640}  # the same with float32 scales (and minimums)
+SUPER = 256  # columns a super-block (GGUF's K-quants)
+SUPER_HEAD = 320  # a super-block's head in int4 lanes: 16 rows' d, dmin (float16), 8 x sc, 8 x m
+LANE_BYTES_SUPER = SUPER_HEAD + SUPER // GROUP * 256  # a block's bytes a super-block (2368)
+
+
+@dataclass(frozen=True)
+class SuperBlocks:
+    """GGUF Q4_K's own factors of int4 weights ``[N, K]``: ``d`` and ``dmin``
+    float16 ``[N, K/256]``, ``sc`` and ``m`` uint8 ``[N, K/32]``: group
+    ``g``'s scale ``d * sc`` and minimum ``-(dmin * m)`` (of its super-block's
+    ``d``, ``dmin``), each exact in float32."""
+
+    d: torch.Tensor
+    dmin: torch.Tensor
+    sc: torch.Tensor
+    m: torch.Tensor
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The groups' float32 scales and minimums, ``[N, K/32]`` each."""
+        rows, count = self.d.shape
+        scales = self.d.float()[..., None] * self.sc.view(rows, count, -1).float()
+        mins = -(self.dmin.float()[..., None] * self.m.view(rows, count, -1).float())
+        return scales.view(rows, -1), mins.view(rows, -1)
+
+    def rows(self, order: torch.Tensor) -> SuperBlocks:
+        """The same factors with their rows in ``order``."""
+        return SuperBlocks(*(t[order].contiguous() for t in (self.d, self.dmin, self.sc, self.m)))
 
 
 @dataclass(frozen=True)
 class Packed:
     """One weight matrix ``[N, K]`` in a packed format (``kind``: int4, int8,
-    or bf16: ``qweight`` its panels, ``scales`` None)."""
+    or bf16: ``qweight`` its panels, ``scales`` None); int4 of float32 scales
+    may also hold the factors they are made of (``factors``: Q4_K's, which
+    its lanes then hold in their place)."""
 
     kind: str
     qweight: torch.Tensor
     scales: torch.Tensor | None
     mins: torch.Tensor | None = None
+    factors: SuperBlocks | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -55,8 +88,13 @@ class Packed:
     def rows(self, order: torch.Tensor) -> Packed:
         """The same weights with their rows in ``order``."""
         mins = None if self.mins is None else self.mins[order].contiguous()
+        factors = None if self.factors is None else self.factors.rows(order)
         return Packed(
-            self.kind, self.qweight[order].contiguous(), self.scales[order].contiguous(), mins
+            self.kind,
+            self.qweight[order].contiguous(),
+            self.scales[order].contiguous(),
+            mins,
+            factors,
         )
 
     def dequantize(self) -> torch.Tensor:
@@ -80,8 +118,12 @@ class Packed:
         columns, 32 bytes each (row ``r``'s pair at bytes ``2r, 2r+1``), then
         the rows' scales, one per 32 columns (float16) or, float32, the 16
         rows' scales of columns 0-15, then of columns 16-31. Scales keep
-        their dtype. ``ValueError`` for bf16, rows not a multiple of 16, or
-        float32 int8 scales not a whole number per 16 columns."""
+        their dtype. With ``factors``, per block and super-block of 256
+        columns: a head of the 16 rows' ``d``, then ``dmin`` (float16), then
+        per group of the 8 the rows' ``sc``, then per group their ``m``
+        (uint8), then the 8 groups' octets. ``ValueError`` for bf16, rows
+        not a multiple of 16, or float32 int8 scales not a whole number per
+        16 columns."""
         rows, width = self.shape
         if self.kind == "bf16" or rows % LANES:
             raise ValueError(
@@ -95,6 +137,8 @@ class Packed:
             q = self.values().view(blocks, LANES, groups, 4, 2, 4)
             octets = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)
             per_group = [octets.reshape(blocks, groups, -1)]
+            if self.factors is not None:
+                return self._super_lanes(per_group[0])
             scales = [self.scales, self.mins]
         else:  # [block, row, group, pair, 2] -> [block, group, pair, row, 2]
             pairs = self.qweight.view(blocks, LANES, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
@@ -112,13 +156,27 @@ class Packed:
         held = torch.cat(per_group, dim=2).view(self.qweight.dtype)
         return held if wide else held.view(blocks, -1)
 
+    def _super_lanes(self, octets: torch.Tensor) -> torch.Tensor:
+        """The lanes of ``factors`` (``lanes``) around the groups' ``octets``
+        (uint8 ``[N/16, K/32, 256]``)."""
+        blocks, groups = octets.shape[:2]
+        count = groups * GROUP // SUPER
+        head = []
+        for t in (self.factors.d, self.factors.dmin, self.factors.sc, self.factors.m):
+            # [block, row, super-block(, group)] -> [block, super-block(, group), row]
+            t = t.reshape(blocks, LANES, count, -1).permute(0, 2, 3, 1).contiguous()
+            head.append(t.view(blocks, count, -1).view(torch.uint8))
+        return torch.cat([*head, octets.reshape(blocks, count, -1)], dim=2)
+
     @classmethod
     def from_lanes(cls, kind: str, lanes: torch.Tensor) -> Packed:
         """The int4 or int8 weights ``lanes`` hold (``Packed.lanes``), packed
         row-major again: the same integers, scales and minimums, of the
         lanes' scale dtype (int8: float16, a scale per 32 columns; float32,
-        per 16)."""
+        per 16); of Q4_K's factors, those and the float32 scales they make."""
         dtype = torch.uint8 if kind == "int4" else torch.int8
+        if kind == "int4" and lanes.dim() == 3 and lanes.shape[2] == LANE_BYTES_SUPER:
+            return cls._from_super_lanes(lanes)
         wide = lanes.dim() == 3
         sizes = LANE_BYTES_F32 if wide else LANE_BYTES
         if (
@@ -143,10 +201,27 @@ class Packed:
             pairs = held[..., :512].reshape(blocks, groups, GROUP // 2, LANES, 2)  # [.., p, r, i]
             q = pairs.permute(0, 3, 1, 2, 4).reshape(rows, -1).view(torch.int8).contiguous()
             return cls("int8", q, scales(512, 2 if wide else 1).contiguous())
-        octets = held[..., :256].reshape(blocks, groups, 4, LANES, 4)  # [block, group, o, r, j]
-        halves = torch.stack((octets & 0x0F, octets >> 4), dim=4)  # [.., r, half, j]: 8o + 4h + j
-        q = halves.permute(0, 3, 1, 2, 4, 5).reshape(rows, -1)
-        return pack_int4(q, scales(256), scales(256 + size), floats)
+        return pack_int4(_nibbles(held[..., :256]), scales(256), scales(256 + size), floats)
+
+    @classmethod
+    def _from_super_lanes(cls, lanes: torch.Tensor) -> Packed:
+        """``from_lanes`` of int4 lanes of Q4_K's factors ``[N/16, K/256, 2368]``."""
+        blocks, count = lanes.shape[:2]
+        rows, per = blocks * LANES, SUPER // GROUP
+
+        def head(at: int, size: int, dtype: torch.dtype) -> torch.Tensor:  # [rows, S * size]
+            t = lanes[..., at : at + size * LANES * dtype.itemsize].contiguous().view(dtype)
+            return t.view(blocks, count, size, LANES).permute(0, 3, 1, 2).reshape(rows, -1)
+
+        factors = SuperBlocks(
+            head(0, 1, torch.float16).contiguous(),
+            head(2 * LANES, 1, torch.float16).contiguous(),
+            head(4 * LANES, per, torch.uint8).contiguous(),
+            head(4 * LANES + per * LANES, per, torch.uint8).contiguous(),
+        )
+        octets = lanes[..., SUPER_HEAD:].reshape(blocks, count * per, 256)
+        packed = pack_int4(_nibbles(octets), *factors.scales(), torch.float32)
+        return replace(packed, factors=factors)
 
     def values(self) -> torch.Tensor:
         """The integers ``q``, ``[N, K]`` (int4: uint8 0..15; int8: int8)."""
@@ -159,11 +234,22 @@ class Packed:
         return torch.cat([groups & 0x0F, groups >> 4], dim=2).view(rows, width)
 
 
+def _nibbles(octets: torch.Tensor) -> torch.Tensor:
+    """The integers ``[N, K]`` of int4 lanes' octets (uint8 ``[N/16, K/32, 256]``)."""
+    blocks, groups = octets.shape[:2]
+    octets = octets.reshape(blocks, groups, 4, LANES, 4)  # [block, group, o, r, j]
+    halves = torch.stack((octets & 0x0F, octets >> 4), dim=4)  # [.., r, half, j]: 8o + 4h + j
+    return halves.permute(0, 3, 1, 2, 4, 5).reshape(blocks * LANES, -1)
+
+
 def lanes_shape(packed: Packed) -> tuple[int, ...]:
     """The shape of ``packed.lanes()``: with float16 scales ``[N/16, K/32 *
     320]`` for int4, ``[N/16, K/32 * 544]`` for int8; with float32 scales
-    ``[N/16, K/32, 384]`` and ``[N/16, K/32, 640]``."""
+    ``[N/16, K/32, 384]`` and ``[N/16, K/32, 640]``; with Q4_K's factors
+    ``[N/16, K/256, 2368]``."""
     rows, width = packed.shape
+    if packed.factors is not None:
+        return rows // LANES, width // SUPER, LANE_BYTES_SUPER
     if packed.scales.dtype == torch.float32:
         return rows // LANES, width // GROUP, LANE_BYTES_F32[packed.kind]
     return rows // LANES, width // GROUP * LANE_BYTES[packed.kind]
