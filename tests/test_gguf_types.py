@@ -187,14 +187,14 @@ def test_q4_k_m_file_serves_on_lanes_and_agrees_with_its_float32_model(files, la
     assert check.tokens == 24
 
 
-def test_q4_k_lanes_of_the_files_factors_serve_as_the_float32_lanes_bit_for_bit(
+def test_k_quant_lanes_of_the_files_factors_serve_as_the_float32_lanes_bit_for_bit(
     files, lanes, monkeypatch
 ):
-    """A Q4_K_M-like file's Q4_K layers hold lanes of the file's own factors
-    (0.58 bytes a weight): the engine passes its start-up check and fuses its
+    """A Q4_K_M-like file's Q4_K and Q6_K layers hold lanes of the file's own
+    factors (0.58 and 1.07 bytes a weight): the engine passes its start-up check and fuses its
     decode stack on them, and the model's logits at one and many rows and
     the engine's greedy tokens are those of the same file on float32-scale
-    lanes (0.75), bit for bit."""
+    lanes (0.75 and 1.25), bit for bit."""
     import mstar.models.gguf as gguf_model
     from mstar.cpu.quant.gguf import decode_blocks
     from mstar.models.llama.step import fused_step
@@ -203,12 +203,12 @@ def test_q4_k_lanes_of_the_files_factors_serve_as_the_float32_lanes_bit_for_bit(
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(7))
 
     def served() -> tuple[set[int], list[torch.Tensor], list[int]]:
-        """The Q4_K layers' lanes' bytes a group, the logits, the greedy tokens."""
+        """The layers' kinds and lanes' last axes, the logits, the greedy tokens."""
         with Engine.from_pretrained(str(path), quantization="auto") as engine:
             assert engine.mode_check is not None and engine.mode_check.ok
             assert fused_step(engine.model).stack is not None
             packed = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
-            layouts = {m.lanes.shape[-1] for m in packed if m.kind == "int4"}
+            layouts = {(m.kind, m.lanes.shape[-1]) for m in packed}
             params = SamplingParams(max_new_tokens=8, ignore_eos=True)
             (done,) = engine.generate([ids[0, :4].tolist()], params)
         model = load(str(path), quantization="gguf", dtype=torch.bfloat16)[0]
@@ -217,14 +217,14 @@ def test_q4_k_lanes_of_the_files_factors_serve_as_the_float32_lanes_bit_for_bit(
         return layouts, logits, done.outputs[0].token_ids
 
     layouts, logits, tokens = served()
-    assert layouts == {2368}
-    with monkeypatch.context() as patch:  # the same file, Q4_K on float32-scale lanes
+    assert layouts == {("int4", 2368), ("int8", 4384)}
+    with monkeypatch.context() as patch:  # the same file on float32-scale lanes
         patch.setenv("MSTAR_KV_CACHE", str(files / "float32-scales"))
         patch.setattr(
             gguf_model, "decode_blocks", lambda t, d: replace(decode_blocks(t, d), factors=None)
         )
         wide, theirs, their_tokens = served()
-    assert wide == {384}
+    assert wide == {("int4", 384), ("int8", 640)}
     assert all(torch.equal(a, b) for a, b in zip(logits, theirs, strict=True))
     assert tokens == their_tokens and len(tokens) == 8
 

@@ -33,7 +33,7 @@ template <Scales S>
 inline void int4_group_lines(const uint8_t* block, uint16_t* panel, int64_t g, int half) {
   __m512 scale, min;
   int4_factors<S>(block, g, scale, min);
-  const uint8_t* nibbles = int4_nibbles<S>(block, g);
+  const uint8_t* nibbles = lane_group<uint8_t, S>(block, g);
   const __m512i nibble = _mm512_set1_epi32(0x0F);
   for (int o = 0; o < 4; ++o) {
     const __m512i bytes = _mm512_loadu_si512(nibbles + 64 * o);
@@ -49,23 +49,23 @@ inline void int4_group_lines(const uint8_t* block, uint16_t* panel, int64_t g, i
   }
 }
 
-// Group g of int8 lanes block `block` (16 rows, 544 bytes; 640 with float32 scales, `F32`,
-// columns 0-15's then 16-31's): each 32-byte pair of columns is already a line's order (row
-// r's pair at bytes 2r, 2r + 1), so widened, scaled, rounded.
+// Group g of int8 lanes block `block` (16 rows, of the layout `S`; a scale per 16 columns but
+// with float16 scales): each 32-byte pair of columns is already a line's order (row r's pair
+// at bytes 2r, 2r + 1), so widened, scaled, rounded.
 template <Scales S>
 inline void int8_group_lines(const int8_t* block, uint16_t* panel, int64_t g, int half) {
-  constexpr bool F32 = S == Scales::F32;
   const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
-  __m512 low_rows[2], high_rows[2];  // per half of the columns (float16: one scale for both)
+  __m512 scales[2], low_rows[2], high_rows[2];  // per half of the columns (float16: one scale for both)
+  int8_factors<S>(block, g, scales[0], scales[1]);
   for (int c = 0; c < 2; ++c) {
-    const __m512 scale = lane_floats<F32>(block + 512 + (F32 ? 64 * c : 0));
-    low_rows[c] = _mm512_permutexvar_ps(first, scale);
-    high_rows[c] = _mm512_permutexvar_ps(second, scale);
+    low_rows[c] = _mm512_permutexvar_ps(first, scales[c]);
+    high_rows[c] = _mm512_permutexvar_ps(second, scales[c]);
   }
+  const int8_t* pairs = lane_group<int8_t, S>(block, g);
   for (int p = 0; p < 16; ++p) {
     const int c = p / 8;  // pairs 0-7: columns 0-15
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * p));
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 32 * p));
     const __m512 low =
         _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), low_rows[c]);
     const __m512 high =
@@ -83,7 +83,7 @@ void lane_panel(const T* lanes, int64_t p, int64_t G, uint16_t* panel) {
     const T* block = lanes + (2 * p + half) * G * bytes;
     for (int64_t g = 0; g < G; ++g) {
       if constexpr (std::is_same_v<T, uint8_t>) int4_group_lines<S>(block, panel, g, half);
-      else int8_group_lines<S>(block + g * bytes, panel, g, half);
+      else int8_group_lines<S>(block, panel, g, half);
     }
   }
 }

@@ -9,8 +9,9 @@ sub-block of 32, 4-bit values) is int4 groups of 32 of scale ``d * sc`` and
 min ``-dmin * m``; Q6_K (int8 ``scale`` per sub-block of 16, float16 ``d``,
 6-bit values ``q``) is int8 ``q - 32`` of scale ``d * scale`` per 16
 columns; each product exact in float32, so ``Packed.dequantize`` is gguf-py's
-float32 dequantization. Q4_K's packed weights also keep its factors
-(``SuperBlocks``), which its lanes hold in place of the float32 scales. Every other type is not packed here
+float32 dequantization. Q4_K's and Q6_K's packed weights also keep their
+factors (``SuperBlocks``), which their lanes hold in place of the float32
+scales. Every other type is not packed here
 (``quantize_model`` serves its float32 dequantization as bfloat16 panels
 where it can); ``mstar.models.gguf`` reads the file and maps its tensors,
 rows in the Hugging Face model's order, to the model.
@@ -92,7 +93,6 @@ def _q6_k(blocks: torch.Tensor) -> Packed:
     qh = blocks[:, :, 128:192].reshape(rows, count, 2, 1, 32)
     high = torch.cat([(qh >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=3)
     q = (low | (high.view(rows, count, 256) << 4)).view(torch.int8) - 32
-    scale = blocks[:, :, 192:208].contiguous().view(torch.int8).float()
-    d = _halves(blocks, 208).float()
-    scales = (d[..., None] * scale).view(rows, -1)
-    return Packed("int8", q.view(rows, -1).contiguous(), scales.contiguous())
+    scale = blocks[:, :, 192:208].contiguous().view(torch.int8).view(rows, -1)
+    factors = SuperBlocks(_halves(blocks, 208).contiguous(), None, scale, None)
+    return Packed("int8", q.view(rows, -1).contiguous(), factors.scales()[0], factors=factors)
