@@ -8,6 +8,7 @@ lanes or panels cannot take is named, with why."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -185,6 +186,48 @@ def test_q4_k_m_file_serves_on_lanes_and_agrees_with_its_float32_model(files, la
         check = check_mode(engine, float32_reference(hf.eval()), Tolerance.of(exact=False))
     assert check.ok, check.failure
     assert check.tokens == 24
+
+
+def test_k_quant_lanes_of_the_files_factors_serve_as_the_float32_lanes_bit_for_bit(
+    files, lanes, monkeypatch
+):
+    """A Q4_K_M-like file's Q4_K and Q6_K layers hold lanes of the file's own
+    factors (0.58 and 1.07 bytes a weight): the engine passes its start-up check and fuses its
+    decode stack on them, and the model's logits at one and many rows and
+    the engine's greedy tokens are those of the same file on float32-scale
+    lanes (0.75 and 1.25), bit for bit."""
+    import mstar.models.gguf as gguf_model
+    from mstar.cpu.quant.gguf import decode_blocks
+    from mstar.models.llama.step import fused_step
+
+    path = write_llama_gguf(files / "q4_k_m_factors.gguf", q4_k_m_types)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(7))
+
+    def served() -> tuple[set[int], list[torch.Tensor], list[int]]:
+        """The layers' kinds and lanes' last axes, the logits, the greedy tokens."""
+        with Engine.from_pretrained(str(path), quantization="auto") as engine:
+            assert engine.mode_check is not None and engine.mode_check.ok
+            assert fused_step(engine.model).stack is not None
+            packed = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
+            layouts = {(m.kind, m.lanes.shape[-1]) for m in packed}
+            params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+            (done,) = engine.generate([ids[0, :4].tolist()], params)
+        model = load(str(path), quantization="gguf", dtype=torch.bfloat16)[0]
+        with torch.no_grad():
+            logits = [model(ids[:, :1]).logits, model(ids).logits]
+        return layouts, logits, done.outputs[0].token_ids
+
+    layouts, logits, tokens = served()
+    assert layouts == {("int4", 2368), ("int8", 4384)}
+    with monkeypatch.context() as patch:  # the same file on float32-scale lanes
+        patch.setenv("MSTAR_KV_CACHE", str(files / "float32-scales"))
+        patch.setattr(
+            gguf_model, "decode_blocks", lambda t, d: replace(decode_blocks(t, d), factors=None)
+        )
+        wide, theirs, their_tokens = served()
+    assert wide == {("int4", 384), ("int8", 640)}
+    assert all(torch.equal(a, b) for a, b in zip(logits, theirs, strict=True))
+    assert tokens == their_tokens and len(tokens) == 8
 
 
 def test_without_bf16_panels_the_types_are_named_float32_with_why(mixed, monkeypatch):

@@ -6,6 +6,8 @@ it applies and how it is named."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -17,7 +19,7 @@ from mstar.cpu.quant.at_load import quantize_int4, quantize_int8
 from mstar.cpu.quant.gguf import decode_blocks
 from mstar.cpu.quant.kernels import bf16_or_why, kernel_or_why
 from mstar.cpu.quant.linear import BF16_ROWS, PackedLinear
-from mstar.cpu.quant.packed import Packed, bf16_panels, pack_bf16
+from mstar.cpu.quant.packed import Packed, bf16_panels, lanes_shape, pack_bf16
 from mstar.models.seeded import build_model
 
 LIMIT = 32767.0
@@ -298,11 +300,13 @@ def test_int8_lanes_kernel_is_its_rounding_of_every_row_count(lanes, rows, group
         torch.ops.mstar_quant.lanes_i16(torch.randn(most + 1, 192), packed.lanes())
 
 
-def k_quant(type_name: str, rows: int, width: int, seed: int) -> Packed:
-    """Random GGUF blocks of ``type_name`` (Q4_K, Q6_K), packed: float32 scales."""
+def k_quant(type_name: str, rows: int, width: int, seed: int, factors: bool = False) -> Packed:
+    """Random GGUF blocks of ``type_name`` (Q4_K, Q6_K), packed: float32
+    scales (Q4_K's also its own factors where ``factors``: lanes of those)."""
     pytest.importorskip("gguf")
     data = random_blocks(type_name, rows, width, np.random.default_rng(seed))
-    return decode_blocks(type_name, data)
+    packed = decode_blocks(type_name, data)
+    return packed if factors else replace(packed, factors=None)
 
 
 def test_float32_scale_lanes_hold_each_weight_and_scale_at_its_place():
@@ -455,6 +459,90 @@ def test_panels_from_float32_scale_lanes_are_the_held_panels_bit_for_bit(lanes, 
         )
     layer = PackedLinear(packed, None, None, True, packed.lanes(), lane_panels=True)
     assert torch.equal(layer.weight_rows(32, 96), packed.dequantize()[32:96])
+
+
+def test_k_quant_lanes_hold_their_factors_at_their_place():
+    """Q4_K's weights holding its own factors take lanes of them: per block
+    of 16 rows and super-block of 256 columns, the rows' float16 ``d``, then
+    ``dmin``, then each group's ``sc``, then each group's ``m``, then the 8
+    groups' octets as in every int4 layout; Q6_K's: the rows' ``d``, then
+    each 16 columns' int8 ``sc``, then the 8 groups' pairs as in every int8
+    layout; ``from_lanes`` gives back the weights, float32 scales and
+    factors bit for bit, and rows reordered take their factors along."""
+    q4 = k_quant("Q4_K", 48, 512, seed=1, factors=True)
+    held = q4.lanes()
+    assert held.dtype == torch.uint8 and held.shape == (3, 2, 2368) == lanes_shape(q4)
+    f, q = q4.factors, q4.values()
+    for row, column in ((0, 0), (17, 37), (47, 511), (30, 300)):
+        block, r, sb, group, k = row // 16, row % 16, column // 256, column // 32 % 8, column % 32
+        head = held[block, sb]
+        assert head[:32].view(torch.float16)[r] == f.d[row, sb]
+        assert head[32:64].view(torch.float16)[r] == f.dmin[row, sb]
+        assert head[64 + 16 * group + r] == f.sc[row, column // 32]
+        assert head[192 + 16 * group + r] == f.m[row, column // 32]
+        octet, half, j = k // 8, k % 8 // 4, k % 4
+        byte = int(head[320 + 256 * group + 64 * octet + 4 * r + j])
+        assert (byte >> 4 * half) & 0x0F == q[row, column]
+    back = Packed.from_lanes("int4", held)
+    for name in ("qweight", "scales", "mins"):
+        assert torch.equal(getattr(back, name), getattr(q4, name)), name
+    for name in ("d", "dmin", "sc", "m"):
+        assert torch.equal(getattr(back.factors, name), getattr(f, name)), name
+    order = torch.randperm(48, generator=torch.Generator().manual_seed(1))
+    moved = q4.rows(order)
+    assert torch.equal(moved.factors.d, f.d[order]) and torch.equal(moved.factors.m, f.m[order])
+    again = Packed.from_lanes("int4", moved.lanes()).dequantize()
+    assert torch.equal(again, q4.dequantize()[order])
+    meta = Packed.from_lanes("int4", held.to("meta"))  # a stand-in of the layout's shapes
+    assert lanes_shape(meta) == tuple(held.shape) and meta.factors.sc.shape == (48, 16)
+    with pytest.raises(ValueError, match="expected int4 lanes"):
+        Packed.from_lanes("int4", held[:, :, :2367])
+    q6 = k_quant("Q6_K", 32, 512, seed=2, factors=True)
+    held = q6.lanes()
+    assert held.dtype == torch.int8 and held.shape == (2, 2, 4384) == lanes_shape(q6)
+    f = q6.factors
+    for row, column in ((0, 0), (17, 37), (31, 511), (5, 300)):
+        block, r, sb, group, k = row // 16, row % 16, column // 256, column // 32 % 8, column % 32
+        head = held[block, sb]
+        assert head[:32].view(torch.float16)[r] == f.d[row, sb]
+        assert head[32 + 16 * (column // 16 % 16) + r] == f.sc[row, column // 16]
+        assert head[288 + 512 * group + 32 * (k // 2) + 2 * r + k % 2] == q6.qweight[row, column]
+    back = Packed.from_lanes("int8", held)
+    assert torch.equal(back.qweight, q6.qweight) and torch.equal(back.scales, q6.scales)
+    assert back.mins is None and back.factors.dmin is None and torch.equal(back.factors.sc, f.sc)
+    assert torch.equal(back.factors.d, f.d)
+
+
+# a K-quant's lanes: bytes a block a super-block of its factors, a group of float32 scales;
+# bytes a weight (x1000) of its factors
+SUPER_LANES = {"Q4_K": (2368, 384, 578), "Q6_K": (4384, 640, 1070)}
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("shape", [(48, 256), (96, 1536), (480, 768)])
+def test_k_quant_factor_lanes_are_the_float32_lanes_bit_for_bit(lanes, rows, type_name, shape):
+    """Lanes of Q4_K's and Q6_K's own factors (scales and minimums made in
+    registers) give what their float32-scale lanes give, bit for bit: at
+    every row count the lanes take (``lanes_i16``) and, 32-row panels
+    dequantized from them, at more (``lanes_bf16``); enough weights to
+    share among threads."""
+    packed = k_quant(type_name, *shape, seed=shape[0], factors=True)
+    compact, wide = packed.lanes(), replace(packed, factors=None).lanes()
+    assert compact.dim() == wide.dim() == 3
+    assert (compact.shape[2], wide.shape[2]) == SUPER_LANES[type_name][:2]
+    per_weight = compact.numel() * 1000 // (shape[0] * shape[1])
+    assert per_weight == SUPER_LANES[type_name][2]
+    ops = torch.ops.mstar_quant
+    g = torch.Generator().manual_seed(3)
+    for count in range(1, rows + 1):
+        x = activations(count, shape[1], g)
+        assert torch.equal(ops.lanes_i16(x, compact), ops.lanes_i16(x, wide)), count
+    if bf16_or_why() is None and shape[0] % 32 == 0:
+        for count in (1, 7, BF16_ROWS, 33):
+            x = torch.randn(count, shape[1], generator=g)
+            assert torch.equal(ops.lanes_bf16(x, compact), ops.lanes_bf16(x, wide)), count
+    with pytest.raises(RuntimeError, match=r"\[N/16, K/256, 2368 or 4384\] \(the K-quants'"):
+        ops.lanes_i16(torch.randn(1, shape[1]), compact[:, :, :-1].contiguous())
 
 
 @pytest.mark.parametrize("quantize", [quantize_int4, quantize_int8])

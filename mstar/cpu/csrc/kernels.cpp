@@ -39,7 +39,8 @@
 // count of them in bfloat16, each 32-row panel dequantized from the lanes as it is reached
 // (lane_panels.h, AVX512-BF16 builds): `bf16_linear` on the panels it would hold, bit for bit.
 // The lanes' scales are float16 or float32 (GGUF's Q4_K and Q6_K: int4 groups of 32, int8 a
-// scale per 16 columns), which only the lanes take.
+// scale per 16 columns), or their own factors a super-block of 256 columns, which only the
+// lanes take.
 //
 // The parts, in csrc/: common.h, team.h, formats.h, gemv.h, i16_gemv.h, lanes.h, panels.h,
 // bf16_panels.h, lane_panels.h.
@@ -153,18 +154,49 @@ void check_lane_rows(int64_t M) {
   TORCH_CHECK(M <= lane_rows(), "expected at most ", lane_rows(), " activation rows for lanes, got ", M);
 }
 
-// N and K of int4 (uint8) or int8 (int8) weights laid out as `lanes`, checked: float16
-// scales [N/16, K/32 * 320] and [N/16, K/32 * 544], float32 scales [N/16, K/32, 384] and
-// [N/16, K/32, 640] (lanes.h).
-std::pair<int64_t, int64_t> lanes_shape(const at::Tensor& lanes) {
+// The layout of int4 (uint8) or int8 (int8) `lanes`, checked: float16 scales [N/16, K/32 *
+// 320] and [N/16, K/32 * 544], float32 scales [N/16, K/32, 384] and [N/16, K/32, 640], the
+// K-quants' factors [N/16, K/256, 2368] (Q4_K) and [N/16, K/256, 4384] (Q6_K) (lanes.h).
+Scales lanes_layout(const at::Tensor& lanes) {
   TORCH_CHECK(lane_rows() > 0, "lanes need a build with AVX512-VNNI (lanes_rows() is 0 here)");
-  const bool int4 = lanes.scalar_type() == at::kByte, f32 = lanes.dim() == 3;
-  const int64_t bytes = f32 ? (int4 ? LANE_F32_BYTES : LANE_INT8_F32_BYTES) : (int4 ? LANE_GROUP_BYTES : LANE_INT8_BYTES);
-  TORCH_CHECK((int4 || lanes.scalar_type() == at::kChar) && lanes.is_contiguous() &&
-                  (f32 ? lanes.size(2) == bytes : lanes.dim() == 2 && lanes.size(1) % bytes == 0),
-              "expected contiguous uint8 (int4) or int8 lanes [N/16, K/32 * 320 or 544] (float16 scales) or"
-              " [N/16, K/32, 384 or 640] (float32), got ", lanes.scalar_type(), " ", lanes.sizes());
-  return {lanes.size(0) * LANE_ROWS, (f32 ? lanes.size(1) : lanes.size(1) / bytes) * 32};
+  const bool int4 = lanes.scalar_type() == at::kByte;
+  const bool known = (int4 || lanes.scalar_type() == at::kChar) && lanes.is_contiguous() && lanes.dim() >= 2;
+  const int64_t last = lanes.size(-1);
+  if (known && lanes.dim() == 2 && last % (int4 ? LANE_GROUP_BYTES : LANE_INT8_BYTES) == 0) return Scales::F16;
+  if (known && lanes.dim() == 3 && last == (int4 ? LANE_F32_BYTES : LANE_INT8_F32_BYTES)) return Scales::F32;
+  TORCH_CHECK(known && lanes.dim() == 3 && last == (int4 ? super_bytes<uint8_t>() : super_bytes<int8_t>()),
+              "expected contiguous uint8 (int4) or int8 lanes [N/16, K/32 * 320 or 544] (float16 scales),"
+              " [N/16, K/32, 384 or 640] (float32) or [N/16, K/256, 2368 or 4384] (the K-quants' factors), got ",
+              lanes.scalar_type(), " ", lanes.sizes());
+  return Scales::SUPER;
+}
+
+// N and K of the weights `lanes` hold (`lanes_layout`).
+std::pair<int64_t, int64_t> lanes_shape(const at::Tensor& lanes) {
+  const Scales layout = lanes_layout(lanes);
+  const bool int4 = lanes.scalar_type() == at::kByte;
+  const int64_t K = layout == Scales::SUPER ? lanes.size(1) * 256
+                    : layout == Scales::F32 ? lanes.size(1) * 32
+                                            : lanes.size(1) / (int4 ? LANE_GROUP_BYTES : LANE_INT8_BYTES) * 32;
+  return {lanes.size(0) * LANE_ROWS, K};
+}
+
+// f(data, layout) for `lanes` (`lanes_layout`): data a const uint8_t* (int4) or int8_t*, layout
+// a std::integral_constant of its `Scales`.
+template <typename F>
+void on_lanes(const at::Tensor& lanes, F&& f) {
+  using F16 = std::integral_constant<Scales, Scales::F16>;
+  using F32 = std::integral_constant<Scales, Scales::F32>;
+  using SUPER = std::integral_constant<Scales, Scales::SUPER>;
+  const bool int4 = lanes.scalar_type() == at::kByte;
+  switch (lanes_layout(lanes)) {
+    case Scales::F16:
+      return int4 ? f(lanes.data_ptr<uint8_t>(), F16()) : f(lanes.data_ptr<int8_t>(), F16());
+    case Scales::F32:
+      return int4 ? f(lanes.data_ptr<uint8_t>(), F32()) : f(lanes.data_ptr<int8_t>(), F32());
+    case Scales::SUPER:
+      return int4 ? f(lanes.data_ptr<uint8_t>(), SUPER()) : f(lanes.data_ptr<int8_t>(), SUPER());
+  }
 }
 
 // y [M, N] = x [M, K] @ W.T for M <= lanes_rows() rows of x (contiguous float32) rounded to
@@ -172,14 +204,12 @@ std::pair<int64_t, int64_t> lanes_shape(const at::Tensor& lanes) {
 // tensors: for decode_layers.cpp.
 void multiply_lanes(const at::Tensor& lanes, int64_t N, int64_t K, const float* x, int64_t M, float* y,
                     int64_t ldy = 0) {
-  const bool int4 = lanes.scalar_type() == at::kByte, f32 = lanes.dim() == 3;
   check_lane_rows(M);
 #if defined(__AVX512VNNI__)
   ldy = ldy ? ldy : N;
-  if (int4 && f32) lanes_i16<uint8_t, true>(lanes.data_ptr<uint8_t>(), x, M, N, K, y, ldy);
-  else if (int4) lanes_i16<uint8_t, false>(lanes.data_ptr<uint8_t>(), x, M, N, K, y, ldy);
-  else if (f32) lanes_i16<int8_t, true>(lanes.data_ptr<int8_t>(), x, M, N, K, y, ldy);
-  else lanes_i16<int8_t, false>(lanes.data_ptr<int8_t>(), x, M, N, K, y, ldy);
+  on_lanes(lanes, [&](auto data, auto layout) {
+    lanes_i16<std::remove_pointer_t<decltype(data)>, decltype(layout)::value>(data, x, M, N, K, y, ldy);
+  });
 #endif
 }
 
@@ -205,13 +235,10 @@ at::Tensor lanes_bf16_linear(const at::Tensor& x_in, const at::Tensor& lanes) {
   const at::Tensor x = x_in.reshape({-1, K}).contiguous();
   at::Tensor y = at::empty({x.size(0), N}, x.options());
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-  const bool int4 = lanes.scalar_type() == at::kByte, f32 = lanes.dim() == 3;
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  if (int4 && f32) lanes_bf16_rows<uint8_t, true>(lanes.data_ptr<uint8_t>(), xp, x.size(0), N, K, yp);
-  else if (int4) lanes_bf16_rows<uint8_t, false>(lanes.data_ptr<uint8_t>(), xp, x.size(0), N, K, yp);
-  else if (f32) lanes_bf16_rows<int8_t, true>(lanes.data_ptr<int8_t>(), xp, x.size(0), N, K, yp);
-  else lanes_bf16_rows<int8_t, false>(lanes.data_ptr<int8_t>(), xp, x.size(0), N, K, yp);
+  on_lanes(lanes, [&](auto data, auto layout) {
+    lanes_bf16_rows<std::remove_pointer_t<decltype(data)>, decltype(layout)::value>(
+        data, x.data_ptr<float>(), x.size(0), N, K, y.data_ptr<float>());
+  });
 #else
   TORCH_CHECK(false, "the kernels were built without AVX512-BF16 (this CPU's flags lack it)");
 #endif

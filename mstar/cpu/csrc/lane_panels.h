@@ -27,16 +27,16 @@ inline __m512i panel_line(__m512 even, __m512 odd) {
   return _mm512_permutexvar_epi16(order, halves);
 }
 
-// Group g of int4 lanes block `block` (16 rows, 320 bytes; 384 with float32 scales, `F32`)
-// into the panel's 16 lines of k pairs 16g..16g+15, half `half` of each (rows 16 half..16
-// half + 15).
-template <bool F32>
+// Group g of int4 lanes block `block` (16 rows, of the layout `S`) into the panel's 16 lines
+// of k pairs 16g..16g+15, half `half` of each (rows 16 half..16 half + 15).
+template <Scales S>
 inline void int4_group_lines(const uint8_t* block, uint16_t* panel, int64_t g, int half) {
-  const __m512 scale = lane_floats<F32>(block + 256);
-  const __m512 min = lane_floats<F32>(block + 256 + (F32 ? 64 : 32));
+  __m512 scale, min;
+  int4_factors<S>(block, g, scale, min);
+  const uint8_t* nibbles = lane_group<uint8_t, S>(block, g);
   const __m512i nibble = _mm512_set1_epi32(0x0F);
   for (int o = 0; o < 4; ++o) {
-    const __m512i bytes = _mm512_loadu_si512(block + 64 * o);
+    const __m512i bytes = _mm512_loadu_si512(nibbles + 64 * o);
     __m512 w[8];  // weights 8o..8o+7: byte j's low nibble is 8o + j, its high one 8o + 4 + j
     for (int t = 0; t < 8; ++t) {
       const __m512i q = _mm512_and_si512(_mm512_srli_epi32(bytes, 8 * (t % 4) + 4 * (t / 4)), nibble);
@@ -49,22 +49,23 @@ inline void int4_group_lines(const uint8_t* block, uint16_t* panel, int64_t g, i
   }
 }
 
-// Group g of int8 lanes block `block` (16 rows, 544 bytes; 640 with float32 scales, `F32`,
-// columns 0-15's then 16-31's): each 32-byte pair of columns is already a line's order (row
-// r's pair at bytes 2r, 2r + 1), so widened, scaled, rounded.
-template <bool F32>
+// Group g of int8 lanes block `block` (16 rows, of the layout `S`; a scale per 16 columns but
+// with float16 scales): each 32-byte pair of columns is already a line's order (row r's pair
+// at bytes 2r, 2r + 1), so widened, scaled, rounded.
+template <Scales S>
 inline void int8_group_lines(const int8_t* block, uint16_t* panel, int64_t g, int half) {
   const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
-  __m512 low_rows[2], high_rows[2];  // per half of the columns (float16: one scale for both)
+  __m512 scales[2], low_rows[2], high_rows[2];  // per half of the columns (float16: one scale for both)
+  int8_factors<S>(block, g, scales[0], scales[1]);
   for (int c = 0; c < 2; ++c) {
-    const __m512 scale = lane_floats<F32>(block + 512 + (F32 ? 64 * c : 0));
-    low_rows[c] = _mm512_permutexvar_ps(first, scale);
-    high_rows[c] = _mm512_permutexvar_ps(second, scale);
+    low_rows[c] = _mm512_permutexvar_ps(first, scales[c]);
+    high_rows[c] = _mm512_permutexvar_ps(second, scales[c]);
   }
+  const int8_t* pairs = lane_group<int8_t, S>(block, g);
   for (int p = 0; p < 16; ++p) {
     const int c = p / 8;  // pairs 0-7: columns 0-15
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * p));
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 32 * p));
     const __m512 low =
         _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), low_rows[c]);
     const __m512 high =
@@ -73,25 +74,24 @@ inline void int8_group_lines(const int8_t* block, uint16_t* panel, int64_t g, in
   }
 }
 
-// Panel p (lanes blocks 2p, 2p + 1) of int4 (uint8) or int8 lanes with G groups, float16 or
-// float32 (`F32`) scales, dequantized into `panel` [K/2, 32, 2] bfloat16.
-template <typename T, bool F32>
+// Panel p (lanes blocks 2p, 2p + 1) of int4 (uint8) or int8 lanes with G groups, of the
+// layout `S`, dequantized into `panel` [K/2, 32, 2] bfloat16.
+template <typename T, Scales S>
 void lane_panel(const T* lanes, int64_t p, int64_t G, uint16_t* panel) {
-  constexpr bool int4 = std::is_same_v<T, uint8_t>;
-  constexpr int64_t bytes = lane_bytes<T, F32>();
+  constexpr int64_t bytes = lane_bytes<T, S>();
   for (int half = 0; half < 2; ++half) {
     const T* block = lanes + (2 * p + half) * G * bytes;
-    for (int64_t g = 0; g < G; ++g, block += bytes) {
-      if constexpr (int4) int4_group_lines<F32>(block, panel, g, half);
-      else int8_group_lines<F32>(block, panel, g, half);
+    for (int64_t g = 0; g < G; ++g) {
+      if constexpr (std::is_same_v<T, uint8_t>) int4_group_lines<S>(block, panel, g, half);
+      else int8_group_lines<S>(block, panel, g, half);
     }
   }
 }
 
 // y [M, N] = x [M, K] @ W.T for float32 x (contiguous) and int4 or int8 `lanes` of N x K
-// (N % 32 == 0), float16 or float32 (`F32`) scales: the activations rounded to bfloat16
-// once, the weights a panel at a time.
-template <typename T, bool F32>
+// (N % 32 == 0), of the layout `S`: the activations rounded to bfloat16 once, the weights a
+// panel at a time.
+template <typename T, Scales S>
 void lanes_bf16_rows(const T* lanes, const float* xf, int64_t M, int64_t N, int64_t K, float* out) {
   const std::vector<uint16_t> xb = bf16_activations(xf, M * K);
   const int64_t G = K / 32;
@@ -99,7 +99,7 @@ void lanes_bf16_rows(const T* lanes, const float* xf, int64_t M, int64_t N, int6
     thread_local std::vector<uint16_t> panel;
     panel.resize(K * BF16_NB);
     for (int64_t p = p0; p < p1; ++p) {
-      lane_panel<T, F32>(lanes, p, G, panel.data());
+      lane_panel<T, S>(lanes, p, G, panel.data());
       bf16_panel_rows(xb.data(), M, K, panel.data(), out + p * BF16_NB, N);
     }
   });

@@ -27,8 +27,18 @@
 // 16 rows' float32 scales and minimums in place of the float16 ones (Q4_K's d * sc and
 // -dmin * m); int8 [N/16, G, 640], after the 512 weights' bytes the rows' float32 scales of
 // columns 0-15, then of columns 16-31 (Q6_K's d * scale, a scale per 16 columns): the pairs'
-// dot products summed in two chains, pairs 0-7 and 8-15, each times its own scale. The same
-// loops, templated on the scales' type (`F32`).
+// dot products summed in two chains, pairs 0-7 and 8-15, each times its own scale.
+//
+// The K-quants' own factors (`Scales::SUPER`, packed.py's super-block lanes): Q4_K, uint8
+// [N/16, K/256, 2368]: per block and super-block of 256 columns, a head of 320 bytes (the 16
+// rows' float16 d, then their float16 dmin, then per group j of 8 the rows' uint8 sc, then
+// per group their uint8 m), then the 8 groups' 256 nibble bytes as above: 0.58 bytes a
+// weight, not 0.75; Q6_K, int8 [N/16, K/256, 4384]: a head of 288 bytes (the rows' float16
+// d, then per 16 columns t of 16 the rows' int8 scale), then the 8 groups' 512 bytes of
+// pairs: 1.07 bytes a weight, not 1.25. A group's scales d * sc (d * scale) and minimum
+// -(dmin * m) are made in registers (a float16 and an 8-bit integer: exact in float32), the
+// float32 lanes' stored values bit for bit, so the same sums. The same loops, templated on
+// the layout (`Scales`).
 #pragma once
 
 #include "i16_gemv.h"
@@ -41,11 +51,34 @@ constexpr int64_t LANE_INT8_BYTES = 544;   // int8: 512 weights' bytes, 32 scale
 constexpr int64_t LANE_F32_BYTES = 384;    // int4, float32 scales: 256 nibbles, 64 scales, 64 minimums
 constexpr int64_t LANE_INT8_F32_BYTES = 640;  // int8, float32 scales: 512 weights' bytes, 2 x 64 scales
 
-// A block's bytes a group of 32 columns: int4 (uint8) or int8 weights, float16 or float32 scales.
-template <typename T, bool F32>
+// How lanes hold their scales: float16 or float32 a group, or the K-quants' factors a super-block.
+enum class Scales { F16, F32, SUPER };
+
+// A group's weights' bytes in a block: int4 (uint8) 256 nibble bytes, int8 512.
+template <typename T>
+constexpr int64_t group_bytes() {
+  return std::is_same_v<T, uint8_t> ? 256 : 512;
+}
+
+// A super-block's head in a block (SUPER): int4 (Q4_K) the 16 rows' d, dmin (float16), 8 x sc,
+// 8 x m (uint8); int8 (Q6_K) their d (float16), 16 x scale (int8).
+template <typename T>
+constexpr int64_t super_head() {
+  return std::is_same_v<T, uint8_t> ? 320 : 288;
+}
+
+// A block's bytes a super-block of 256 columns (SUPER): its head, then its 8 groups' weights.
+template <typename T>
+constexpr int64_t super_bytes() {
+  return super_head<T>() + 8 * group_bytes<T>();
+}
+
+// A block's bytes a group of 32 columns (SUPER: on average): int4 (uint8) or int8 weights.
+template <typename T, Scales S>
 constexpr int64_t lane_bytes() {
-  if constexpr (std::is_same_v<T, uint8_t>) return F32 ? LANE_F32_BYTES : LANE_GROUP_BYTES;
-  else return F32 ? LANE_INT8_F32_BYTES : LANE_INT8_BYTES;
+  if constexpr (S == Scales::SUPER) return super_bytes<T>() / 8;
+  else if constexpr (std::is_same_v<T, uint8_t>) return S == Scales::F32 ? LANE_F32_BYTES : LANE_GROUP_BYTES;
+  else return S == Scales::F32 ? LANE_INT8_F32_BYTES : LANE_INT8_BYTES;
 }
 
 #if defined(__AVX512VNNI__)
@@ -91,6 +124,68 @@ inline __m512 lane_floats(const void* p) {
   else return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
 }
 
+// The 16 rows' 8-bit factors at p (uint8, or int8 where `SIGNED`) times their float16 factors
+// at f, in float32 (exact).
+template <bool SIGNED>
+inline __m512 lane_product(const void* f, const void* p) {
+  const __m128i bytes = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  const __m512i wide = SIGNED ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+  return _mm512_mul_ps(lane_floats<false>(f), _mm512_cvtepi32_ps(wide));
+}
+
+// Group g's weights (`group_bytes`) in int4 (uint8) or int8 lanes block `block` (the layouts above).
+template <typename T, Scales S>
+inline const T* lane_group(const T* block, int64_t g) {
+  if constexpr (S == Scales::SUPER) return block + g / 8 * super_bytes<T>() + super_head<T>() + g % 8 * group_bytes<T>();
+  else return block + g * lane_bytes<T, S>();
+}
+
+// The bytes group g adds to lanes block `block`'s stream: at, and how many (SUPER: the
+// super-block's head with its first group).
+template <typename T, Scales S>
+inline std::pair<const T*, int64_t> lane_stream(const T* block, int64_t g) {
+  if constexpr (S == Scales::SUPER) {
+    if (g % 8 == 0) return {block + g / 8 * super_bytes<T>(), super_head<T>() + group_bytes<T>()};
+    return {lane_group<T, S>(block, g), group_bytes<T>()};
+  } else {
+    return {lane_group<T, S>(block, g), lane_bytes<T, S>()};
+  }
+}
+
+// Group g's 16 scales and minimums in int4 lanes block `block`, as float32: held, or (SUPER)
+// made as d * sc and -(dmin * m), the values the float32 lanes hold bit for bit.
+template <Scales S>
+inline void int4_factors(const uint8_t* block, int64_t g, __m512& scale, __m512& min) {
+  if constexpr (S == Scales::SUPER) {
+    const uint8_t* head = block + g / 8 * super_bytes<uint8_t>();
+    const int64_t j = g % 8;
+    scale = lane_product<false>(head, head + 64 + 16 * j);
+    const __m512i sign = _mm512_set1_epi32(INT32_MIN);  // -x exactly (0 - x makes -0 +0)
+    const __m512 product = lane_product<false>(head + 32, head + 192 + 16 * j);
+    min = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(product), sign));
+  } else {
+    const uint8_t* p = lane_group<uint8_t, S>(block, g) + 256;
+    scale = lane_floats<S == Scales::F32>(p);
+    min = lane_floats<S == Scales::F32>(p + (S == Scales::F32 ? 64 : 32));
+  }
+}
+
+// Group g's 16 scales of columns 0-15 and of 16-31 in int8 lanes block `block`, as float32
+// (float16 scales: one for both): held, or (SUPER) made as d * scale, the values the float32
+// lanes hold bit for bit.
+template <Scales S>
+inline void int8_factors(const int8_t* block, int64_t g, __m512& first, __m512& second) {
+  if constexpr (S == Scales::SUPER) {
+    const int8_t* head = block + g / 8 * super_bytes<int8_t>();
+    first = lane_product<true>(head, head + 32 + 32 * (g % 8));
+    second = lane_product<true>(head, head + 48 + 32 * (g % 8));
+  } else {
+    const int8_t* p = lane_group<int8_t, S>(block, g) + 512;
+    first = lane_floats<S == Scales::F32>(p);
+    second = S == Scales::F32 ? lane_floats<true>(p + 64) : first;
+  }
+}
+
 // Four bytes at p as one 32-bit value in every lane.
 inline __m512i quad(const void* p) {
   int32_t v;
@@ -102,16 +197,17 @@ inline __m512i quad(const void* p) {
 // block, per group, the four octets' nibbles dotted with each row's high and low bytes (four
 // 32-bit sums a row, two chains each side), joined as 256 high + low, made float32, times
 // weight scale x activation scale, plus minimum x the activations' sum.
-template <int ROWS, bool F32>
+template <int ROWS, Scales S>
 void lanes_gemv(const uint8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, float* y, int64_t ldy) {
-  constexpr int64_t BYTES = lane_bytes<uint8_t, F32>();
   const int64_t G = x.G, K = x.K;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const uint8_t* p = lanes + b * G * BYTES;
+  const uint8_t* block = lanes + b * G * lane_bytes<uint8_t, S>();
   __m512 acc[ROWS];
   for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g, p += BYTES) {
-    ask_ahead(p, BYTES);
+  for (int64_t g = 0; g < G; ++g) {
+    const auto [stream, streamed] = lane_stream<uint8_t, S>(block, g);
+    ask_ahead(stream, streamed);
+    const uint8_t* p = lane_group<uint8_t, S>(block, g);
     __m512i hi[ROWS][2], lo[ROWS][2];
     for (int m = 0; m < ROWS; ++m) hi[m][0] = hi[m][1] = lo[m][0] = lo[m][1] = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -128,8 +224,8 @@ void lanes_gemv(const uint8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, 
         lo[m][1] = _mm512_dpbusd_epi32(lo[m][1], quad(&x.low[at + 4]), second);
       }
     }
-    const __m512 scale = lane_floats<F32>(p + 256);
-    const __m512 min = lane_floats<F32>(p + 256 + (F32 ? 64 : 32));
+    __m512 scale, min;
+    int4_factors<S>(block, g, scale, min);
 #pragma GCC unroll 4
     for (int m = 0; m < ROWS; ++m) {
       const int64_t at = (m0 + m) * G + g;
@@ -145,33 +241,36 @@ void lanes_gemv(const uint8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, 
 
 // y[m0 + i, 16 b .. 16 b + 16) for activation rows m0..m0+ROWS-1 and int8 lanes: per
 // block, per group, each pair of columns widened and dotted with each row's int16 pair (two
-// chains a row: pairs even and odd, or with float32 scales pairs 0-7 and 8-15), made
-// float32, times weight scale x activation scale (float32: each chain its own scale).
-template <int ROWS, bool F32>
+// chains a row: pairs even and odd, or with a scale per 16 columns (float32 scales, Q6_K's
+// factors) pairs 0-7 and 8-15), made float32, times weight scale x activation scale (a scale
+// per 16 columns: each chain its own).
+template <int ROWS, Scales S>
 void lanes8_gemv(const int8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, float* y, int64_t ldy) {
-  constexpr int64_t BYTES = lane_bytes<int8_t, F32>();
+  constexpr bool PER16 = S != Scales::F16;  // a scale per 16 columns
   const int64_t G = x.G, K = x.K;
-  const int8_t* p = lanes + b * G * BYTES;
+  const int8_t* block = lanes + b * G * lane_bytes<int8_t, S>();
   __m512 acc[ROWS];
   for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g, p += BYTES) {
-    ask_ahead(p, BYTES);
+  for (int64_t g = 0; g < G; ++g) {
+    const auto [stream, streamed] = lane_stream<int8_t, S>(block, g);
+    ask_ahead(stream, streamed);
+    const int8_t* p = lane_group<int8_t, S>(block, g);
     __m512i dot[ROWS][2];
     for (int m = 0; m < ROWS; ++m) dot[m][0] = dot[m][1] = _mm512_setzero_si512();
 #pragma GCC unroll 16
     for (int pair = 0; pair < 16; ++pair) {
       const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * pair)));
-      const int chain = F32 ? pair / 8 : pair % 2;
+      const int chain = PER16 ? pair / 8 : pair % 2;
 #pragma GCC unroll 4
       for (int m = 0; m < ROWS; ++m)
         dot[m][chain] = _mm512_dpwssd_epi32(dot[m][chain], w, quad(&x.q[(m0 + m) * K + g * 32 + 2 * pair]));
     }
-    const __m512 scale = lane_floats<F32>(p + 512);
-    const __m512 second = F32 ? lane_floats<F32>(p + 576) : scale;  // float32: columns 16-31's
+    __m512 scale, second;  // columns 0-15's and 16-31's
+    int8_factors<S>(block, g, scale, second);
 #pragma GCC unroll 4
     for (int m = 0; m < ROWS; ++m) {
       const __m512 rows_scale = _mm512_set1_ps(x.scales[(m0 + m) * G + g]);
-      if constexpr (F32) {
+      if constexpr (PER16) {
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][0]), _mm512_mul_ps(scale, rows_scale), acc[m]);
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][1]), _mm512_mul_ps(second, rows_scale), acc[m]);
       } else {
@@ -184,11 +283,11 @@ void lanes8_gemv(const int8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, 
 }
 
 // y = x @ W.T for M <= I16_ROWS rows of x [M, K] and int4 (uint8 `lanes`) or int8 (int8
-// `lanes`) weights W [N, K] of float16 or float32 (`F32`) scales, the activations rounded to
-// int16 first, y's rows ldy apart; blocks of 16 rows handed out as `stream_piece` hands out
-// rows, each block's weights read once from memory (a pass of up to LANE_PASS rows at a time,
-// the rest from cache).
-template <typename T, bool F32>
+// `lanes`) weights W [N, K] of the layout `S`, the activations rounded to int16 first, y's
+// rows ldy apart; blocks of 16 rows handed out as `stream_piece` hands out rows, each block's
+// weights read once from memory (a pass of up to LANE_PASS rows at a time, the rest from
+// cache).
+template <typename T, Scales S>
 void lanes_i16(const T* lanes, const float* x, int64_t M, int64_t N, int64_t K, float* y, int64_t ldy) {
   const LaneRows xq(x, M, K);
   const int64_t blocks = N / LANE_ROWS;
@@ -197,8 +296,8 @@ void lanes_i16(const T* lanes, const float* x, int64_t M, int64_t N, int64_t K, 
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t m0 = 0; m0 < M; m0 += LANE_PASS)
         with_rows<LANE_PASS>(std::min(LANE_PASS, M - m0), [&](auto rows) {
-          if constexpr (std::is_same_v<T, uint8_t>) lanes_gemv<rows(), F32>(lanes, xq, m0, b, y, ldy);
-          else lanes8_gemv<rows(), F32>(lanes, xq, m0, b, y, ldy);
+          if constexpr (std::is_same_v<T, uint8_t>) lanes_gemv<rows(), S>(lanes, xq, m0, b, y, ldy);
+          else lanes8_gemv<rows(), S>(lanes, xq, m0, b, y, ldy);
         });
   });
 }

@@ -9,7 +9,9 @@ sub-block of 32, 4-bit values) is int4 groups of 32 of scale ``d * sc`` and
 min ``-dmin * m``; Q6_K (int8 ``scale`` per sub-block of 16, float16 ``d``,
 6-bit values ``q``) is int8 ``q - 32`` of scale ``d * scale`` per 16
 columns; each product exact in float32, so ``Packed.dequantize`` is gguf-py's
-float32 dequantization. Every other type is not packed here
+float32 dequantization. Q4_K's and Q6_K's packed weights also keep their
+factors (``SuperBlocks``), which their lanes hold in place of the float32
+scales. Every other type is not packed here
 (``quantize_model`` serves its float32 dequantization as bfloat16 panels
 where it can); ``mstar.models.gguf`` reads the file and maps its tensors,
 rows in the Hugging Face model's order, to the model.
@@ -18,12 +20,12 @@ rows in the Hugging Face model's order, to the model.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from mstar.cpu.quant.packed import GROUP, Packed, pack_int4
+from mstar.cpu.quant.packed import GROUP, Packed, SuperBlocks, pack_int4
 
 # bytes of one block of 32 weights
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
@@ -88,15 +90,18 @@ def _q4_k(blocks: torch.Tensor) -> Packed:
     six-bit ``sc`` and ``m`` (8 each), and 128 bytes of nibbles, 32 bytes
     a pair of sub-blocks (the first's values low, the second's high)."""
     rows, count = blocks.shape[:2]
-    d, dmin = _halves(blocks, 0).float(), _halves(blocks, 2).float()
     low, high, rest = blocks[:, :, 4:16].view(rows, count, 3, 4).unbind(2)
     sc = torch.cat([low & 0x3F, (rest & 0x0F) | ((low >> 2) & 0x30)], dim=2)
     m = torch.cat([high & 0x3F, (rest >> 4) | ((high >> 2) & 0x30)], dim=2)
-    scales = (d[..., None] * sc.float()).view(rows, -1)
-    mins = -(dmin[..., None] * m.float()).view(rows, -1)
+    factors = SuperBlocks(
+        _halves(blocks, 0).contiguous(),
+        _halves(blocks, 2).contiguous(),
+        sc.view(rows, -1),
+        m.view(rows, -1),
+    )
     pairs = blocks[:, :, 16:].reshape(rows, count, 4, 1, GROUP)
     q = torch.cat([pairs & 0x0F, pairs >> 4], dim=3)  # [rows, S, pair, sub-block, 32]
-    return pack_int4(q.view(rows, -1), scales, mins, torch.float32)
+    return replace(pack_int4(q.view(rows, -1), *factors.scales(), torch.float32), factors=factors)
 
 
 def _q6_k(blocks: torch.Tensor) -> Packed:
@@ -110,7 +115,6 @@ def _q6_k(blocks: torch.Tensor) -> Packed:
     qh = blocks[:, :, 128:192].reshape(rows, count, 2, 1, 32)
     high = torch.cat([(qh >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=3)
     q = (low | (high.view(rows, count, 256) << 4)).view(torch.int8) - 32
-    scale = blocks[:, :, 192:208].contiguous().view(torch.int8).float()
-    d = _halves(blocks, 208).float()
-    scales = (d[..., None] * scale).view(rows, -1)
-    return Packed("int8", q.view(rows, -1).contiguous(), scales.contiguous())
+    scale = blocks[:, :, 192:208].contiguous().view(torch.int8).view(rows, -1)
+    factors = SuperBlocks(_halves(blocks, 208).contiguous(), None, scale, None)
+    return Packed("int8", q.view(rows, -1).contiguous(), factors.scales()[0], factors=factors)

@@ -19,12 +19,16 @@ minimums) 16 rows to a vector's lanes, as ``cpp/lanes.h``'s kernels stream
 them: with float16 scales int4 uint8 ``[N/16, K/32 * 320]``, int8 int8
 ``[N/16, K/32 * 544]``; with float32 scales (the K-quants) a third axis
 names the layout, int4 ``[N/16, K/32, 384]``, int8 (a scale per 16
-columns) ``[N/16, K/32, 640]``; held beside the packed weights for few rows.
+columns) ``[N/16, K/32, 640]``; weights holding the K-quants' own factors
+(``SuperBlocks``) take them instead of float32 scales, Q4_K (int4) uint8
+``[N/16, K/256, 2368]`` (0.58 bytes a weight, not 0.75), Q6_K (int8) int8
+``[N/16, K/256, 4384]`` (1.07, not 1.25); held beside the packed weights
+for few rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -33,17 +37,60 @@ PANEL = 32  # weight rows per bfloat16 panel
 LANES = 16  # weight rows per block of lanes
 LANE_BYTES = {"int4": 320, "int8": 544}  # a block's bytes a group of 32 columns (cpp/lanes.h)
 LANE_BYTES_F32 = {"int4": 384, "int8": 640}  # the same with float32 scales (and minimums)
+SUPER = 256  # columns a super-block (GGUF's K-quants)
+# a super-block's head in a block of lanes: int4 (Q4_K) the 16 rows' d, dmin (float16), 8 x sc,
+# 8 x m (uint8); int8 (Q6_K) their d (float16), 16 x scale (int8)
+SUPER_HEAD = {"int4": 320, "int8": 288}
+# a block's bytes a super-block: the head, then 8 groups' weights (int4 2368, int8 4384)
+LANE_BYTES_SUPER = {"int4": 320 + 8 * 256, "int8": 288 + 8 * 512}
+
+
+@dataclass(frozen=True)
+class SuperBlocks:
+    """A GGUF K-quant's own factors of weights ``[N, K]``: ``d`` float16
+    ``[N, K/256]`` and ``sc`` per sub-block; Q4_K (int4): ``sc`` and ``m``
+    uint8 ``[N, K/32]``, ``dmin`` float16: group ``g``'s scale ``d * sc``,
+    minimum ``-(dmin * m)``; Q6_K (int8): ``sc`` int8 ``[N, K/16]``, a scale
+    ``d * sc`` per 16 columns, no ``dmin``, ``m``. Each product exact in
+    float32 (of its super-block's ``d``, ``dmin``)."""
+
+    d: torch.Tensor
+    dmin: torch.Tensor | None
+    sc: torch.Tensor
+    m: torch.Tensor | None
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The float32 scales and minimums (None without ``dmin``), a column of
+        each per sub-block."""
+        rows, count = self.d.shape
+        scales = self.d.float()[..., None] * self.sc.view(rows, count, -1).float()
+        if self.dmin is None:
+            return scales.view(rows, -1), None
+        mins = -(self.dmin.float()[..., None] * self.m.view(rows, count, -1).float())
+        return scales.view(rows, -1), mins.view(rows, -1)
+
+    def held(self) -> list[torch.Tensor]:
+        """The factors it has, in the lanes' order: ``d`` (``dmin``), ``sc`` (``m``)."""
+        return [t for t in (self.d, self.dmin, self.sc, self.m) if t is not None]
+
+    def rows(self, order: torch.Tensor) -> SuperBlocks:
+        """The same factors with their rows in ``order``."""
+        t = (self.d, self.dmin, self.sc, self.m)
+        return SuperBlocks(*(None if f is None else f[order].contiguous() for f in t))
 
 
 @dataclass(frozen=True)
 class Packed:
     """One weight matrix ``[N, K]`` in a packed format (``kind``: int4, int8,
-    or bf16: ``qweight`` its panels, ``scales`` None)."""
+    or bf16: ``qweight`` its panels, ``scales`` None); weights of float32
+    scales may also hold the factors they are made of (``factors``: Q4_K's,
+    Q6_K's, which its lanes then hold in their place)."""
 
     kind: str
     qweight: torch.Tensor
     scales: torch.Tensor | None
     mins: torch.Tensor | None = None
+    factors: SuperBlocks | None = None
 
     @property
     def wide(self) -> bool:
@@ -60,8 +107,13 @@ class Packed:
     def rows(self, order: torch.Tensor) -> Packed:
         """The same weights with their rows in ``order``."""
         mins = None if self.mins is None else self.mins[order].contiguous()
+        factors = None if self.factors is None else self.factors.rows(order)
         return Packed(
-            self.kind, self.qweight[order].contiguous(), self.scales[order].contiguous(), mins
+            self.kind,
+            self.qweight[order].contiguous(),
+            self.scales[order].contiguous(),
+            mins,
+            factors,
         )
 
     def dequantize(self) -> torch.Tensor:
@@ -85,8 +137,13 @@ class Packed:
         columns, 32 bytes each (row ``r``'s pair at bytes ``2r, 2r+1``), then
         the rows' scales, one per 32 columns (float16) or, float32, the 16
         rows' scales of columns 0-15, then of columns 16-31. Scales keep
-        their dtype. ``ValueError`` for bf16, rows not a multiple of 16, or
-        float32 int8 scales not a whole number per 16 columns."""
+        their dtype. With ``factors``, per block and super-block of 256
+        columns: a head of the 16 rows' ``d``, then ``dmin`` (float16), then
+        per group of the 8 the rows' ``sc``, then per group their ``m``
+        (uint8), then the 8 groups' octets; int8: the rows' ``d``, then per
+        16 columns their ``sc`` (int8), then the 8 groups' pairs. ``ValueError`` for bf16, rows
+        not a multiple of 16, or float32 int8 scales not a whole number per
+        16 columns."""
         rows, width = self.shape
         if self.kind == "bf16" or rows % LANES:
             raise ValueError(
@@ -100,10 +157,14 @@ class Packed:
             q = self.values().view(blocks, LANES, groups, 4, 2, 4)
             octets = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)
             per_group = [octets.reshape(blocks, groups, -1)]
+            if self.factors is not None:
+                return self._super_lanes(per_group[0])
             scales = [self.scales, self.mins]
         else:  # [block, row, group, pair, 2] -> [block, group, pair, row, 2]
             pairs = self.qweight.view(blocks, LANES, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
             per_group = [pairs.reshape(blocks, groups, -1).view(torch.uint8)]
+            if self.factors is not None:
+                return self._super_lanes(per_group[0])
             per = 2 * groups if wide else groups  # float32: a scale per 16 columns
             if per % self.scales.shape[1]:
                 raise ValueError(
@@ -117,13 +178,32 @@ class Packed:
         held = torch.cat(per_group, dim=2).view(self.qweight.dtype)
         return held if wide else held.view(blocks, -1)
 
+    def _super_lanes(self, weights: torch.Tensor) -> torch.Tensor:
+        """The lanes of ``factors`` (``lanes``) around the groups' ``weights``
+        (uint8 ``[N/16, K/32, 256 or 512]``: octets or pairs)."""
+        blocks, groups = weights.shape[:2]
+        count = groups * GROUP // SUPER
+        head = []
+        for t in self.factors.held():
+            # [block, row, super-block(, sub-block)] -> [block, super-block(, sub-block), row]
+            t = t.reshape(blocks, LANES, count, -1).permute(0, 2, 3, 1).contiguous()
+            head.append(t.view(blocks, count, -1).view(torch.uint8))
+        lanes = torch.cat([*head, weights.reshape(blocks, count, -1)], dim=2)
+        return lanes.view(self.qweight.dtype)
+
     @classmethod
     def from_lanes(cls, kind: str, lanes: torch.Tensor) -> Packed:
         """The int4 or int8 weights ``lanes`` hold (``Packed.lanes``), packed
         row-major again: the same integers, scales and minimums, of the
         lanes' scale dtype (int8: float16, a scale per 32 columns; float32,
-        per 16)."""
+        per 16); of a K-quant's factors, those and the float32 scales they make."""
         dtype = torch.uint8 if kind == "int4" else torch.int8
+        if (
+            lanes.dim() == 3
+            and lanes.dtype == dtype
+            and lanes.shape[2] == LANE_BYTES_SUPER.get(kind)
+        ):
+            return cls._from_super_lanes(kind, lanes)
         wide = lanes.dim() == 3
         sizes = LANE_BYTES_F32 if wide else LANE_BYTES
         if (
@@ -145,13 +225,32 @@ class Packed:
             return t.view(blocks, groups, count, LANES).permute(0, 3, 1, 2).reshape(rows, -1)
 
         if kind == "int8":
-            pairs = held[..., :512].reshape(blocks, groups, GROUP // 2, LANES, 2)  # [.., p, r, i]
-            q = pairs.permute(0, 3, 1, 2, 4).reshape(rows, -1).view(torch.int8).contiguous()
-            return cls("int8", q, scales(512, 2 if wide else 1).contiguous())
-        octets = held[..., :256].reshape(blocks, groups, 4, LANES, 4)  # [block, group, o, r, j]
-        halves = torch.stack((octets & 0x0F, octets >> 4), dim=4)  # [.., r, half, j]: 8o + 4h + j
-        q = halves.permute(0, 3, 1, 2, 4, 5).reshape(rows, -1)
-        return pack_int4(q, scales(256), scales(256 + size), floats)
+            return cls("int8", _pairs(held[..., :512]), scales(512, 2 if wide else 1).contiguous())
+        return pack_int4(_nibbles(held[..., :256]), scales(256), scales(256 + size), floats)
+
+    @classmethod
+    def _from_super_lanes(cls, kind: str, lanes: torch.Tensor) -> Packed:
+        """``from_lanes`` of lanes of a K-quant's factors ``[N/16, K/256, 2368 or 4384]``."""
+        blocks, count = lanes.shape[:2]
+        held = lanes.view(torch.uint8)
+        rows, per = blocks * LANES, SUPER // GROUP
+
+        def head(at: int, size: int, dtype: torch.dtype) -> torch.Tensor:  # [rows, S * size]
+            t = held[..., at : at + size * LANES * dtype.itemsize].contiguous().view(dtype)
+            return t.view(blocks, count, size, LANES).permute(0, 3, 1, 2).reshape(rows, -1)
+
+        d = head(0, 1, torch.float16).contiguous()
+        weights = held[..., SUPER_HEAD[kind] :].reshape(blocks, count * per, -1)
+        if kind == "int8":
+            factors = SuperBlocks(d, None, head(2 * LANES, 2 * per, torch.int8).contiguous(), None)
+            packed = cls("int8", _pairs(weights), factors.scales()[0])
+        else:
+            dmin = head(2 * LANES, 1, torch.float16).contiguous()
+            sc = head(4 * LANES, per, torch.uint8).contiguous()
+            m = head(4 * LANES + per * LANES, per, torch.uint8).contiguous()
+            factors = SuperBlocks(d, dmin, sc, m)
+            packed = pack_int4(_nibbles(weights), *factors.scales(), torch.float32)
+        return replace(packed, factors=factors)
 
     def values(self) -> torch.Tensor:
         """The integers ``q``, ``[N, K]`` (int4: uint8 0..15; int8: int8)."""
@@ -164,11 +263,29 @@ class Packed:
         return torch.cat([groups & 0x0F, groups >> 4], dim=2).view(rows, width)
 
 
+def _nibbles(octets: torch.Tensor) -> torch.Tensor:
+    """The integers ``[N, K]`` of int4 lanes' octets (uint8 ``[N/16, K/32, 256]``)."""
+    blocks, groups = octets.shape[:2]
+    octets = octets.reshape(blocks, groups, 4, LANES, 4)  # [block, group, o, r, j]
+    halves = torch.stack((octets & 0x0F, octets >> 4), dim=4)  # [.., r, half, j]: 8o + 4h + j
+    return halves.permute(0, 3, 1, 2, 4, 5).reshape(blocks * LANES, -1)
+
+
+def _pairs(pairs: torch.Tensor) -> torch.Tensor:
+    """The integers ``[N, K]`` (int8) of int8 lanes' pairs (uint8 ``[N/16, K/32, 512]``)."""
+    blocks, groups = pairs.shape[:2]
+    pairs = pairs.reshape(blocks, groups, GROUP // 2, LANES, 2)  # [block, group, p, r, i]
+    return pairs.permute(0, 3, 1, 2, 4).reshape(blocks * LANES, -1).view(torch.int8).contiguous()
+
+
 def lanes_shape(packed: Packed) -> tuple[int, ...]:
     """The shape of ``packed.lanes()``: with float16 scales ``[N/16, K/32 *
     320]`` for int4, ``[N/16, K/32 * 544]`` for int8; with float32 scales
-    ``[N/16, K/32, 384]`` and ``[N/16, K/32, 640]``."""
+    ``[N/16, K/32, 384]`` and ``[N/16, K/32, 640]``; with the K-quants'
+    factors ``[N/16, K/256, 2368]`` (int4) and ``[N/16, K/256, 4384]`` (int8)."""
     rows, width = packed.shape
+    if packed.factors is not None:
+        return rows // LANES, width // SUPER, LANE_BYTES_SUPER[packed.kind]
     if packed.scales.dtype == torch.float32:
         return rows // LANES, width // GROUP, LANE_BYTES_F32[packed.kind]
     return rows // LANES, width // GROUP * LANE_BYTES[packed.kind]

@@ -3,11 +3,11 @@
 After a GGUF file's first load (``quantize_model``, then ``arena.gather``:
 each kind of the packed tensors in one allocation, in model order), ``save``
 writes each kind's allocation to a file and ``LAYERS``, an index of every
-``PackedLinear`` (its kind, shape, switches, and where each of its tensors
-lies). ``restore`` reads the allocations back into memory on huge pages (one
-sequential read a kind, no unpacking, no lanes to lay out: what the first
-load computed, byte for byte) and puts a ``PackedLinear`` over views of them
-where each linear layer was. The folder is named by the source file, the
+``PackedLinear`` (its kind, switches, and where each of its tensors lies,
+of which dtype and shape). ``restore`` reads the allocations back into
+memory on huge pages (one sequential read a kind, no unpacking, no lanes to
+lay out: what the first load computed, byte for byte) and puts a
+``PackedLinear`` over views of them where each linear layer was. The folder is named by the source file, the
 quantization and a digest of mstar's code and the kernels' flags
 (``folder_for``), so a changed file, mode or packer packs afresh.
 """
@@ -24,7 +24,7 @@ from mstar.cpu.build import code_digest
 from mstar.cpu.cachedir import cache_root, file_key
 from mstar.cpu.quant.arena import KINDS, allocation
 from mstar.cpu.quant.linear import PackedLinear
-from mstar.cpu.quant.packed import GROUP, Packed
+from mstar.cpu.quant.packed import Packed
 
 __all__ = ["LAYERS", "folder_for", "layer_names", "restore", "save"]
 
@@ -89,12 +89,9 @@ def _entry(name: str, layer: PackedLinear) -> dict[str, Any]:
             at = t.data_ptr() - t.untyped_storage().data_ptr()
             size = t.numel() * t.element_size()
             tensors[kind] = (at, size, str(t.dtype).removeprefix("torch."), list(t.shape))
-    qweight = layer.qweight if layer.qweight is not None else layer.lanes
     return {
         "name": name,
         "kind": layer.kind,
-        "shape": [layer.out_features, layer.in_features],
-        "dtype": str(qweight.dtype).removeprefix("torch."),
         "int16": layer.int16_activations,
         "lane_panels": layer.lane_panels,
         "tensors": tensors,
@@ -104,18 +101,11 @@ def _entry(name: str, layer: PackedLinear) -> dict[str, Any]:
 def _layer(entry: dict[str, Any], tensors: dict[str, torch.Tensor], bias: Any) -> PackedLinear:
     """The ``PackedLinear`` of an index entry over ``tensors``; where it held
     only lanes, its row-major form is a meta stand-in of the right shape."""
-    rows, width = entry["shape"]
-    kind, dtype = entry["kind"], getattr(torch, entry["dtype"])
+    kind = entry["kind"]
     if "qweight" in tensors:
         packed = Packed(kind, tensors["qweight"], tensors.get("scales"), tensors.get("mins"))
     else:  # lanes alone: the layer keeps no row-major copy, only its shape and dtypes are read
-        columns = {"int4": width // 2, "int8": width}[kind]
-        scales = (
-            torch.float32 if tensors["lanes"].dim() == 3 else torch.float16
-        )  # packed.lanes_shape
-        meta = torch.empty(rows, width // GROUP, dtype=scales, device="meta")
-        qweight = torch.empty(rows, columns, dtype=dtype, device="meta")
-        packed = Packed(kind, qweight, meta, meta if kind == "int4" else None)
+        packed = Packed.from_lanes(kind, tensors["lanes"].to("meta"))  # whatever the layout
     bias = None if bias is None or bias.is_meta else bias
     return PackedLinear(
         packed,
