@@ -451,12 +451,7 @@ def test_panels_from_float32_scale_lanes_are_the_held_panels_bit_for_bit(lanes, 
     if bf16_or_why() is not None:
         pytest.skip(bf16_or_why())
     packed = k_quant(type_name, 96, 512, seed=6)
-    ops = torch.ops.mstar_quant
-    for rows in (1, 7, BF16_ROWS, 33):
-        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
-        assert torch.equal(
-            ops.lanes_bf16(x, packed.lanes()), ops.bf16_linear(x, bf16_panels(packed))
-        )
+    _assert_panels_from_lanes_are_held_panels(packed)
     layer = PackedLinear(packed, None, None, True, packed.lanes(), lane_panels=True)
     assert torch.equal(layer.weight_rows(32, 96), packed.dequantize()[32:96])
 
@@ -554,12 +549,7 @@ def test_panels_from_the_lanes_are_the_held_panels_bit_for_bit(lanes, quantize):
     if bf16_or_why() is not None:
         pytest.skip(bf16_or_why())
     packed = quantize(torch.randn(96, 320, generator=torch.Generator().manual_seed(4)))
-    ops = torch.ops.mstar_quant
-    for rows in (1, 7, BF16_ROWS, 33):
-        x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows))
-        assert torch.equal(
-            ops.lanes_bf16(x, packed.lanes()), ops.bf16_linear(x, bf16_panels(packed))
-        )
+    _assert_panels_from_lanes_are_held_panels(packed)
     layer = PackedLinear(packed, None, None, True, packed.lanes(), lane_panels=True)
     held = PackedLinear(packed, None, bf16_panels(packed), True, packed.lanes())
     assert layer.panels is None and layer.qweight is None and layer.arithmetic == "bfloat16+int16"
@@ -579,4 +569,15 @@ def test_panels_from_the_lanes_are_the_held_panels_bit_for_bit(lanes, quantize):
             True,
             quantize(torch.randn(48, 64)).lanes(),
             lane_panels=True,
+        )
+
+
+def _assert_panels_from_lanes_are_held_panels(packed: Packed) -> None:
+    """``lanes_bf16`` on ``packed``'s lanes equals ``bf16_linear`` on its held
+    panels bit for bit at 1, 7, ``BF16_ROWS`` and 33 rows."""
+    ops, width = torch.ops.mstar_quant, packed.shape[1]
+    for rows in (1, 7, BF16_ROWS, 33):
+        x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(
+            ops.lanes_bf16(x, packed.lanes()), ops.bf16_linear(x, bf16_panels(packed))
         )
