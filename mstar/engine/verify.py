@@ -183,9 +183,8 @@ class Dequantizing(torch.nn.Module):
     def __init__(self, packed: torch.nn.Module) -> None:
         super().__init__()
         self.weight_rows, self.rows = packed.weight_rows, packed.out_features
-        self.bias = (
-            () if packed.bias is None else (packed.bias.detach().float(),)
-        )  # not a parameter
+        # a plain attribute, not a parameter: ``.float()`` on the reference leaves it
+        self.bias = None if packed.bias is None else packed.bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
@@ -195,7 +194,7 @@ class Dequantizing(torch.nn.Module):
         ]
         y = torch.cat(slices, dim=-1)
         trim_heap()  # the slices' pages back to the OS: glibc kept ~0.35 GB of a 1B's
-        return y + self.bias[0] if self.bias else y
+        return y if self.bias is None else y + self.bias
 
 
 def _shared(model: Any) -> dict[int, Any]:

@@ -79,15 +79,12 @@ def load_gguf(
     with torch.no_grad():
         tensors = _tensors(path, folder, model, pack, kept, skip, linear if pack else frozenset())
         for name, type_name, value in tensors:
-            if isinstance(value, Deferred):  # a linear layer's, read when it is packed
-                weights[name] = (value, type_name)
+            weights[name] = (value if isinstance(value, Packed | Deferred) else None, type_name)
+            if isinstance(value, Deferred):  # a linear layer's, read when quantize_model swaps it
                 continue
-            weights[name] = (value if isinstance(value, Packed) else None, type_name)
             if isinstance(value, QuantizedEmbedding):
                 model.set_input_embeddings(value)
                 continue
-            if isinstance(value, Packed) and name in linear:
-                continue  # stays meta: quantize_model swaps the layer
             floats = value.dequantize() if isinstance(value, Packed) else value
             _assign(model, name, floats)
         if getattr(model.config, "tie_word_embeddings", False):

@@ -90,7 +90,6 @@ def _from_gguf(path: Path, choice: Any, dtype: torch.dtype) -> tuple[Any, Any]:
     packed) and read back at later ones, the file's linear tensors unread."""
     from mstar.cpu.quant import quantize_model
     from mstar.cpu.quant import stored as packed_store
-    from mstar.cpu.quant.linear import PackedLinear
     from mstar.models.gguf import load_gguf
 
     pack = choice.mode == "gguf"
@@ -104,9 +103,8 @@ def _from_gguf(path: Path, choice: Any, dtype: torch.dtype) -> tuple[Any, Any]:
     else:
         quantize_model(model, choice, weights)
         del weights  # the forms read, now packed or dequantized into the model
-        linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear | PackedLinear)]
-        if pack and all(isinstance(m, PackedLinear) for m in linear):
-            packed_store.save(model, folder)
+        if pack and not any(isinstance(m, torch.nn.Linear) for m in model.modules()):
+            packed_store.save(model, folder)  # every linear layer packed
     return model, tokenizer_of(str(path))
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import mmap
 from typing import Any
 
@@ -99,8 +100,15 @@ def trim_heap() -> bool:
     False where the C library has none. A load frees the tensors ``gather``
     copied and the unpacked forms it read, which glibc otherwise keeps
     resident: a 3B-shaped Q4_0 file's model 14.2 GB once loaded, 8.8 after."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own C library
+    trim = _malloc_trim()
     if trim is None:
         return False
     trim(0)
     return True
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim`` in the process's own C library (None: none),
+    looked up once: ``gather`` trims after every tensor it moves."""
+    return getattr(ctypes.CDLL(None), "malloc_trim", None)

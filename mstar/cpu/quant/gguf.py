@@ -62,7 +62,8 @@ def decode_blocks(type_name: str, data: np.ndarray) -> Packed:
         raise ValueError(f"expected a GGUF type of {', '.join(PACKED_TYPES)}, got {type_name}")
     rows = data.shape[0]
     size = BLOCK_BYTES.get(type_name) or SUPER_BLOCK_BYTES[type_name]
-    blocks = torch.from_numpy(np.array(data, copy=True)).view(rows, -1, size)
+    # every form below is made anew from ``blocks``: a copy only where ``data`` is read-only
+    blocks = torch.from_numpy(np.require(data, requirements=["C", "W"])).view(rows, -1, size)
     if type_name == "Q4_K":
         return _q4_k(blocks)
     if type_name == "Q6_K":

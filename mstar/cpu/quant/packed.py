@@ -105,7 +105,10 @@ class Packed:
         return rows, width * 2 if self.kind == "int4" else width
 
     def rows(self, order: torch.Tensor) -> Packed:
-        """The same weights with their rows in ``order``."""
+        """The same weights with their rows in ``order`` (itself where that is
+        their order: no copy)."""
+        if torch.equal(order, torch.arange(len(order), device=order.device)):
+            return self
         mins = None if self.mins is None else self.mins[order].contiguous()
         factors = None if self.factors is None else self.factors.rows(order)
         return Packed(
@@ -151,7 +154,7 @@ class Packed:
                 f" {self.kind} of {rows} rows"
             )
         blocks, groups = rows // LANES, width // GROUP
-        wide = self.scales.dtype == torch.float32
+        wide = self.wide
         if self.kind == "int4":
             # [block, row, group, octet, half, j]: weight 8 octet + 4 half + j
             q = self.values().view(blocks, LANES, groups, 4, 2, 4)
@@ -286,7 +289,7 @@ def lanes_shape(packed: Packed) -> tuple[int, ...]:
     rows, width = packed.shape
     if packed.factors is not None:
         return rows // LANES, width // SUPER, LANE_BYTES_SUPER[packed.kind]
-    if packed.scales.dtype == torch.float32:
+    if packed.wide:
         return rows // LANES, width // GROUP, LANE_BYTES_F32[packed.kind]
     return rows // LANES, width // GROUP * LANE_BYTES[packed.kind]
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from mstar.cpu.build import code_digest
-from mstar.cpu.cachedir import cache_root, file_key
+from mstar.cpu.cachedir import cache_root, cached, file_key
 from mstar.cpu.quant.arena import KINDS, allocation
 from mstar.cpu.quant.linear import PackedLinear
 from mstar.cpu.quant.packed import Packed
@@ -47,18 +47,20 @@ def layer_names(folder: Path) -> list[str] | None:
 def save(model: Any, folder: Path) -> None:
     """Write ``model``'s packed layers (every linear layer a ``PackedLinear``
     whose tensors ``arena.gather`` moved) and ``model.mstar_quantization``
-    into ``folder`` (written aside, then renamed into place)."""
+    into ``folder``, under the cache folder (``cachedir.cached``: written
+    aside, then renamed into place)."""
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, PackedLinear)]
-    scratch = folder.with_name(f".{folder.name}.partial")
-    scratch.mkdir(parents=True, exist_ok=True)
-    entries = [_entry(name, layer) for name, layer in layers]
-    for kind in KINDS:
-        held = [layer._buffers[kind] for _, layer in layers if layer._buffers.get(kind) is not None]
-        if held:
-            _whole(held[0]).numpy().tofile(scratch / f"{kind}.bin")
-    index = {"quantization": model.mstar_quantization, "layers": entries}
-    (scratch / LAYERS).write_text(json.dumps(index))
-    scratch.rename(folder)
+
+    def write(scratch: Path) -> None:
+        for kind in KINDS:
+            held = [m._buffers[kind] for _, m in layers if m._buffers.get(kind) is not None]
+            if held:
+                _whole(held[0]).numpy().tofile(scratch / f"{kind}.bin")
+        entries = [_entry(name, layer) for name, layer in layers]
+        index = {"quantization": model.mstar_quantization, "layers": entries}
+        (scratch / LAYERS).write_text(json.dumps(index))
+
+    cached(folder.relative_to(cache_root()).as_posix(), LAYERS, write)
 
 
 def restore(model: Any, folder: Path) -> str:
