@@ -87,3 +87,22 @@ def test_another_mode_or_file_packs_afresh(cache):
     assert stored.layer_names(stored.folder_for(path, "gguf/float32")) is None
     other = write_llama_gguf(cache / "other.gguf", lambda *_: "Q8_0", LlamaShape(), seed=1)
     assert stored.layer_names(stored.folder_for(other, "gguf/bfloat16")) is None
+
+
+def test_a_fresh_process_runs_the_stored_layers(cache):
+    """A second load in a process that packed nothing loads the kernels the
+    stored layers run on (a forward through them failed: no ops registered)."""
+    import os
+    import subprocess
+    import sys
+
+    path = write_llama_gguf(cache / "q4_0.gguf", lambda *_: "Q4_0", LlamaShape())
+    load(str(path), quantization="gguf", dtype=torch.bfloat16)
+    script = (
+        "import torch; from mstar.models.loader import load;"
+        f"m, _ = load({str(path)!r}, quantization='gguf', dtype=torch.bfloat16);"
+        "print(m(torch.tensor([[1, 2, 3]])).logits.shape)"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "torch.Size([1, 3, 288])" in done.stdout, done.stderr[-800:]

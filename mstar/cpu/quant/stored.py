@@ -23,6 +23,7 @@ import torch
 from mstar.cpu.build import code_digest
 from mstar.cpu.cachedir import cache_root, cached, file_key
 from mstar.cpu.quant.arena import KINDS, allocation
+from mstar.cpu.quant.kernels import kernel_or_why
 from mstar.cpu.quant.linear import PackedLinear
 from mstar.cpu.quant.packed import Packed
 
@@ -38,8 +39,10 @@ def folder_for(source: Path, mode: str) -> Path:
 
 
 def layer_names(folder: Path) -> list[str] | None:
-    """The linear layers ``folder`` holds, by module name (None: none stored)."""
-    if not (folder / LAYERS).exists():
+    """The linear layers ``folder`` holds, by module name (None: none stored,
+    or the kernels that multiply them do not run here: ``kernel_or_why``,
+    which also loads them, as packing does before its layers run)."""
+    if not (folder / LAYERS).exists() or kernel_or_why() is not None:
         return None
     return [entry["name"] for entry in json.loads((folder / LAYERS).read_text())["layers"]]
 
