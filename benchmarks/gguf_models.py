@@ -5,12 +5,17 @@ and decode speed, one markdown table.
         [--llama-bench PATH] [--threads 2] [--folder DIR]
         [--write 1b:Q4_K_M,1b:Q4_0,8b:Q4_K_M] [--no-ours]
 
-``--write SIZE:MIX,...`` first writes Llama-shaped files with random valid
-blocks (``tests/gguf_files.py``) under ``--folder`` and adds them to the
-files: SIZE ``tiny`` (hidden 256, 2 layers), ``1b`` (2048, 16 layers, 32/8
-heads, FFN 8192), ``3b`` (3072, 28, 24/8, 8192), ``8b`` (4096, 32, 32/8,
-14336), vocab 49152; MIX ``Q4_K_M`` (llama.cpp's mix), ``Q4_0`` (the head
-Q6_K, as llama-quantize makes it), ``Q8_0``, ``Q6_K`` or ``F16``.
+``--write SIZE:MIX,...`` first writes files with random valid blocks
+(``tests/gguf_files.py``) under ``--folder`` and adds them to the files:
+SIZE a Llama's ``tiny`` (hidden 256, 2 layers), ``1b`` (2048, 16 layers,
+32/8 heads, FFN 8192), ``3b`` (3072, 28, 24/8, 8192), ``8b`` (4096, 32,
+32/8, 14336); ``qwen2-1.5b`` (Qwen2.5-1.5B's 1536, 28, 12/2, 8960, q/k/v
+biases) or ``qwen3-1.7b`` (Qwen3-1.7B's 2048, 28, 16/8, 6144, q/k norms);
+vocab 49152; MIX ``Q4_K_M`` (llama.cpp's mix), ``Q4_0`` (the head Q6_K, as
+llama-quantize makes it), ``Q8_0``, ``Q6_K`` or ``F16``. The weights'
+standard deviation is ``--std`` (default 0.02, a real 1B's scale: the
+types' own ~0.05-0.08 make a 16-layer random model chaotic, so bfloat16's
+rounding grows past the start-up check's bound, which then refuses it).
 
 Each file gets one row per engine and a ratio row (ours / llama.cpp):
 
@@ -62,6 +67,8 @@ SIZES = {  # hidden, layers, heads, kv heads, FFN, vocab
     "1b": (2048, 16, 32, 8, 8192, 49152),
     "3b": (3072, 28, 24, 8, 8192, 49152),
     "8b": (4096, 32, 32, 8, 14336, 49152),
+    "qwen2-1.5b": (1536, 28, 12, 2, 8960, 49152),
+    "qwen3-1.7b": (2048, 28, 16, 8, 6144, 49152),
 }
 COLUMNS = ("size GiB", "load 1st s", "load 2nd s", "peak RSS GiB", "RSS started GiB",
            "pp512 tok/s", "tg64 tok/s", "8 at once tok/s")  # fmt: skip
@@ -71,6 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--files", type=Path, nargs="*", default=[])
     parser.add_argument("--write", default="", help="SIZE:MIX,... files to write first")
+    parser.add_argument("--std", type=float, default=0.02, help="written weights' std")
     parser.add_argument("--folder", type=Path, default=Path("/tmp/mstar-gguf-bench"))
     parser.add_argument("--llama-bench", default=shutil.which("llama-bench"))
     parser.add_argument("--threads", type=int, default=2)
@@ -82,7 +90,10 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(measure_here(args.child, args.threads, args.rounds, args.load_only)))
         return
-    files = [*args.files, *(written(spec, args.folder) for spec in args.write.split(",") if spec)]
+    files = [
+        *args.files,
+        *(written(spec, args.folder, args.std) for spec in args.write.split(",") if spec),
+    ]
     print(cpu_line() + f"{args.threads} threads; load average {os.getloadavg()[0]:.1f}\n")
     rows = []
     for path in files:
@@ -104,13 +115,15 @@ def cpu_line() -> str:
     return f"CPU: {fields.get('Model name', '?').strip()}; flags: {' '.join(flags)}\n"
 
 
-def written(spec: str, folder: Path) -> Path:
-    """The file ``SIZE:MIX`` names under ``folder``, written unless there."""
+def written(spec: str, folder: Path, std: float) -> Path:
+    """The file ``SIZE:MIX`` names under ``folder``, its weights of
+    standard deviation ``std``, written unless there."""
     sys.path.insert(0, str(TESTS))
     from gguf_files import LlamaShape, q4_k_m_types, write_llama_gguf
 
     size, mix = spec.split(":")
-    path = folder / f"llama-{size}-shaped.{mix}.gguf"
+    arch, _, _ = size.rpartition("-")
+    path = folder / f"{'llama-' * (not arch)}{size}-shaped.{mix}.gguf"
     if not path.exists():
         mixes = {
             "Q4_K_M": q4_k_m_types,
@@ -120,7 +133,8 @@ def written(spec: str, folder: Path) -> Path:
         start = time.perf_counter()
         folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
-        write_llama_gguf(partial, types, LlamaShape(*SIZES[size])).rename(path)
+        shape = LlamaShape(*SIZES[size])
+        write_llama_gguf(partial, types, shape, arch=arch or "llama", std=std).rename(path)
         print(f"wrote {path} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
     return path
 

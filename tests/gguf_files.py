@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import cache
 from itertools import chain, islice
 from pathlib import Path
 
@@ -58,9 +59,13 @@ class LlamaShape:
         return self.hidden // self.heads
 
 
-def random_blocks(type_name: str, rows: int, width: int, rng: np.random.Generator) -> np.ndarray:
+def random_blocks(
+    type_name: str, rows: int, width: int, rng: np.random.Generator, std: float | None = None
+) -> np.ndarray:
     """Raw GGUF rows (uint8 ``[rows, bytes a row]``) of random ``type_name``
-    blocks: random bytes, the float16 scales drawn small and finite."""
+    blocks: random bytes, the float16 scales drawn small and finite, so
+    the weights' standard deviation is ``std`` where given (the scales
+    drawn ``std / weight_std(type_name)`` times wider)."""
     import gguf
 
     kind = gguf.GGMLQuantizationType[type_name]
@@ -68,18 +73,32 @@ def random_blocks(type_name: str, rows: int, width: int, rng: np.random.Generato
     if width % per_block:
         raise ValueError(f"expected a width divisible by {per_block} for {type_name}, got {width}")
     blocks = rng.integers(0, 256, (rows, width // per_block, size), dtype=np.uint8)
+    spread = SCALE_STD[type_name] * (1 if std is None else std / weight_std(type_name))
     for offset in HALF_OFFSETS[type_name]:
-        halves = np.abs(rng.normal(0, SCALE_STD[type_name], (rows, width // per_block)))
+        halves = np.abs(rng.normal(0, spread, (rows, width // per_block)))
         blocks[:, :, offset : offset + 2] = halves.astype(np.float16)[..., None].view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
-def random_tensor(type_name: str, rows: int, width: int, rng: np.random.Generator) -> np.ndarray:
+@cache
+def weight_std(type_name: str) -> float:
+    """The standard deviation of ``random_blocks``' weights of ``type_name``
+    (by ``SCALE_STD``), measured on a sample dequantized by gguf-py."""
+    import gguf
+
+    sample = random_blocks(type_name, 64, 1024, np.random.default_rng(0))
+    return float(gguf.quants.dequantize(sample, gguf.GGMLQuantizationType[type_name]).std())
+
+
+def random_tensor(
+    type_name: str, rows: int, width: int, rng: np.random.Generator, std: float | None = None
+) -> np.ndarray:
     """A weight ``[rows, width]`` as ``GGUFWriter.add_tensor`` takes it: raw
-    blocks for a quantized type, the values for F32/F16."""
+    blocks for a quantized type, the values for F32/F16; of standard
+    deviation ``std`` where given (else the types' own: ~0.05-0.08)."""
     if type_name in FLOAT_TYPES:
-        return rng.normal(0, 0.05, (rows, width)).astype(FLOAT_TYPES[type_name])
-    return random_blocks(type_name, rows, width, rng)
+        return rng.normal(0, std or 0.05, (rows, width)).astype(FLOAT_TYPES[type_name])
+    return random_blocks(type_name, rows, width, rng, std)
 
 
 def q4_k_m_types(name: str, layer: int, layers: int) -> str:
@@ -133,6 +152,7 @@ def write_llama_gguf(
     seed: int = 0,
     arch: str = "llama",
     tied: bool = False,
+    std: float | None = None,
 ) -> Path:
     """A Llama GGUF at ``path`` of ``shape``, its linear tensors and embedding
     in the types ``types`` gives (a function of the GGUF name without
@@ -141,7 +161,9 @@ def write_llama_gguf(
     names, ``Q4_K`` where absent); norms float32. ``arch`` ``qwen2`` adds
     q/k/v biases, ``qwen3`` q/k RMSNorms (float32, as llama.cpp writes them).
     ``tied``: no ``output.weight``, the head tied to the embedding (as
-    SmolLM2's and Llama 3.2 1B's files)."""
+    SmolLM2's and Llama 3.2 1B's files). ``std``: every linear tensor's and
+    the embedding's weights of that standard deviation (a real 1B's are
+    ~0.02), else each type's own (``random_tensor``)."""
     import gguf
 
     if arch not in ("llama", "qwen2", "qwen3"):
@@ -152,7 +174,7 @@ def write_llama_gguf(
     _write_metadata(writer, shape)
 
     def add(name: str, type_name: str, rows: int, width: int) -> None:
-        data = random_tensor(type_name, rows, width, rng)
+        data = random_tensor(type_name, rows, width, rng, std)
         raw = None if type_name in FLOAT_TYPES else gguf.GGMLQuantizationType[type_name]
         writer.add_tensor(name, data, raw_dtype=raw)
 
