@@ -93,6 +93,21 @@ class PackedLinear(torch.nn.Module):
             self.register_buffer(name, getattr(packed, name) if row_major else None)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
+    @classmethod
+    def on_lanes(
+        cls,
+        kind: str,
+        lanes: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        panels: torch.Tensor | None = None,
+        lane_panels: bool = False,
+    ) -> PackedLinear:
+        """A layer holding ``lanes`` (and ``panels`` or ``lane_panels``, so
+        every row count reads them) and no row-major copy: its shape and
+        dtypes are read from a meta stand-in, the weights never rebuilt."""
+        packed = Packed.from_lanes(kind, lanes.to("meta"))
+        return cls(packed, bias, panels, True, lanes, lane_panels)
+
     @property
     def int16_rows(self) -> int:
         """Most input rows rounded to int16 (0: none): the lanes' rows where

@@ -104,22 +104,15 @@ def _entry(name: str, layer: PackedLinear) -> dict[str, Any]:
 
 
 def _layer(entry: dict[str, Any], tensors: dict[str, torch.Tensor], bias: Any) -> PackedLinear:
-    """The ``PackedLinear`` of an index entry over ``tensors``; where it held
-    only lanes, its row-major form is a meta stand-in of the right shape."""
-    kind = entry["kind"]
-    if "qweight" in tensors:
-        packed = Packed(kind, tensors["qweight"], tensors.get("scales"), tensors.get("mins"))
-    else:  # lanes alone: the layer keeps no row-major copy, only its shape and dtypes are read
-        packed = Packed.from_lanes(kind, tensors["lanes"].to("meta"))  # whatever the layout
+    """The ``PackedLinear`` of an index entry over ``tensors`` (lanes alone
+    where it held no row-major copy)."""
+    kind, panels = entry["kind"], tensors.get("panels")
     bias = None if bias is None or bias.is_meta else bias
-    return PackedLinear(
-        packed,
-        bias,
-        tensors.get("panels"),
-        entry["int16"],
-        tensors.get("lanes"),
-        entry["lane_panels"],
-    )
+    if "qweight" not in tensors:
+        return PackedLinear.on_lanes(kind, tensors["lanes"], bias, panels, entry["lane_panels"])
+    packed = Packed(kind, tensors["qweight"], tensors.get("scales"), tensors.get("mins"))
+    lanes = tensors.get("lanes")
+    return PackedLinear(packed, bias, panels, entry["int16"], lanes, entry["lane_panels"])
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

@@ -243,12 +243,9 @@ def _joined(layers: Sequence[torch.nn.Module]) -> torch.nn.Module:
         parts = [None if getattr(layers[0], n) is None else _rows([getattr(m, n) for m in layers])
                  for n in _PACKED_TENSORS]  # fmt: skip
         first = layers[0]
-        lanes_alone = parts[0] is None  # the layers hold no row-major copy
-        packed = (
-            Packed.from_lanes(first.kind, parts[4])
-            if lanes_alone
-            else Packed(first.kind, *parts[:3])
-        )
+        if parts[0] is None:  # the layers hold no row-major copy: none is rebuilt
+            return PackedLinear.on_lanes(first.kind, parts[4], bias, parts[3], first.lane_panels)
+        packed = Packed(first.kind, *parts[:3])
         return PackedLinear(
             packed, bias, parts[3], first.int16_activations, parts[4], first.lane_panels
         )
