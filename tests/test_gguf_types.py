@@ -47,7 +47,9 @@ MIXED = {
     "output": "Q6_K",
     "token_embd": "Q4_K",
 }
-PACKED_TYPES = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8", "Q4_K": "int4", "Q6_K": "int8"}
+PACKED_TYPES = {
+    "Q4_0": "int4", "Q4_1": "int4", "Q5_0": "int8", "Q8_0": "int8", "Q4_K": "int4", "Q6_K": "int8"
+}  # fmt: skip
 # the clause on the K-quants' lanes (int16 activations whatever the arithmetic) in MIXED's description
 K_LANES = (
     "int16 activations at 1-8 rows (the 4 int4 layers, the 3 int8 layers) (7 of them on lanes,"
@@ -128,21 +130,26 @@ def test_served_weights_are_gguf_pys_dequantization(mixed, type_name):
             assert torch.equal(layer.packed().dequantize(), expected.bfloat16().float()), name
 
 
-def test_q5_0_and_q5_1_load_from_the_file_as_panels_of_their_dequantization(files):
-    """Types transformers' own conversion refuses (Q5_0, Q5_1) load: read
-    from the file, each weight gguf-py's dequantization rounded to bfloat16."""
+def test_q5_0_packs_as_int8_and_q5_1_loads_as_panels_of_its_dequantization(files):
+    """Types transformers' own conversion refuses (Q5_0, Q5_1) load from the
+    file: Q5_0 as int8 ``q - 16`` of its scale, gguf-py's dequantization bit
+    for bit; Q5_1 as that dequantization rounded to bfloat16."""
     types = {"attn_q": "Q5_0", "attn_k": "Q5_1", "ffn_up": "Q5_0"}
     path = write_llama_gguf(files / "q5.gguf", types, LlamaShape(layers=1))
     model = load(str(path), quantization="gguf")[0]
     assert model.mstar_quantization.startswith(
-        "gguf (as asked): 5 layers int4 (Q4_K), 2 layers bf16 panels (Q5_0 dequantized),"
+        "gguf (as asked): 2 layers int8 (Q5_0), 5 layers int4 (Q4_K),"
         " 1 layer bf16 panels (Q5_1 dequantized)"
     )
-    layers = {n: w for n, (t, w) in gguf_reference(path, model).items() if t in ("Q5_0", "Q5_1")}
-    assert len(layers) == 3
-    for name, expected in layers.items():
-        got = model.get_submodule(name).packed().dequantize()
-        assert torch.equal(got, expected.bfloat16().float()), name
+    layers = {n: (t, w) for n, (t, w) in gguf_reference(path, model).items() if t.startswith("Q5_")}
+    assert sorted(t for t, _ in layers.values()) == ["Q5_0", "Q5_0", "Q5_1"]
+    for name, (type_name, expected) in layers.items():
+        layer = model.get_submodule(name)
+        assert layer.kind == PACKED_TYPES.get(type_name, "bf16"), name
+        if type_name == "Q5_0":
+            assert torch.equal(layer.dequantized().weight, expected), name
+        else:
+            assert torch.equal(layer.packed().dequantize(), expected.bfloat16().float()), name
 
 
 def test_the_description_names_each_type_and_what_serves_it(mixed, lanes):

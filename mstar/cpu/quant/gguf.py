@@ -3,7 +3,8 @@
 Q4_0 and Q4_1 blocks (a float16 scale ``d``, Q4_1 also a float16 min ``m``,
 and 32 four-bit values) are int4 groups of 32 as they stand: scale ``d``,
 min ``m`` (Q4_0: ``-8 d``, exact in float16); Q8_0 blocks (``d`` and 32
-int8 values) are int8 groups of 32. The K-quants' super-blocks of 256 take
+int8 values) are int8 groups of 32, and so are Q5_0's (``d``, 32 five-bit
+``q``: int8 ``q - 16`` of scale ``d``, as gguf-py computes them). The K-quants' super-blocks of 256 take
 float32 scales: Q4_K (float16 ``d`` and ``dmin``, 6-bit ``sc`` and ``m`` per
 sub-block of 32, 4-bit values) is int4 groups of 32 of scale ``d * sc`` and
 min ``-dmin * m``; Q6_K (int8 ``scale`` per sub-block of 16, float16 ``d``,
@@ -28,7 +29,7 @@ import torch
 from mstar.cpu.quant.packed import GROUP, Packed, SuperBlocks, pack_int4
 
 # bytes of one block of 32 weights
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
 # bytes of one super-block of 256 weights
 SUPER_BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
 PACKED_TYPES = (*BLOCK_BYTES, *SUPER_BLOCK_BYTES)  # the types ``decode_blocks`` takes
@@ -72,6 +73,8 @@ def decode_blocks(type_name: str, data: np.ndarray) -> Packed:
     if type_name == "Q8_0":
         qweight = blocks[:, :, 2:].contiguous().view(torch.int8).view(rows, -1)
         return Packed("int8", qweight, scales.contiguous())
+    if type_name == "Q5_0":
+        return Packed("int8", _q5_0_values(blocks).view(rows, -1), scales.contiguous())
     if type_name == "Q4_1":
         mins = _halves(blocks, 2)
         qs = blocks[:, :, 4:]
@@ -84,6 +87,18 @@ def decode_blocks(type_name: str, data: np.ndarray) -> Packed:
 def _halves(blocks: torch.Tensor, at: int) -> torch.Tensor:
     """Each block's float16 at byte ``at``: ``[rows, blocks]``."""
     return blocks[:, :, at : at + 2].contiguous().view(torch.float16).view(blocks.shape[:2])
+
+
+def _q5_0_values(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_0 blocks ``[rows, B, 22]`` (``d``, 4 bytes of high bits, weight
+    ``j``'s bit ``j``, 16 nibble bytes: weight ``j`` low, ``j + 16`` high)
+    as int8 ``q - 16``, ``[rows, B, 32]``."""
+    bits = blocks[:, :, 2:6].contiguous().view(torch.int32)  # [rows, B, 1], little-endian
+    shifts = torch.arange(32, dtype=torch.int32)
+    high = ((bits >> shifts) & 1).to(torch.uint8)
+    nibbles = blocks[:, :, 6:]
+    low = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2)
+    return (low | (high << 4)).view(torch.int8) - 16
 
 
 def _q4_k(blocks: torch.Tensor) -> Packed:
