@@ -199,7 +199,7 @@ def test_k_quant_lanes_of_the_files_factors_serve_as_the_float32_lanes_bit_for_b
     files, lanes, monkeypatch
 ):
     """A Q4_K_M-like file's Q4_K and Q6_K layers hold lanes of the file's own
-    factors (0.58 and 1.07 bytes a weight): the engine passes its start-up check and fuses its
+    factors (0.58 and 0.82 bytes a weight): the engine passes its start-up check and fuses its
     decode stack on them, and the model's logits at one and many rows and
     the engine's greedy tokens are those of the same file on float32-scale
     lanes (0.75 and 1.25), bit for bit."""
@@ -225,7 +225,7 @@ def test_k_quant_lanes_of_the_files_factors_serve_as_the_float32_lanes_bit_for_b
         return layouts, logits, done.outputs[0].token_ids
 
     layouts, logits, tokens = served()
-    assert layouts == {("int4", 2368), ("int8", 4384)}
+    assert layouts == {("int4", 2368), ("int8", 3360)}
     with monkeypatch.context() as patch:  # the same file on float32-scale lanes
         patch.setenv("MSTAR_KV_CACHE", str(files / "float32-scales"))
         patch.setattr(

@@ -461,8 +461,8 @@ def test_k_quant_lanes_hold_their_factors_at_their_place():
     of 16 rows and super-block of 256 columns, the rows' float16 ``d``, then
     ``dmin``, then each group's ``sc``, then each group's ``m``, then the 8
     groups' octets as in every int4 layout; Q6_K's: the rows' ``d``, then
-    each 16 columns' int8 ``sc``, then the 8 groups' pairs as in every int8
-    layout; ``from_lanes`` gives back the weights, float32 scales and
+    each 16 columns' int8 ``sc``, then the 8 groups' six-bit values (a byte
+    each, but every fourth in the others' top 2 bits); ``from_lanes`` gives back the weights, float32 scales and
     factors bit for bit, and rows reordered take their factors along."""
     q4 = k_quant("Q4_K", 48, 512, seed=1, factors=True)
     held = q4.lanes()
@@ -494,23 +494,39 @@ def test_k_quant_lanes_hold_their_factors_at_their_place():
         Packed.from_lanes("int4", held[:, :, :2367])
     q6 = k_quant("Q6_K", 32, 512, seed=2, factors=True)
     held = q6.lanes()
-    assert held.dtype == torch.int8 and held.shape == (2, 2, 4384) == lanes_shape(q6)
+    assert held.dtype == torch.int8 and held.shape == (2, 2, 3360) == lanes_shape(q6)
     f = q6.factors
-    for row, column in ((0, 0), (17, 37), (31, 511), (5, 300)):
+    for row, column in ((0, 0), (17, 37), (31, 511), (5, 300), (9, 46)):
         block, r, sb, group, k = row // 16, row % 16, column // 256, column // 32 % 8, column % 32
         head = held[block, sb]
         assert head[:32].view(torch.float16)[r] == f.d[row, sb]
         assert head[32 + 16 * (column // 16 % 16) + r] == f.sc[row, column // 16]
-        assert head[288 + 512 * group + 32 * (k // 2) + 2 * r + k % 2] == q6.qweight[row, column]
+        # six bits: half h's vector i, row r's byte j of column 16h + 4i + j (i < 3), or its
+        # top 2 bits the bits 2i, 2i+1 of column 16h + 12 + j
+        at = 288 + 384 * group + 192 * (k // 16)
+        vectors = head.view(torch.uint8)[at : at + 192].view(3, 64)[:, 4 * r + k % 4]
+        if k % 16 < 12:
+            q = int(vectors[k % 16 // 4]) & 0x3F
+        else:
+            q = sum((int(vectors[i]) >> 6) << 2 * i for i in range(3))
+        assert q - 32 == q6.qweight[row, column]
     back = Packed.from_lanes("int8", held)
     assert torch.equal(back.qweight, q6.qweight) and torch.equal(back.scales, q6.scales)
     assert back.mins is None and back.factors.dmin is None and torch.equal(back.factors.sc, f.sc)
     assert torch.equal(back.factors.d, f.d)
+    moved = q6.rows(torch.randperm(32, generator=torch.Generator().manual_seed(2)))
+    assert torch.equal(Packed.from_lanes("int8", moved.lanes()).qweight, moved.qweight)
+    wrong = q6.qweight.clone()
+    wrong[0, 0] = 32
+    with pytest.raises(
+        ValueError, match=r"expected Q6_K values -32..31 for its lanes, got -\d+..32"
+    ):
+        replace(q6, qweight=wrong).lanes()
 
 
 # a K-quant's lanes: bytes a block a super-block of its factors, a group of float32 scales;
 # bytes a weight (x1000) of its factors
-SUPER_LANES = {"Q4_K": (2368, 384, 578), "Q6_K": (4384, 640, 1070)}
+SUPER_LANES = {"Q4_K": (2368, 384, 578), "Q6_K": (3360, 640, 820)}
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
@@ -536,7 +552,7 @@ def test_k_quant_factor_lanes_are_the_float32_lanes_bit_for_bit(lanes, rows, typ
         for count in (1, 7, BF16_ROWS, 33):
             x = torch.randn(count, shape[1], generator=g)
             assert torch.equal(ops.lanes_bf16(x, compact), ops.lanes_bf16(x, wide)), count
-    with pytest.raises(RuntimeError, match=r"\[N/16, K/256, 2368 or 4384\] \(the K-quants'"):
+    with pytest.raises(RuntimeError, match=r"\[N/16, K/256, 2368 or 3360\] \(the K-quants'"):
         ops.lanes_i16(torch.randn(1, shape[1]), compact[:, :, :-1].contiguous())
 
 

@@ -74,6 +74,31 @@ inline void int8_group_lines(const int8_t* block, uint16_t* panel, int64_t g, in
   }
 }
 
+// Group g of Q6_K lanes block `block` (16 rows) into the panel's 16 lines of k pairs
+// 16g..16g+15, half `half` of each: each column's 16 values (`six_bits`: byte j of a vector's
+// lanes) less 32, times its scale (one per 16 columns), rounded.
+inline void q6_group_lines(const int8_t* block, uint16_t* panel, int64_t g, int half) {
+  __m512 scales[2];  // columns 0-15's and 16-31's
+  int8_factors<Scales::SUPER>(block, g, scales[0], scales[1]);
+  const int8_t* values = lane_group<int8_t, Scales::SUPER>(block, g);
+  const __m512i byte = _mm512_set1_epi32(0xFF), offset = _mm512_set1_epi32(32);
+  for (int c = 0; c < 2; ++c) {
+    __m512i q[4];
+    six_bits(values + 192 * c, q);
+    for (int i = 0; i < 4; ++i) {
+      __m512 w[4];  // columns 16c + 4i + j
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(q[i], 8 * j), byte), offset);
+        w[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(v), scales[c]);
+      }
+      for (int j = 0; j < 4; j += 2) {
+        const int64_t pair = 16 * g + 8 * c + 2 * i + j / 2;
+        _mm512_storeu_si512(panel + pair * 64 + 32 * half, panel_line(w[j], w[j + 1]));
+      }
+    }
+  }
+}
+
 // Panel p (lanes blocks 2p, 2p + 1) of int4 (uint8) or int8 lanes with G groups, of the
 // layout `S`, dequantized into `panel` [K/2, 32, 2] bfloat16.
 template <typename T, Scales S>
@@ -83,6 +108,7 @@ void lane_panel(const T* lanes, int64_t p, int64_t G, uint16_t* panel) {
     const T* block = lanes + (2 * p + half) * G * bytes;
     for (int64_t g = 0; g < G; ++g) {
       if constexpr (std::is_same_v<T, uint8_t>) int4_group_lines<S>(block, panel, g, half);
+      else if constexpr (S == Scales::SUPER) q6_group_lines(block, panel, g, half);
       else int8_group_lines<S>(block, panel, g, half);
     }
   }

@@ -33,12 +33,19 @@
 // [N/16, K/256, 2368]: per block and super-block of 256 columns, a head of 320 bytes (the 16
 // rows' float16 d, then their float16 dmin, then per group j of 8 the rows' uint8 sc, then
 // per group their uint8 m), then the 8 groups' 256 nibble bytes as above: 0.58 bytes a
-// weight, not 0.75; Q6_K, int8 [N/16, K/256, 4384]: a head of 288 bytes (the rows' float16
-// d, then per 16 columns t of 16 the rows' int8 scale), then the 8 groups' 512 bytes of
-// pairs: 1.07 bytes a weight, not 1.25. A group's scales d * sc (d * scale) and minimum
-// -(dmin * m) are made in registers (a float16 and an 8-bit integer: exact in float32), the
-// float32 lanes' stored values bit for bit, so the same sums. The same loops, templated on
-// the layout (`Scales`).
+// weight, not 0.75; Q6_K, int8 [N/16, K/256, 3360]: a head of 288 bytes (the rows' float16
+// d, then per 16 columns t of 16 the rows' int8 scale), then the 8 groups' 384 bytes of six-bit
+// values (`six_bits`): 0.82 bytes a weight, the file's own, not 1.25. A group's scales d * sc
+// (d * scale) and minimum -(dmin * m) are made in registers (a float16 and an 8-bit integer:
+// exact in float32), the float32 lanes' stored values bit for bit, so the same sums. The same
+// loops, templated on the layout (`Scales`), but Q6_K's (`lanes6_gemv`).
+//
+// Q6_K's group of 32 columns, per half c (columns 16c..16c+15), 3 vectors of 64 bytes: vector
+// i's lane r holds row r's q = value + 32 (0..63) of columns 16c+4i..16c+4i+3 in its bytes' low
+// 6 bits, and bits 2i, 2i+1 of those of columns 16c+12..16c+15 in their top 2: 4 vectors of
+// values, as int4's octets hold theirs, in 9 instructions. Dotted as the nibbles are (q the
+// unsigned side against the activations' high bytes, the signed side against their low ones),
+// each half's sum starting at -32 x its 16 activations' sum: the same integers as (q - 32).
 #pragma once
 
 #include "i16_gemv.h"
@@ -54,10 +61,11 @@ constexpr int64_t LANE_INT8_F32_BYTES = 640;  // int8, float32 scales: 512 weigh
 // How lanes hold their scales: float16 or float32 a group, or the K-quants' factors a super-block.
 enum class Scales { F16, F32, SUPER };
 
-// A group's weights' bytes in a block: int4 (uint8) 256 nibble bytes, int8 512.
+// A group's weights' bytes in a block of a super-block's lanes (SUPER): Q4_K (uint8) 256 nibble
+// bytes, Q6_K (int8) 384 of six-bit values.
 template <typename T>
 constexpr int64_t group_bytes() {
-  return std::is_same_v<T, uint8_t> ? 256 : 512;
+  return std::is_same_v<T, uint8_t> ? 256 : 384;
 }
 
 // A super-block's head in a block (SUPER): int4 (Q4_K) the 16 rows' d, dmin (float16), 8 x sc,
@@ -241,9 +249,9 @@ void lanes_gemv(const uint8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, 
 
 // y[m0 + i, 16 b .. 16 b + 16) for activation rows m0..m0+ROWS-1 and int8 lanes: per
 // block, per group, each pair of columns widened and dotted with each row's int16 pair (two
-// chains a row: pairs even and odd, or with a scale per 16 columns (float32 scales, Q6_K's
-// factors) pairs 0-7 and 8-15), made float32, times weight scale x activation scale (a scale
-// per 16 columns: each chain its own).
+// chains a row: pairs even and odd, or with a scale per 16 columns (float32 scales: Q6_K's)
+// pairs 0-7 and 8-15), made float32, times weight scale x activation scale (a scale per 16
+// columns: each chain its own).
 template <int ROWS, Scales S>
 void lanes8_gemv(const int8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, float* y, int64_t ldy) {
   constexpr bool PER16 = S != Scales::F16;  // a scale per 16 columns
@@ -282,6 +290,83 @@ void lanes8_gemv(const int8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, 
   for (int m = 0; m < ROWS; ++m) _mm512_storeu_ps(y + (m0 + m) * ldy + b * LANE_ROWS, acc[m]);
 }
 
+// Half c's 4 vectors of Q6_K values at p (3 x 64 bytes, the layout above): vector i's lane r
+// row r's q (0..63) of the half's columns 4i..4i+3, a byte each.
+inline void six_bits(const int8_t* p, __m512i q[4]) {
+  const __m512i six = _mm512_set1_epi8(0x3F);
+  const __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 64), c = _mm512_loadu_si512(p + 128);
+  q[0] = _mm512_and_si512(a, six);
+  q[1] = _mm512_and_si512(b, six);
+  q[2] = _mm512_and_si512(c, six);
+  // c's, b's and a's top 2 bits at a byte's bits 6-7, 4-5, 2-3 (selected: 0xCA, first operand's
+  // bits choose the second's, else the third's; a shift within 16 bits keeps a byte's own bits
+  // where they are kept), then down 2
+  const __m512i cb = _mm512_ternarylogic_epi32(_mm512_set1_epi8(int8_t(0xC0)), c, _mm512_srli_epi16(b, 2), 0xCA);
+  const __m512i cba = _mm512_ternarylogic_epi32(_mm512_set1_epi8(int8_t(0xF0)), cb, _mm512_srli_epi16(a, 4), 0xCA);
+  q[3] = _mm512_and_si512(_mm512_srli_epi16(cba, 2), six);
+}
+
+// -32 x the sum of each 16 columns' int16 activations of x, [M, K/16]: with them Q6_K's values
+// q (0..63) dotted with the activations are (q - 32)'s dot products.
+inline std::vector<int32_t> q6_offsets(const LaneRows& x) {
+  std::vector<int32_t> offsets(x.q.size() / 16);
+  for (size_t t = 0; t < offsets.size(); ++t) {
+    int32_t sum = 0;
+    for (int k = 0; k < 16; ++k) sum += x.q[16 * t + k];
+    offsets[t] = -32 * sum;
+  }
+  return offsets;
+}
+
+// y[m0 + i, 16 b .. 16 b + 16) for activation rows m0..m0+ROWS-1 and Q6_K lanes: per block, per
+// group, per half, its four vectors of values (`six_bits`) dotted with each row's high and low
+// bytes (two 32-bit sums a row, the low one starting at the half's `offsets`), joined as 256
+// high + low: the integers of lanes8_gemv on the values q - 32, and its float32 operations at a
+// scale per 16 columns.
+template <int ROWS>
+void lanes6_gemv(const int8_t* lanes, const LaneRows& x, const int32_t* offsets, int64_t m0, int64_t b, float* y,
+                 int64_t ldy) {
+  const int64_t G = x.G, K = x.K;
+  const int8_t* block = lanes + b * G * lane_bytes<int8_t, Scales::SUPER>();
+  __m512 acc[ROWS];
+  for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const auto [stream, streamed] = lane_stream<int8_t, Scales::SUPER>(block, g);
+    ask_ahead(stream, streamed);
+    const int8_t* p = lane_group<int8_t, Scales::SUPER>(block, g);
+    __m512i hi[ROWS][2], lo[ROWS][2];
+    for (int m = 0; m < ROWS; ++m)
+      for (int c = 0; c < 2; ++c) {
+        hi[m][c] = _mm512_setzero_si512();
+        lo[m][c] = _mm512_set1_epi32(offsets[(m0 + m) * 2 * G + 2 * g + c]);
+      }
+#pragma GCC unroll 2
+    for (int c = 0; c < 2; ++c) {
+      __m512i q[4];
+      six_bits(p + 192 * c, q);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
+        for (int m = 0; m < ROWS; ++m) {
+          const int64_t at = (m0 + m) * K + g * 32 + 16 * c + 4 * i;
+          hi[m][c] = _mm512_dpbusd_epi32(hi[m][c], q[i], quad(&x.high[at]));
+          lo[m][c] = _mm512_dpbusd_epi32(lo[m][c], quad(&x.low[at]), q[i]);
+        }
+    }
+    __m512 scale, second;  // columns 0-15's and 16-31's
+    int8_factors<Scales::SUPER>(block, g, scale, second);
+#pragma GCC unroll 4
+    for (int m = 0; m < ROWS; ++m) {
+      const __m512 rows_scale = _mm512_set1_ps(x.scales[(m0 + m) * G + g]);
+      const __m512i first = _mm512_add_epi32(_mm512_slli_epi32(hi[m][0], 8), lo[m][0]);
+      const __m512i last = _mm512_add_epi32(_mm512_slli_epi32(hi[m][1], 8), lo[m][1]);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), _mm512_mul_ps(scale, rows_scale), acc[m]);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(last), _mm512_mul_ps(second, rows_scale), acc[m]);
+    }
+  }
+  for (int m = 0; m < ROWS; ++m) _mm512_storeu_ps(y + (m0 + m) * ldy + b * LANE_ROWS, acc[m]);
+}
+
 // y = x @ W.T for M <= I16_ROWS rows of x [M, K] and int4 (uint8 `lanes`) or int8 (int8
 // `lanes`) weights W [N, K] of the layout `S`, the activations rounded to int16 first, y's
 // rows ldy apart; blocks of 16 rows handed out as `stream_piece` hands out rows, each block's
@@ -290,6 +375,8 @@ void lanes8_gemv(const int8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, 
 template <typename T, Scales S>
 void lanes_i16(const T* lanes, const float* x, int64_t M, int64_t N, int64_t K, float* y, int64_t ldy) {
   const LaneRows xq(x, M, K);
+  constexpr bool Q6 = std::is_same_v<T, int8_t> && S == Scales::SUPER;
+  const std::vector<int32_t> offsets = Q6 ? q6_offsets(xq) : std::vector<int32_t>();
   const int64_t blocks = N / LANE_ROWS;
   const int64_t piece = std::max<int64_t>(1, stream_piece(N, K) / LANE_ROWS);
   share(blocks, piece, N * K >= PARALLEL_MIN, [&](int64_t b0, int64_t b1, int) {
@@ -297,6 +384,7 @@ void lanes_i16(const T* lanes, const float* x, int64_t M, int64_t N, int64_t K, 
       for (int64_t m0 = 0; m0 < M; m0 += LANE_PASS)
         with_rows<LANE_PASS>(std::min(LANE_PASS, M - m0), [&](auto rows) {
           if constexpr (std::is_same_v<T, uint8_t>) lanes_gemv<rows(), S>(lanes, xq, m0, b, y, ldy);
+          else if constexpr (Q6) lanes6_gemv<rows()>(lanes, xq, offsets.data(), m0, b, y, ldy);
           else lanes8_gemv<rows(), S>(lanes, xq, m0, b, y, ldy);
         });
   });

@@ -47,7 +47,7 @@ per group of 32 (``PackedLinear.int16_rows`` of them: int4 1-8 with AVX512-VNNI'
 With AVX512-VNNI the int4 and int8 layers also hold their weights as lanes
 (``Packed.lanes``: 16 rows to a vector, scales and minimums beside them, the
 packed weights' bytes again; the K-quants' own factors in place of their
-float32 scales: Q4_K 0.58 bytes a weight, Q6_K 1.07), which those rows multiply with VNNI's dot
+float32 scales: Q4_K 0.58 bytes a weight, Q6_K 0.82), which those rows multiply with VNNI's dot
 products: int4 about half the instructions, int8 about a fifth, so the
 step's stream runs at the memory's rate; int8 at 1-8 rows there, not one
 (``cpp/lanes.h``). Then each kind of the packed tensors (lanes, panels,

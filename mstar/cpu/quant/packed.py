@@ -22,8 +22,8 @@ names the layout, int4 ``[N/16, K/32, 384]``, int8 (a scale per 16
 columns) ``[N/16, K/32, 640]``; weights holding the K-quants' own factors
 (``SuperBlocks``) take them instead of float32 scales, Q4_K (int4) uint8
 ``[N/16, K/256, 2368]`` (0.58 bytes a weight, not 0.75), Q6_K (int8) int8
-``[N/16, K/256, 4384]`` (1.07, not 1.25); held beside the packed weights
-for few rows.
+``[N/16, K/256, 3360]`` (its values in 6 bits: 0.82, the file's own, not
+1.25); held beside the packed weights for few rows.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ SUPER = 256  # columns a super-block (GGUF's K-quants)
 # a super-block's head in a block of lanes: int4 (Q4_K) the 16 rows' d, dmin (float16), 8 x sc,
 # 8 x m (uint8); int8 (Q6_K) their d (float16), 16 x scale (int8)
 SUPER_HEAD = {"int4": 320, "int8": 288}
-# a block's bytes a super-block: the head, then 8 groups' weights (int4 2368, int8 4384)
-LANE_BYTES_SUPER = {"int4": 320 + 8 * 256, "int8": 288 + 8 * 512}
+# a block's bytes a super-block: the head, then 8 groups' weights, int4 256 bytes of nibbles
+# a group, int8 (Q6_K) 384 of six-bit values (int4 2368, int8 3360)
+LANE_BYTES_SUPER = {"int4": 320 + 8 * 256, "int8": 288 + 8 * 384}
 
 
 @dataclass(frozen=True)
@@ -144,9 +145,10 @@ class Packed:
         columns: a head of the 16 rows' ``d``, then ``dmin`` (float16), then
         per group of the 8 the rows' ``sc``, then per group their ``m``
         (uint8), then the 8 groups' octets; int8: the rows' ``d``, then per
-        16 columns their ``sc`` (int8), then the 8 groups' pairs. ``ValueError`` for bf16, rows
-        not a multiple of 16, or float32 int8 scales not a whole number per
-        16 columns."""
+        16 columns their ``sc`` (int8), then the 8 groups' six-bit values
+        (``_six_bit_groups``). ``ValueError`` for bf16, rows not a multiple
+        of 16, float32 int8 scales not a whole number per 16 columns, or
+        int8 values of factors outside Q6_K's -32..31."""
         rows, width = self.shape
         if self.kind == "bf16" or rows % LANES:
             raise ValueError(
@@ -163,11 +165,11 @@ class Packed:
             if self.factors is not None:
                 return self._super_lanes(per_group[0])
             scales = [self.scales, self.mins]
+        elif self.factors is not None:  # Q6_K's six-bit values
+            return self._super_lanes(_six_bit_groups(self.qweight))
         else:  # [block, row, group, pair, 2] -> [block, group, pair, row, 2]
             pairs = self.qweight.view(blocks, LANES, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
             per_group = [pairs.reshape(blocks, groups, -1).view(torch.uint8)]
-            if self.factors is not None:
-                return self._super_lanes(per_group[0])
             per = 2 * groups if wide else groups  # float32: a scale per 16 columns
             if per % self.scales.shape[1]:
                 raise ValueError(
@@ -183,7 +185,7 @@ class Packed:
 
     def _super_lanes(self, weights: torch.Tensor) -> torch.Tensor:
         """The lanes of ``factors`` (``lanes``) around the groups' ``weights``
-        (uint8 ``[N/16, K/32, 256 or 512]``: octets or pairs)."""
+        (uint8 ``[N/16, K/32, 256 or 384]``: octets or six-bit values)."""
         blocks, groups = weights.shape[:2]
         count = groups * GROUP // SUPER
         head = []
@@ -233,7 +235,7 @@ class Packed:
 
     @classmethod
     def _from_super_lanes(cls, kind: str, lanes: torch.Tensor) -> Packed:
-        """``from_lanes`` of lanes of a K-quant's factors ``[N/16, K/256, 2368 or 4384]``."""
+        """``from_lanes`` of lanes of a K-quant's factors ``[N/16, K/256, 2368 or 3360]``."""
         blocks, count = lanes.shape[:2]
         held = lanes.view(torch.uint8)
         rows, per = blocks * LANES, SUPER // GROUP
@@ -246,7 +248,7 @@ class Packed:
         weights = held[..., SUPER_HEAD[kind] :].reshape(blocks, count * per, -1)
         if kind == "int8":
             factors = SuperBlocks(d, None, head(2 * LANES, 2 * per, torch.int8).contiguous(), None)
-            packed = cls("int8", _pairs(weights), factors.scales()[0])
+            packed = cls("int8", _six_bit_values(weights), factors.scales()[0])
         else:
             dmin = head(2 * LANES, 1, torch.float16).contiguous()
             sc = head(4 * LANES, per, torch.uint8).contiguous()
@@ -281,11 +283,40 @@ def _pairs(pairs: torch.Tensor) -> torch.Tensor:
     return pairs.permute(0, 3, 1, 2, 4).reshape(blocks * LANES, -1).view(torch.int8).contiguous()
 
 
+def _six_bit_groups(values: torch.Tensor) -> torch.Tensor:
+    """Q6_K's values ``[N, K]`` (int8, -32..31) as its lanes' groups (uint8
+    ``[N/16, K/32, 384]``, ``cpp/lanes.h``): per half of 16 columns three
+    64-byte vectors, vector ``i``'s byte ``4r + j`` holding row ``r``'s
+    ``q = value + 32`` (0..63) of the half's column ``4i + j`` in its low 6
+    bits and bits ``2i, 2i+1`` of that of column ``12 + j`` in its top 2;
+    ``ValueError`` for values outside -32..31."""
+    rows, width = values.shape
+    low, high = (int(v) for v in values.aminmax()) if values.numel() else (0, 0)
+    if low < -32 or high > 31:
+        raise ValueError(f"expected Q6_K values -32..31 for its lanes, got {low}..{high}")
+    q = (values + 32).view(torch.uint8).view(rows // LANES, LANES, width // GROUP, 2, 4, 4)
+    q = q.permute(0, 2, 3, 4, 1, 5)  # [block, group, half, i, row, j]: column 16 half + 4i + j
+    shifts = torch.tensor([0, 2, 4], dtype=torch.uint8).view(3, 1, 1)
+    held = q[:, :, :, :3] | (((q[:, :, :, 3:] >> shifts) & 3) << 6)
+    return held.reshape(rows // LANES, width // GROUP, -1)
+
+
+def _six_bit_values(groups: torch.Tensor) -> torch.Tensor:
+    """The values ``[N, K]`` (int8) of Q6_K lanes' groups (uint8 ``[N/16,
+    K/32, 384]``, ``_six_bit_groups``)."""
+    blocks, count = groups.shape[:2]
+    held = groups.reshape(blocks, count, 2, 3, LANES, 4)  # [block, group, half, i, row, j]
+    top = sum((held[:, :, :, i] >> 6) << 2 * i for i in range(3))
+    q = torch.cat([held & 0x3F, top[:, :, :, None]], dim=3)
+    q = q.permute(0, 4, 1, 2, 3, 5).reshape(blocks * LANES, -1)
+    return q.view(torch.int8) - 32
+
+
 def lanes_shape(packed: Packed) -> tuple[int, ...]:
     """The shape of ``packed.lanes()``: with float16 scales ``[N/16, K/32 *
     320]`` for int4, ``[N/16, K/32 * 544]`` for int8; with float32 scales
     ``[N/16, K/32, 384]`` and ``[N/16, K/32, 640]``; with the K-quants'
-    factors ``[N/16, K/256, 2368]`` (int4) and ``[N/16, K/256, 4384]`` (int8)."""
+    factors ``[N/16, K/256, 2368]`` (int4) and ``[N/16, K/256, 3360]`` (int8)."""
     rows, width = packed.shape
     if packed.factors is not None:
         return rows // LANES, width // SUPER, LANE_BYTES_SUPER[packed.kind]
