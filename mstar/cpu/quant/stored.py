@@ -97,6 +97,7 @@ def _entry(name: str, layer: PackedLinear) -> dict[str, Any]:
     return {
         "name": name,
         "kind": layer.kind,
+        "symmetric": layer.symmetric,
         "int16": layer.int16_activations,
         "lane_panels": layer.lane_panels,
         "tensors": tensors,
@@ -108,7 +109,8 @@ def _layer(entry: dict[str, Any], tensors: dict[str, torch.Tensor], bias: Any) -
     only lanes, its row-major form is a meta stand-in of the right shape."""
     kind = entry["kind"]
     if "qweight" in tensors:
-        packed = Packed(kind, tensors["qweight"], tensors.get("scales"), tensors.get("mins"))
+        row_major = (tensors["qweight"], tensors.get("scales"), tensors.get("mins"))
+        packed = Packed(kind, *row_major, symmetric=entry["symmetric"])
     else:  # lanes alone: the layer keeps no row-major copy, only its shape and dtypes are read
         packed = Packed.from_lanes(kind, tensors["lanes"].to("meta"))  # whatever the layout
     bias = None if bias is None or bias.is_meta else bias

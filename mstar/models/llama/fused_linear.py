@@ -247,7 +247,7 @@ def _joined(layers: Sequence[torch.nn.Module]) -> torch.nn.Module:
         packed = (
             Packed.from_lanes(first.kind, parts[4])
             if lanes_alone
-            else Packed(first.kind, *parts[:3])
+            else Packed(first.kind, *parts[:3], symmetric=all(m.symmetric for m in layers))
         )
         return PackedLinear(
             packed, bias, parts[3], first.int16_activations, parts[4], first.lane_panels
