@@ -204,7 +204,8 @@ def _runs(layers: Sequence[torch.nn.Module]) -> list[tuple[torch.nn.Module, ...]
 def _format(layer: PackedLinear) -> tuple:
     """What packed layers joined must share: kind, scales a row, arithmetic,
     and the lanes' layout (None: no lanes; their shape past the rows' axis
-    but for the width: float16 or float32 scales, or a K-quant's factors)."""
+    but for the width: float16 scales with or without minimums, float32
+    scales, or a K-quant's factors)."""
     lanes = None if layer.lanes is None else tuple(layer.lanes.shape[2:])
     return layer.kind, _groups(layer), layer.arithmetic, lanes
 
