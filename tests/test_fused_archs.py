@@ -13,6 +13,7 @@ from test_fused import Twin, _llama, _prompt, _stack_against_layers, stack_equal
 from test_fused import kernels as kernels  # (a fixture)
 
 from mstar.cpu.layer_ops import layer_ops_or_why
+from mstar.cpu.quant.linear import PackedLinear
 from mstar.models import hf
 from mstar.models.hf import register
 from mstar.models.llama.stack import LayerStack
@@ -76,11 +77,13 @@ def test_layer_stack_is_the_layers_bit_for_bit(arch, weights):
     _stack_against_layers(weights, torch.float32, arch=arch, **SERVED[arch])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_gguf_q4_0_stack_is_the_layers_bit_for_bit(tmp_path, arch):
+def test_gguf_q4_0_stack_is_the_layers_bit_for_bit(tmp_path, arch, dtype):
     """A Qwen2 and a Qwen3 GGUF of Q4_0 layers (its q/k/v biases, its head
-    norms as the file holds them) load packed; the stack serves them, and
-    its logits are the layers' bit for bit."""
+    norms as the file holds them) load packed (in bfloat16 arithmetic on
+    lanes without minimums, where the kernels have lanes); the stack serves
+    them, and its logits are the layers' bit for bit."""
     if layer_ops_or_why() is not None:
         pytest.skip(f"layer ops: {layer_ops_or_why()}")
     from mstar.models.loader import load
@@ -92,7 +95,10 @@ def test_gguf_q4_0_stack_is_the_layers_bit_for_bit(tmp_path, arch):
         patch.setenv("MSTAR_KV_CACHE", str(tmp_path / "cache"))
         path = write_llama_gguf(tmp_path / f"{arch}.gguf", types | dict.fromkeys(names, "Q4_0"),
                                 shape, arch=arch)  # fmt: skip
-        model = load(str(path), quantization="gguf")[0]
+        model = load(str(path), quantization="gguf", dtype=dtype)[0]
+    if dtype == torch.bfloat16 and torch.ops.mstar_quant.lanes_rows():
+        int4 = [m for m in model.modules() if isinstance(m, PackedLinear) and m.kind == "int4"]
+        assert len(int4) == 14 and all(m.lanes.shape[2:] == (288,) for m in int4)
     model.set_attn_implementation(register())
     assert fused_refusal(model) is None
     assert LayerStack.refusal(fused_step(model).layers) is None

@@ -556,6 +556,85 @@ def test_k_quant_factor_lanes_are_the_float32_lanes_bit_for_bit(lanes, rows, typ
         ops.lanes_i16(torch.randn(1, shape[1]), compact[:, :, :-1].contiguous())
 
 
+def q4_0(rows: int, width: int, seed: int) -> Packed:
+    """Random GGUF Q4_0 blocks, packed: int4 of minimums ``-8 * scale``."""
+    pytest.importorskip("gguf")
+    return decode_blocks("Q4_0", random_blocks("Q4_0", rows, width, np.random.default_rng(seed)))
+
+
+def test_q4_0_lanes_hold_no_minimums_and_give_the_weights_back():
+    """Q4_0's weights (every minimum ``-8 * scale``: ``symmetric``) take
+    lanes of 288 bytes a block a group, the octets as in every int4 layout,
+    then the 16 rows' float16 scales, no minimums: 0.5625 bytes a weight,
+    the file's own; ``from_lanes`` gives the weights back bit for bit,
+    symmetric, and rows reordered stay so. Q4_1's, and a Q4_0 whose ``-8 *
+    scale`` overflows float16, keep their minimums; only int4 of float16
+    scales is symmetric."""
+    packed = q4_0(48, 512, seed=1)
+    held = packed.lanes()
+    assert packed.symmetric and held.dtype == torch.uint8
+    assert held.shape == (3, 16, 288) == lanes_shape(packed)
+    assert held.numel() / packed.values().numel() == 0.5625
+    q = packed.values()
+    for row, column in ((0, 0), (17, 37), (47, 511), (30, 300)):
+        block, r, group, k = row // 16, row % 16, column // 32, column % 32
+        octet, half, j = k // 8, k % 8 // 4, k % 4
+        byte = int(held[block, group, 64 * octet + 4 * r + j])
+        assert (byte >> 4 * half) & 0x0F == q[row, column]
+        assert held[block, group, 256:].view(torch.float16)[r] == packed.scales[row, group]
+    back = Packed.from_lanes("int4", held)
+    assert back.symmetric
+    for name in ("qweight", "scales", "mins"):
+        assert torch.equal(getattr(back, name), getattr(packed, name)), name
+    order = torch.randperm(48, generator=torch.Generator().manual_seed(1))
+    moved = packed.rows(order)
+    assert moved.symmetric and moved.lanes().shape == held.shape
+    again = Packed.from_lanes("int4", moved.lanes()).dequantize()
+    assert torch.equal(again, packed.dequantize()[order])
+    meta = Packed.from_lanes("int4", held.to("meta"))  # a stand-in of the layout's shapes
+    assert meta.symmetric and lanes_shape(meta) == tuple(held.shape)
+    with pytest.raises(ValueError, match="expected int4 lanes"):
+        Packed.from_lanes("int4", held[:, :, :287])
+    with pytest.raises(ValueError, match="expected int8 lanes"):
+        Packed.from_lanes("int8", held.view(torch.int8))
+    rng = np.random.default_rng(2)
+    q4_1 = decode_blocks("Q4_1", random_blocks("Q4_1", 16, 64, rng))
+    assert not q4_1.symmetric and q4_1.lanes().shape == (1, 640)
+    data = random_blocks("Q4_0", 16, 64, rng)
+    data[3, 18:20] = np.array([16384], dtype=np.float16).view(np.uint8)  # -8 x it: -inf in float16
+    overflowing = decode_blocks("Q4_0", data)
+    assert not overflowing.symmetric and overflowing.lanes().shape == (1, 640)
+    with pytest.raises(ValueError, match="expected symmetric weights int4 of float16 scales"):
+        replace(quantize_int8(torch.randn(16, 32)), symmetric=True)
+
+
+@pytest.mark.parametrize("shape", [(48, 256), (96, 1536), (480, 768)])
+def test_q4_0_lanes_are_the_lanes_of_its_minimums_bit_for_bit(lanes, rows, shape):
+    """Q4_0's lanes without minimums (each made in registers as ``scale *
+    -8``) give what lanes holding them give, bit for bit: at every row
+    count the lanes take (``lanes_i16``) and, 32-row panels dequantized
+    from them, at more (``lanes_bf16``: the held panels' products); enough
+    weights to share among threads. A layer keeps them symmetric, and on
+    them alone gives its weights back (``weight_rows``)."""
+    packed = q4_0(*shape, seed=shape[0])
+    compact, full = packed.lanes(), replace(packed, symmetric=False).lanes()
+    assert compact.shape[2] == 288 and full.dim() == 2
+    ops = torch.ops.mstar_quant
+    g = torch.Generator().manual_seed(3)
+    for count in range(1, rows + 1):
+        x = activations(count, shape[1], g)
+        assert torch.equal(ops.lanes_i16(x, compact), ops.lanes_i16(x, full)), count
+    with pytest.raises(RuntimeError, match=r"uint8 \[N/16, K/32, 288\] \(symmetric\)"):
+        ops.lanes_i16(torch.randn(1, shape[1]), compact[:, :, :-1].contiguous())
+    layer = PackedLinear(packed, None, None, True, compact)
+    assert torch.equal(layer.packed().lanes(), compact)
+    if bf16_or_why() is None and shape[0] % 32 == 0:
+        _assert_panels_from_lanes_are_held_panels(packed)
+        alone = PackedLinear(packed, None, None, True, compact, lane_panels=True)
+        assert alone.qweight is None and alone.packed().symmetric
+        assert torch.equal(alone.weight_rows(0, shape[0]), packed.dequantize())
+
+
 @pytest.mark.parametrize("quantize", [quantize_int4, quantize_int8])
 def test_panels_from_the_lanes_are_the_held_panels_bit_for_bit(lanes, quantize):
     """``lanes_bf16`` (each 32-row panel dequantized from the lanes as the

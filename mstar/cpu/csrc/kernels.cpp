@@ -38,9 +38,9 @@
 // (lanes.h, AVX512-VNNI builds: `lanes_rows()` rows, int8's too); `lanes_bf16` any row
 // count of them in bfloat16, each 32-row panel dequantized from the lanes as it is reached
 // (lane_panels.h, AVX512-BF16 builds): `bf16_linear` on the panels it would hold, bit for bit.
-// The lanes' scales are float16 or float32 (GGUF's Q4_K and Q6_K: int4 groups of 32, int8 a
-// scale per 16 columns), or their own factors a super-block of 256 columns, which only the
-// lanes take.
+// The lanes' scales are float16 (int4's alone where each minimum is -8 x its scale: GGUF's
+// Q4_0) or float32 (GGUF's Q4_K and Q6_K: int4 groups of 32, int8 a scale per 16 columns), or their
+// own factors a super-block of 256 columns, which only the lanes take.
 //
 // The parts, in csrc/: common.h, team.h, formats.h, gemv.h, i16_gemv.h, lanes.h, panels.h,
 // bf16_panels.h, lane_panels.h.
@@ -155,8 +155,9 @@ void check_lane_rows(int64_t M) {
 }
 
 // The layout of int4 (uint8) or int8 (int8) `lanes`, checked: float16 scales [N/16, K/32 *
-// 320] and [N/16, K/32 * 544], float32 scales [N/16, K/32, 384] and [N/16, K/32, 640], the
-// K-quants' factors [N/16, K/256, 2368] (Q4_K) and [N/16, K/256, 3360] (Q6_K) (lanes.h).
+// 320] and [N/16, K/32 * 544], int4 symmetric [N/16, K/32, 288], float32 scales [N/16, K/32,
+// 384] and [N/16, K/32, 640], the K-quants' factors [N/16, K/256, 2368] (Q4_K) and [N/16,
+// K/256, 3360] (Q6_K) (lanes.h).
 Scales lanes_layout(const at::Tensor& lanes) {
   TORCH_CHECK(lane_rows() > 0, "lanes need a build with AVX512-VNNI (lanes_rows() is 0 here)");
   const bool int4 = lanes.scalar_type() == at::kByte;
@@ -164,9 +165,11 @@ Scales lanes_layout(const at::Tensor& lanes) {
   const int64_t last = lanes.size(-1);
   if (known && lanes.dim() == 2 && last % (int4 ? LANE_GROUP_BYTES : LANE_INT8_BYTES) == 0) return Scales::F16;
   if (known && lanes.dim() == 3 && last == (int4 ? LANE_F32_BYTES : LANE_INT8_F32_BYTES)) return Scales::F32;
+  if (known && lanes.dim() == 3 && int4 && last == LANE_SYM_BYTES) return Scales::SYM;
   TORCH_CHECK(known && lanes.dim() == 3 && last == (int4 ? super_bytes<uint8_t>() : super_bytes<int8_t>()),
               "expected contiguous uint8 (int4) or int8 lanes [N/16, K/32 * 320 or 544] (float16 scales),"
-              " [N/16, K/32, 384 or 640] (float32) or [N/16, K/256, 2368 or 3360] (the K-quants' factors), got ",
+              " uint8 [N/16, K/32, 288] (symmetric), [N/16, K/32, 384 or 640] (float32) or"
+              " [N/16, K/256, 2368 or 3360] (the K-quants' factors), got ",
               lanes.scalar_type(), " ", lanes.sizes());
   return Scales::SUPER;
 }
@@ -176,7 +179,7 @@ std::pair<int64_t, int64_t> lanes_shape(const at::Tensor& lanes) {
   const Scales layout = lanes_layout(lanes);
   const bool int4 = lanes.scalar_type() == at::kByte;
   const int64_t K = layout == Scales::SUPER ? lanes.size(1) * 256
-                    : layout == Scales::F32 ? lanes.size(1) * 32
+                    : layout == Scales::F32 || layout == Scales::SYM ? lanes.size(1) * 32
                                             : lanes.size(1) / (int4 ? LANE_GROUP_BYTES : LANE_INT8_BYTES) * 32;
   return {lanes.size(0) * LANE_ROWS, K};
 }
@@ -187,6 +190,7 @@ template <typename F>
 void on_lanes(const at::Tensor& lanes, F&& f) {
   using F16 = std::integral_constant<Scales, Scales::F16>;
   using F32 = std::integral_constant<Scales, Scales::F32>;
+  using SYM = std::integral_constant<Scales, Scales::SYM>;
   using SUPER = std::integral_constant<Scales, Scales::SUPER>;
   const bool int4 = lanes.scalar_type() == at::kByte;
   switch (lanes_layout(lanes)) {
@@ -194,6 +198,8 @@ void on_lanes(const at::Tensor& lanes, F&& f) {
       return int4 ? f(lanes.data_ptr<uint8_t>(), F16()) : f(lanes.data_ptr<int8_t>(), F16());
     case Scales::F32:
       return int4 ? f(lanes.data_ptr<uint8_t>(), F32()) : f(lanes.data_ptr<int8_t>(), F32());
+    case Scales::SYM:  // int4's alone
+      return f(lanes.data_ptr<uint8_t>(), SYM());
     case Scales::SUPER:
       return int4 ? f(lanes.data_ptr<uint8_t>(), SUPER()) : f(lanes.data_ptr<int8_t>(), SUPER());
   }

@@ -5,7 +5,7 @@
 // `micro_bf16`. The panel's values are `Packed.dequantize()`'s float32 weights (q * scale
 // + min: q * scale is exact in float32, so one rounding, as numpy's) rounded to nearest
 // even: the panels `bf16_panels` would hold, so the same products bit for bit, reading
-// the lanes' 0.6-1.1 bytes a weight where held panels cost 2 beside them. Dequantizing a
+// the lanes' 0.56-1.1 bytes a weight where held panels cost 2 beside them. Dequantizing a
 // panel is ~5 instructions a 16 weights, once for all M rows (M * 1.5 a 16 for the
 // products): 1-2% of a 512-row prefill, ~10% at 64 rows.
 #pragma once

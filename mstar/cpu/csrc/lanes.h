@@ -23,6 +23,12 @@
 // widened to 16 bits (`vpmovsxbw`) and dotted with the int16 activations (`vpdpwssd`): two
 // instructions per 32 weights, where `streamed_i16`'s AVX2 head takes ~10 per 32 a row.
 //
+// Symmetric int4 (GGUF's Q4_0: every minimum -8 x its scale), uint8 [N/16, G, 288]: per block
+// and group the 256 nibble bytes, then the 16 rows' float16 scales, no minimums (0.5625 bytes
+// a weight, the file's own, not 0.625): each minimum made in registers as scale x -8, exact in
+// float32, the value the 320-byte lanes' float16 minimum gives (packed.py lays them out only
+// where that minimum is exactly -8 x scale), so the same sums bit for bit (`Scales::SYM`).
+//
 // Float32 scales (GGUF's K-quants, packed.py's third lanes axis): int4 [N/16, G, 384], the
 // 16 rows' float32 scales and minimums in place of the float16 ones (Q4_K's d * sc and
 // -dmin * m); int8 [N/16, G, 640], after the 512 weights' bytes the rows' float32 scales of
@@ -54,12 +60,14 @@ namespace {
 
 constexpr int64_t LANE_ROWS = 16;          // weight rows a block
 constexpr int64_t LANE_GROUP_BYTES = 320;  // a block's bytes a group: 256 nibbles, 32 scales, 32 minimums
+constexpr int64_t LANE_SYM_BYTES = 288;    // symmetric int4: 256 nibbles, 32 scales
 constexpr int64_t LANE_INT8_BYTES = 544;   // int8: 512 weights' bytes, 32 scales
 constexpr int64_t LANE_F32_BYTES = 384;    // int4, float32 scales: 256 nibbles, 64 scales, 64 minimums
 constexpr int64_t LANE_INT8_F32_BYTES = 640;  // int8, float32 scales: 512 weights' bytes, 2 x 64 scales
 
-// How lanes hold their scales: float16 or float32 a group, or the K-quants' factors a super-block.
-enum class Scales { F16, F32, SUPER };
+// How lanes hold their scales: float16 or float32 a group, float16 without minimums (int4's
+// -8 x scale), or the K-quants' factors a super-block.
+enum class Scales { F16, F32, SYM, SUPER };
 
 // A group's weights' bytes in a block of a super-block's lanes (SUPER): Q4_K (uint8) 256 nibble
 // bytes, Q6_K (int8) 384 of six-bit values.
@@ -84,7 +92,9 @@ constexpr int64_t super_bytes() {
 // A block's bytes a group of 32 columns (SUPER: on average): int4 (uint8) or int8 weights.
 template <typename T, Scales S>
 constexpr int64_t lane_bytes() {
+  static_assert(S != Scales::SYM || std::is_same_v<T, uint8_t>, "symmetric lanes are int4's");
   if constexpr (S == Scales::SUPER) return super_bytes<T>() / 8;
+  else if constexpr (S == Scales::SYM) return LANE_SYM_BYTES;
   else if constexpr (std::is_same_v<T, uint8_t>) return S == Scales::F32 ? LANE_F32_BYTES : LANE_GROUP_BYTES;
   else return S == Scales::F32 ? LANE_INT8_F32_BYTES : LANE_INT8_BYTES;
 }
@@ -160,11 +170,15 @@ inline std::pair<const T*, int64_t> lane_stream(const T* block, int64_t g) {
   }
 }
 
-// Group g's 16 scales and minimums in int4 lanes block `block`, as float32: held, or (SUPER)
-// made as d * sc and -(dmin * m), the values the float32 lanes hold bit for bit.
+// Group g's 16 scales and minimums in int4 lanes block `block`, as float32: held, or made:
+// (SYM) the minimums as scale x -8, (SUPER) both as d * sc and -(dmin * m), the values the
+// float16 (float32) lanes hold bit for bit.
 template <Scales S>
 inline void int4_factors(const uint8_t* block, int64_t g, __m512& scale, __m512& min) {
-  if constexpr (S == Scales::SUPER) {
+  if constexpr (S == Scales::SYM) {
+    scale = lane_floats<false>(lane_group<uint8_t, S>(block, g) + 256);
+    min = _mm512_mul_ps(scale, _mm512_set1_ps(-8.0f));
+  } else if constexpr (S == Scales::SUPER) {
     const uint8_t* head = block + g / 8 * super_bytes<uint8_t>();
     const int64_t j = g % 8;
     scale = lane_product<false>(head, head + 64 + 16 * j);

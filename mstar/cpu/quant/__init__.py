@@ -46,8 +46,9 @@ per group of 32 (``PackedLinear.int16_rows`` of them: int4 1-8 with AVX512-VNNI'
 1.0-1.4x on Zen 1; int8 one, AVX2's; ~20x closer to float32 than the panels).
 With AVX512-VNNI the int4 and int8 layers also hold their weights as lanes
 (``Packed.lanes``: 16 rows to a vector, scales and minimums beside them, the
-packed weights' bytes again; the K-quants' own factors in place of their
-float32 scales: Q4_K 0.58 bytes a weight, Q6_K 0.82), which those rows multiply with VNNI's dot
+packed weights' bytes again; Q4_0's without its minimums, 0.5625 bytes a
+weight; the K-quants' own factors in place of their float32 scales: Q4_K
+0.58 bytes a weight, Q6_K 0.82), which those rows multiply with VNNI's dot
 products: int4 about half the instructions, int8 about a fifth, so the
 step's stream runs at the memory's rate; int8 at 1-8 rows there, not one
 (``cpp/lanes.h``). Then each kind of the packed tensors (lanes, panels,

@@ -2,9 +2,10 @@
 
 Q4_0 and Q4_1 blocks (a float16 scale ``d``, Q4_1 also a float16 min ``m``,
 and 32 four-bit values) are int4 groups of 32 as they stand: scale ``d``,
-min ``m`` (Q4_0: ``-8 d``, exact in float16); Q8_0 blocks (``d`` and 32
-int8 values) are int8 groups of 32, and so are Q5_0's (``d``, 32 five-bit
-``q``: int8 ``q - 16`` of scale ``d``, as gguf-py computes them). The K-quants' super-blocks of 256 take
+min ``m`` (Q4_0: ``-8 d``, exact in float16, so ``symmetric``: lanes of no
+minimums); Q8_0 blocks (``d`` and 32 int8 values) are int8 groups of 32,
+and so are Q5_0's (``d``, 32 five-bit ``q``: int8 ``q - 16`` of scale
+``d``, as gguf-py computes them). The K-quants' super-blocks of 256 take
 float32 scales: Q4_K (float16 ``d`` and ``dmin``, 6-bit ``sc`` and ``m`` per
 sub-block of 32, 4-bit values) is int4 groups of 32 of scale ``d * sc`` and
 min ``-dmin * m``; Q6_K (int8 ``scale`` per sub-block of 16, float16 ``d``,
@@ -81,7 +82,10 @@ def decode_blocks(type_name: str, data: np.ndarray) -> Packed:
     else:
         mins = scales * -8
         qs = blocks[:, :, 2:]
-    return Packed("int4", qs.reshape(rows, -1).contiguous(), scales.contiguous(), mins.contiguous())
+    # every min -8 d in float32, bit for bit (Q4_0's unless -8 d overflows float16)
+    symmetric = torch.equal(mins.float().view(torch.int32), (scales.float() * -8).view(torch.int32))
+    qweight = qs.reshape(rows, -1).contiguous()
+    return Packed("int4", qweight, scales.contiguous(), mins.contiguous(), symmetric=symmetric)
 
 
 def _halves(blocks: torch.Tensor, at: int) -> torch.Tensor:

@@ -66,6 +66,7 @@ class PackedLinear(torch.nn.Module):
                 f" got lanes={lanes is not None}, panels={panels is not None}, {packed.shape[0]} rows"
             )
         self.kind = packed.kind
+        self.symmetric = packed.symmetric  # for ``packed()``
         self.lane_panels = lane_panels
         self._int16 = int16_activations
         self.out_features, self.in_features = packed.shape
@@ -181,7 +182,7 @@ class PackedLinear(torch.nn.Module):
         """The weights row-major (rebuilt from the lanes where it holds only them)."""
         if self.qweight is None:
             return Packed.from_lanes(self.kind, self.lanes)
-        return Packed(self.kind, self.qweight, self.scales, self.mins)
+        return Packed(self.kind, self.qweight, self.scales, self.mins, symmetric=self.symmetric)
 
     def weight_rows(self, start: int, stop: int) -> torch.Tensor:
         """The float32 weights of output rows ``[start, stop)``, dequantized

@@ -17,9 +17,11 @@ the weights themselves: ``bf16``, ``qweight`` the panels, no scales
 lanes (``Packed.lanes``): the same int4 or int8 weights, scales (and
 minimums) 16 rows to a vector's lanes, as ``cpp/lanes.h``'s kernels stream
 them: with float16 scales int4 uint8 ``[N/16, K/32 * 320]``, int8 int8
-``[N/16, K/32 * 544]``; with float32 scales (the K-quants) a third axis
-names the layout, int4 ``[N/16, K/32, 384]``, int8 (a scale per 16
-columns) ``[N/16, K/32, 640]``; weights holding the K-quants' own factors
+``[N/16, K/32 * 544]``; a third axis names the other layouts: int4 whose
+every minimum is ``-8 * scale`` (``symmetric``: GGUF's Q4_0) holds no
+minimums, uint8 ``[N/16, K/32, 288]`` (0.5625 bytes a weight, not 0.625);
+with float32 scales (the K-quants) int4 ``[N/16, K/32, 384]``, int8 (a
+scale per 16 columns) ``[N/16, K/32, 640]``; weights holding the K-quants' own factors
 (``SuperBlocks``) take them instead of float32 scales, Q4_K (int4) uint8
 ``[N/16, K/256, 2368]`` (0.58 bytes a weight, not 0.75), Q6_K (int8) int8
 ``[N/16, K/256, 3360]`` (its values in 6 bits: 0.82, the file's own, not
@@ -37,6 +39,7 @@ PANEL = 32  # weight rows per bfloat16 panel
 LANES = 16  # weight rows per block of lanes
 LANE_BYTES = {"int4": 320, "int8": 544}  # a block's bytes a group of 32 columns (cpp/lanes.h)
 LANE_BYTES_F32 = {"int4": 384, "int8": 640}  # the same with float32 scales (and minimums)
+LANE_BYTES_SYM = 288  # the same of symmetric int4: float16 scales, no minimums
 SUPER = 256  # columns a super-block (GGUF's K-quants)
 # a super-block's head in a block of lanes: int4 (Q4_K) the 16 rows' d, dmin (float16), 8 x sc,
 # 8 x m (uint8); int8 (Q6_K) their d (float16), 16 x scale (int8)
@@ -85,13 +88,24 @@ class Packed:
     """One weight matrix ``[N, K]`` in a packed format (``kind``: int4, int8,
     or bf16: ``qweight`` its panels, ``scales`` None); weights of float32
     scales may also hold the factors they are made of (``factors``: Q4_K's,
-    Q6_K's, which its lanes then hold in their place)."""
+    Q6_K's, which its lanes then hold in their place); ``symmetric``: int4
+    of float16 scales whose every minimum is exactly ``-8 * scale`` in
+    float32 (GGUF's Q4_0: its lanes hold no minimums), which its maker
+    vouches for; ``ValueError`` for other weights."""
 
     kind: str
     qweight: torch.Tensor
     scales: torch.Tensor | None
     mins: torch.Tensor | None = None
     factors: SuperBlocks | None = None
+    symmetric: bool = False
+
+    def __post_init__(self) -> None:
+        dtype = None if self.scales is None else self.scales.dtype
+        if self.symmetric and (self.kind != "int4" or dtype != torch.float16):
+            raise ValueError(
+                f"expected symmetric weights int4 of float16 scales, got {self.kind} of {dtype}"
+            )
 
     @property
     def wide(self) -> bool:
@@ -118,6 +132,7 @@ class Packed:
             self.scales[order].contiguous(),
             mins,
             factors,
+            self.symmetric,
         )
 
     def dequantize(self) -> torch.Tensor:
@@ -137,7 +152,8 @@ class Packed:
         block of 16 rows and group of 32 columns, int4 (uint8): four 64-byte
         octets (octet ``o``'s 4-byte lane ``r``: row ``r``'s weights
         ``8o..8o+3`` in the low nibbles, ``8o+4..8o+7`` in the high ones),
-        the 16 rows' scales, then their minimums; int8: 16 pairs of
+        the 16 rows' scales, then their minimums (``symmetric``: none, the
+        lanes ``[N/16, K/32, 288]``); int8: 16 pairs of
         columns, 32 bytes each (row ``r``'s pair at bytes ``2r, 2r+1``), then
         the rows' scales, one per 32 columns (float16) or, float32, the 16
         rows' scales of columns 0-15, then of columns 16-31. Scales keep
@@ -164,7 +180,7 @@ class Packed:
             per_group = [octets.reshape(blocks, groups, -1)]
             if self.factors is not None:
                 return self._super_lanes(per_group[0])
-            scales = [self.scales, self.mins]
+            scales = [self.scales] if self.symmetric else [self.scales, self.mins]
         elif self.factors is not None:  # Q6_K's six-bit values
             return self._super_lanes(_six_bit_groups(self.qweight))
         else:  # [block, row, group, pair, 2] -> [block, group, pair, row, 2]
@@ -181,7 +197,7 @@ class Packed:
             t = t.reshape(blocks, LANES, groups, -1).permute(0, 2, 3, 1).contiguous()
             per_group.append(t.view(blocks, groups, -1).view(torch.uint8))
         held = torch.cat(per_group, dim=2).view(self.qweight.dtype)
-        return held if wide else held.view(blocks, -1)
+        return held if wide or self.symmetric else held.view(blocks, -1)
 
     def _super_lanes(self, weights: torch.Tensor) -> torch.Tensor:
         """The lanes of ``factors`` (``lanes``) around the groups' ``weights``
@@ -201,7 +217,8 @@ class Packed:
         """The int4 or int8 weights ``lanes`` hold (``Packed.lanes``), packed
         row-major again: the same integers, scales and minimums, of the
         lanes' scale dtype (int8: float16, a scale per 32 columns; float32,
-        per 16); of a K-quant's factors, those and the float32 scales they make."""
+        per 16; symmetric int4: ``symmetric``, its minimums ``-8 * scale``);
+        of a K-quant's factors, those and the float32 scales they make."""
         dtype = torch.uint8 if kind == "int4" else torch.int8
         if (
             lanes.dim() == 3
@@ -209,16 +226,17 @@ class Packed:
             and lanes.shape[2] == LANE_BYTES_SUPER.get(kind)
         ):
             return cls._from_super_lanes(kind, lanes)
-        wide = lanes.dim() == 3
+        symmetric = kind == "int4" and lanes.dim() == 3 and lanes.shape[2] == LANE_BYTES_SYM
+        wide = lanes.dim() == 3 and not symmetric
         sizes = LANE_BYTES_F32 if wide else LANE_BYTES
+        per_group = LANE_BYTES_SYM if symmetric else sizes.get(kind)
         if (
-            kind not in sizes
+            per_group is None
             or lanes.dtype != dtype
             or lanes.dim() not in (2, 3)
-            or (lanes.shape[2] != sizes[kind] if wide else lanes.shape[1] % sizes[kind])
+            or (lanes.shape[2] != per_group if wide else lanes.shape[-1] % per_group)
         ):
             raise ValueError(f"expected {kind} lanes, got {lanes.dtype} {list(lanes.shape)}")
-        per_group = sizes[kind]
         blocks, groups = lanes.shape[0], lanes.numel() // lanes.shape[0] // per_group
         held = lanes.view(torch.uint8).view(blocks, groups, per_group)
         rows = blocks * LANES
@@ -231,7 +249,10 @@ class Packed:
 
         if kind == "int8":
             return cls("int8", _pairs(held[..., :512]), scales(512, 2 if wide else 1).contiguous())
-        return pack_int4(_nibbles(held[..., :256]), scales(256), scales(256 + size), floats)
+        q, scale = _nibbles(held[..., :256]), scales(256)
+        if symmetric:
+            return replace(pack_int4(q, scale, scale * -8), symmetric=True)
+        return pack_int4(q, scale, scales(256 + size), floats)
 
     @classmethod
     def _from_super_lanes(cls, kind: str, lanes: torch.Tensor) -> Packed:
@@ -314,10 +335,13 @@ def _six_bit_values(groups: torch.Tensor) -> torch.Tensor:
 
 def lanes_shape(packed: Packed) -> tuple[int, ...]:
     """The shape of ``packed.lanes()``: with float16 scales ``[N/16, K/32 *
-    320]`` for int4, ``[N/16, K/32 * 544]`` for int8; with float32 scales
-    ``[N/16, K/32, 384]`` and ``[N/16, K/32, 640]``; with the K-quants'
-    factors ``[N/16, K/256, 2368]`` (int4) and ``[N/16, K/256, 3360]`` (int8)."""
+    320]`` for int4, ``[N/16, K/32 * 544]`` for int8; symmetric int4 ``[N/16,
+    K/32, 288]``; with float32 scales ``[N/16, K/32, 384]`` and ``[N/16,
+    K/32, 640]``; with the K-quants' factors ``[N/16, K/256, 2368]`` (int4)
+    and ``[N/16, K/256, 3360]`` (int8)."""
     rows, width = packed.shape
+    if packed.symmetric:
+        return rows // LANES, width // GROUP, LANE_BYTES_SYM
     if packed.factors is not None:
         return rows // LANES, width // SUPER, LANE_BYTES_SUPER[packed.kind]
     if packed.wide:

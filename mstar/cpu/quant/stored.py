@@ -97,6 +97,7 @@ def _entry(name: str, layer: PackedLinear) -> dict[str, Any]:
     return {
         "name": name,
         "kind": layer.kind,
+        "symmetric": layer.symmetric,
         "int16": layer.int16_activations,
         "lane_panels": layer.lane_panels,
         "tensors": tensors,
@@ -110,7 +111,8 @@ def _layer(entry: dict[str, Any], tensors: dict[str, torch.Tensor], bias: Any) -
     bias = None if bias is None or bias.is_meta else bias
     if "qweight" not in tensors:
         return PackedLinear.on_lanes(kind, tensors["lanes"], bias, panels, entry["lane_panels"])
-    packed = Packed(kind, tensors["qweight"], tensors.get("scales"), tensors.get("mins"))
+    row_major = (tensors["qweight"], tensors.get("scales"), tensors.get("mins"))
+    packed = Packed(kind, *row_major, symmetric=entry["symmetric"])
     lanes = tensors.get("lanes")
     return PackedLinear(packed, bias, panels, entry["int16"], lanes, entry["lane_panels"])
 

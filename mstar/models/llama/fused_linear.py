@@ -204,7 +204,8 @@ def _runs(layers: Sequence[torch.nn.Module]) -> list[tuple[torch.nn.Module, ...]
 def _format(layer: PackedLinear) -> tuple:
     """What packed layers joined must share: kind, scales a row, arithmetic,
     and the lanes' layout (None: no lanes; their shape past the rows' axis
-    but for the width: float16 or float32 scales, or a K-quant's factors)."""
+    but for the width: float16 scales with or without minimums, float32
+    scales, or a K-quant's factors)."""
     lanes = None if layer.lanes is None else tuple(layer.lanes.shape[2:])
     return layer.kind, _groups(layer), layer.arithmetic, lanes
 
@@ -245,7 +246,7 @@ def _joined(layers: Sequence[torch.nn.Module]) -> torch.nn.Module:
         first = layers[0]
         if parts[0] is None:  # the layers hold no row-major copy: none is rebuilt
             return PackedLinear.on_lanes(first.kind, parts[4], bias, parts[3], first.lane_panels)
-        packed = Packed(first.kind, *parts[:3])
+        packed = Packed(first.kind, *parts[:3], symmetric=all(m.symmetric for m in layers))
         return PackedLinear(
             packed, bias, parts[3], first.int16_activations, parts[4], first.lane_panels
         )
