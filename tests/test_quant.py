@@ -63,7 +63,9 @@ def test_k_quant_super_blocks_decode_as_gguf_dequantizes_bit_for_bit(type_name, 
 
 
 def test_decode_blocks_refuses_a_type_it_does_not_pack():
-    with pytest.raises(ValueError, match="expected a GGUF type of Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, got Q5_K"):
+    with pytest.raises(
+        ValueError, match="expected a GGUF type of Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, got Q5_K"
+    ):
         decode_blocks("Q5_K", np.zeros((1, 176), np.uint8))
 
 
