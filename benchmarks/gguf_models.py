@@ -11,7 +11,8 @@ SIZE a Llama's ``tiny`` (hidden 256, 2 layers), ``1b`` (2048, 16 layers,
 32/8 heads, FFN 8192), ``3b`` (3072, 28, 24/8, 8192), ``8b`` (4096, 32,
 32/8, 14336); ``qwen2-1.5b`` (Qwen2.5-1.5B's 1536, 28, 12/2, 8960, q/k/v
 biases) or ``qwen3-1.7b`` (Qwen3-1.7B's 2048, 28, 16/8, 6144, q/k norms);
-vocab 49152; MIX ``Q4_K_M`` (llama.cpp's mix), ``Q4_0`` (the head Q6_K, as
+vocab 49152; MIX ``Q4_K_M`` (llama.cpp's mix), ``Q5_K_M`` (the same on
+Q5_K), ``Q4_0`` (the head Q6_K, as
 llama-quantize makes it), ``Q8_0``, ``Q6_K`` or ``F16``. The weights'
 standard deviation is ``--std`` (default 0.02, a real 1B's scale: the
 types' own ~0.05-0.08 make a 16-layer random model chaotic, so bfloat16's
@@ -127,6 +128,7 @@ def written(spec: str, folder: Path, std: float) -> Path:
     if not path.exists():
         mixes = {
             "Q4_K_M": q4_k_m_types,
+            "Q5_K_M": lambda n, i, k: q4_k_m_types(n, i, k).replace("Q4_K", "Q5_K"),
             "Q4_0": lambda n, i, k: "Q6_K" if n == "output" else "Q4_0",
         }
         types = mixes.get(mix, lambda n, i, k: mix)
