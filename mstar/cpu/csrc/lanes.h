@@ -52,7 +52,7 @@
 // fifth bits: lane r's byte j holds at bit o row r's of column 8o + j, at bit 4 + o of 8o + 4 + j.
 // The same loop as Q4_K's (`lanes_gemv`), each octet's nibbles with their fifth bits ORed in at
 // bit 4 (a shift and a ternary logic a half; adding 16 x the bits' dot products instead would
-// take 4 more dot products a row): 0.70 bytes a weight, the file's 0.69.
+// take 4 more dot products an octet a row): 0.70 bytes a weight, the file's 0.69.
 #pragma once
 
 #include "i16_gemv.h"
