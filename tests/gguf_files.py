@@ -113,6 +113,12 @@ def q4_k_m_types(name: str, layer: int, layers: int) -> str:
     return "Q4_K"
 
 
+def q5_k_m_types(name: str, layer: int, layers: int) -> str:
+    """llama.cpp's Q5_K_M mix: Q4_K_M's (``q4_k_m_types``) with Q5_K for Q4_K."""
+    type_name = q4_k_m_types(name, layer, layers)
+    return "Q5_K" if type_name == "Q4_K" else type_name
+
+
 def linear_shapes(shape: LlamaShape) -> dict[str, tuple[int, int]]:
     """Each layer's linear tensors' ``[rows, width]`` by GGUF name."""
     kv = shape.kv_heads * shape.head_dim

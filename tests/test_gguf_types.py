@@ -1,7 +1,7 @@
 """GGUF files in the types people download (Q4_K_M's Q4_K and Q6_K, Q5_K,
 and the types the integer kernels take), written here (``gguf_files``):
 the weights served equal gguf-py's dequantization bit for bit (Q4_0, Q4_1,
-Q8_0, Q4_K, Q6_K packed) or rounded to bfloat16 (every other type, as
+Q8_0, Q4_K, Q5_K, Q6_K packed) or rounded to bfloat16 (every other type, as
 bfloat16 panels); a Q4_K_M-like file served through the engine, on the
 integer lanes, agrees with the float32 HF model of the file; what the
 lanes or panels cannot take is named, with why."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf_files import LlamaShape, q4_k_m_types, write_llama_gguf
+from gguf_files import LlamaShape, q4_k_m_types, q5_k_m_types, write_llama_gguf
 
 from mstar.cpu.quant import QuantChoice, quantize_model
 from mstar.cpu.quant.kernels import bf16_or_why, kernel_or_why
@@ -48,11 +48,12 @@ MIXED = {
     "token_embd": "Q4_K",
 }
 PACKED_TYPES = {
-    "Q4_0": "int4", "Q4_1": "int4", "Q5_0": "int8", "Q8_0": "int8", "Q4_K": "int4", "Q6_K": "int8"
+    "Q4_0": "int4", "Q4_1": "int4", "Q5_0": "int8", "Q8_0": "int8", "Q4_K": "int4", "Q5_K": "int8",
+    "Q6_K": "int8",
 }  # fmt: skip
 # the clause on the K-quants' lanes (int16 activations whatever the arithmetic) in MIXED's description
 K_LANES = (
-    "int16 activations at 1-8 rows (the 4 int4 layers, the 3 int8 layers) (7 of them on lanes,"
+    "int16 activations at 1-8 rows (the 4 int4 layers, the 5 int8 layers) (9 of them on lanes,"
     " 16 rows a vector), 9+ rows multiply in bfloat16"
 )
 
@@ -155,7 +156,7 @@ def test_q5_0_packs_as_int8_and_q5_1_loads_as_panels_of_its_dequantization(files
 def test_the_description_names_each_type_and_what_serves_it(mixed, lanes):
     assert mixed[1].mstar_quantization == (
         "gguf (as asked): 2 layers int4 (Q4_0), 2 layers int4 (Q4_1), 2 layers int8 (Q8_0),"
-        " 4 layers int4 (Q4_K), 3 layers int8 (Q6_K), 2 layers bf16 panels (Q5_K dequantized);"
+        " 4 layers int4 (Q4_K), 2 layers int8 (Q5_K), 3 layers int8 (Q6_K);"
         f" {K_LANES}"
     )
 
@@ -193,6 +194,29 @@ def test_q4_k_m_file_serves_on_lanes_and_agrees_with_its_float32_model(files, la
         check = check_mode(engine, float32_reference(hf.eval()), Tolerance.of(exact=False))
     assert check.ok, check.failure
     assert check.tokens == 24
+
+
+def test_q5_k_m_file_serves_on_lanes_and_fuses_its_decode_stack(files, lanes):
+    """``quantization="auto"`` on a Q5_K_M-like file: its Q5_K layers int8 on
+    lanes of the file's factors (2880 bytes a block a super-block: 0.70 a
+    weight), no row-major copy, the start-up check passed, the decode step
+    fused as one stack on them, which decodes."""
+    from mstar.models.llama.step import fused_step
+
+    path = write_llama_gguf(files / "q5_k_m.gguf", q5_k_m_types)
+    with Engine.from_pretrained(str(path), quantization="auto") as engine:
+        assert engine.model.mstar_quantization.startswith(
+            "gguf (auto: the file's own format): 12 layers int8 (Q5_K), 3 layers int8 (Q6_K);"
+            " int16 activations at 1-8 rows (the 15 int8 layers) (15 of them on lanes"
+        )
+        packed = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
+        assert {m.lanes.shape[-1] for m in packed} == {2880, 3360}
+        assert all(m.qweight is None for m in packed)
+        assert engine.mode_check is not None and engine.mode_check.ok
+        assert fused_step(engine.model).stack is not None
+        params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+        (done,) = engine.generate([[5, 17, 42, 9]], params)
+    assert len(done.outputs[0].token_ids) == 8
 
 
 def test_k_quant_lanes_of_the_files_factors_serve_as_the_float32_lanes_bit_for_bit(
@@ -246,9 +270,9 @@ def test_without_bf16_panels_the_types_are_named_float32_with_why(mixed, monkeyp
     description = quantize_model(model, QuantChoice("gguf", "as asked"), weights)
     assert description == (
         "gguf (as asked): 2 layers int4 (Q4_0), 2 layers int4 (Q4_1), 2 layers int8 (Q8_0);"
-        " 2 layers float32 (Q5_K dequantized), 4 layers float32 (Q4_K dequantized),"
+        " 4 layers float32 (Q4_K dequantized), 2 layers float32 (Q5_K dequantized),"
         " 3 layers float32 (Q6_K dequantized): the CPU lacks AVX512-BF16;"
-        " Q4_K, Q6_K dequantized, not on int4/int8 lanes: the CPU lacks AVX512-BF16"
+        " Q4_K, Q5_K, Q6_K dequantized, not on int4/int8 lanes: the CPU lacks AVX512-BF16"
     )
     kept = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
     assert len(kept) == 9 and "lm_head" in kept

@@ -301,8 +301,8 @@ def test_int8_lanes_kernel_is_its_rounding_of_every_row_count(lanes, rows, group
 
 
 def k_quant(type_name: str, rows: int, width: int, seed: int, factors: bool = False) -> Packed:
-    """Random GGUF blocks of ``type_name`` (Q4_K, Q6_K), packed: float32
-    scales (Q4_K's also its own factors where ``factors``: lanes of those)."""
+    """Random GGUF blocks of ``type_name`` (Q4_K, Q5_K, Q6_K), packed: float32
+    scales (also their own factors where ``factors``: lanes of those)."""
     pytest.importorskip("gguf")
     data = random_blocks(type_name, rows, width, np.random.default_rng(seed))
     packed = decode_blocks(type_name, data)
@@ -524,6 +524,77 @@ def test_k_quant_lanes_hold_their_factors_at_their_place():
         replace(q6, qweight=wrong).lanes()
 
 
+def test_q5_k_lanes_hold_q4_k_lanes_nibbles_and_their_fifth_bits():
+    """Q5_K's weights (int8 0..31 of float32 scales and minimums) take lanes
+    of their factors: Q4_K's head, then per group the octets of the values'
+    low nibbles and 64 bytes of their fifth bits (byte ``4r + j``, bit ``o``:
+    column ``8o + j``, bit ``4 + o``: column ``8o + 4 + j``), 0.70 bytes a
+    weight; ``from_lanes`` gives back the weights and factors bit for bit,
+    on meta tensors the shapes; lanes need the factors and values 0..31."""
+    q5 = k_quant("Q5_K", 48, 512, seed=1, factors=True)
+    assert q5.kind == "int8" and q5.mins is not None
+    held = q5.lanes()
+    assert held.dtype == torch.int8 and held.shape == (3, 2, 2880) == lanes_shape(q5)
+    assert held.numel() * 1000 // (48 * 512) == 703
+    f, q, bytes_ = q5.factors, q5.qweight, held.view(torch.uint8)
+    for row, column in ((0, 0), (17, 37), (47, 511), (30, 300), (3, 255)):
+        block, r, sb, group, k = row // 16, row % 16, column // 256, column // 32 % 8, column % 32
+        head = bytes_[block, sb]
+        assert head[:32].view(torch.float16)[r] == f.d[row, sb]
+        assert head[64 + 16 * group + r] == f.sc[row, column // 32]
+        assert head[192 + 16 * group + r] == f.m[row, column // 32]
+        octet, half, j = k // 8, k % 8 // 4, k % 4
+        at = 320 + 320 * group
+        low = (int(head[at + 64 * octet + 4 * r + j]) >> 4 * half) & 0x0F
+        fifth = (int(head[at + 256 + 4 * r + j]) >> 4 * half + octet) & 1
+        assert low | fifth << 4 == q[row, column]
+    back = Packed.from_lanes("int8", held)
+    for name in ("qweight", "scales", "mins"):
+        assert torch.equal(getattr(back, name), getattr(q5, name)), name
+    for name in ("d", "dmin", "sc", "m"):
+        assert torch.equal(getattr(back.factors, name), getattr(f, name)), name
+    order = torch.randperm(48, generator=torch.Generator().manual_seed(1))
+    again = Packed.from_lanes("int8", q5.rows(order).lanes()).dequantize()
+    assert torch.equal(again, q5.dequantize()[order])
+    meta = Packed.from_lanes("int8", held.to("meta"))
+    assert lanes_shape(meta) == tuple(held.shape) and meta.mins.shape == (48, 16)
+    with pytest.raises(ValueError, match=r"expected Q5_K's factors and values 0..31 .*=False"):
+        replace(q5, factors=None).lanes()
+    wrong = q.clone()
+    wrong[5, 9] = 32
+    with pytest.raises(ValueError, match=r"values 0..32"):
+        replace(q5, qweight=wrong).lanes()
+
+
+@pytest.mark.parametrize("shape", [(48, 256), (96, 1536), (480, 768)])
+def test_q5_k_lanes_kernel_is_its_rounding_of_the_activations(lanes, rows, shape):
+    """Q5_K's lanes at every row count the lanes take, as Q4_K's and Q6_K's
+    float32-scale lanes: against the float64 model of the rounding, and
+    within 1e-4 of ``F.linear`` on gguf-py's float32 weights; 32-row panels
+    dequantized from them (``lanes_bf16``) are the held panels bit for bit,
+    and a layer on them reads its rows back; enough weights to share among
+    threads; a lanes tensor one byte short named."""
+    packed = k_quant("Q5_K", *shape, seed=shape[0], factors=True)
+    held = packed.lanes()
+    weight = packed.dequantize()
+    g = torch.Generator().manual_seed(5)
+    for count in range(1, rows + 1):
+        x = activations(count, shape[1], g)
+        y = torch.ops.mstar_quant.lanes_i16(x, held)
+        assert y.shape == (count, shape[0]) and y.dtype == torch.float32
+        expected = rounded_reference(x, packed)
+        top = float(expected.abs().max())
+        torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * top)
+        exact = F.linear(x.double(), weight.double())
+        torch.testing.assert_close(y.double(), exact, rtol=0, atol=1e-4 * top)
+    if bf16_or_why() is None and shape[0] % 32 == 0:
+        _assert_panels_from_lanes_are_held_panels(packed)
+        layer = PackedLinear(packed, None, None, True, held, lane_panels=True)
+        assert layer.qweight is None and torch.equal(layer.weight_rows(32, 96), weight[32:96])
+    with pytest.raises(RuntimeError, match=r"\[N/16, K/256, 2368 or 3360, int8 2880\]"):
+        torch.ops.mstar_quant.lanes_i16(torch.randn(1, shape[1]), held[:, :, :-1].contiguous())
+
+
 # a K-quant's lanes: bytes a block a super-block of its factors, a group of float32 scales;
 # bytes a weight (x1000) of its factors
 SUPER_LANES = {"Q4_K": (2368, 384, 578), "Q6_K": (3360, 640, 820)}
@@ -552,7 +623,7 @@ def test_k_quant_factor_lanes_are_the_float32_lanes_bit_for_bit(lanes, rows, typ
         for count in (1, 7, BF16_ROWS, 33):
             x = torch.randn(count, shape[1], generator=g)
             assert torch.equal(ops.lanes_bf16(x, compact), ops.lanes_bf16(x, wide)), count
-    with pytest.raises(RuntimeError, match=r"\[N/16, K/256, 2368 or 3360\] \(the K-quants'"):
+    with pytest.raises(RuntimeError, match=r"2368 or 3360, int8 2880\] \(the K-quants'"):
         ops.lanes_i16(torch.randn(1, shape[1]), compact[:, :, :-1].contiguous())
 
 

@@ -48,10 +48,11 @@ def test_gguf_blocks_decode_as_gguf_dequantizes_bit_for_bit(type_name):
 
 
 @pytest.mark.parametrize(
-    ("type_name", "kind", "per_scale"), [("Q4_K", "int4", 32), ("Q6_K", "int8", 16)]
+    ("type_name", "kind", "per_scale"),
+    [("Q4_K", "int4", 32), ("Q5_K", "int8", 32), ("Q6_K", "int8", 16)],
 )
 def test_k_quant_super_blocks_decode_as_gguf_dequantizes_bit_for_bit(type_name, kind, per_scale):
-    """Q4_K as int4 and Q6_K as int8, float32 scales (and minimums) per
+    """Q4_K as int4, Q5_K and Q6_K as int8, float32 scales (and minimums) per
     sub-block: every bit pattern of the packed six-bit scales (random
     bytes), three super-blocks a row, several rows."""
     data = random_k_blocks(type_name, 12, 768, np.random.default_rng(3))
@@ -63,10 +64,9 @@ def test_k_quant_super_blocks_decode_as_gguf_dequantizes_bit_for_bit(type_name, 
 
 
 def test_decode_blocks_refuses_a_type_it_does_not_pack():
-    with pytest.raises(
-        ValueError, match="expected a GGUF type of Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, got Q5_K"
-    ):
-        decode_blocks("Q5_K", np.zeros((1, 176), np.uint8))
+    types = "Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K"
+    with pytest.raises(ValueError, match=f"expected a GGUF type of {types}, got Q3_K"):
+        decode_blocks("Q3_K", np.zeros((1, 110), np.uint8))
 
 
 def test_smollm2_file_tensors_decode_bit_for_bit():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf_files import LlamaShape, q4_k_m_types, write_llama_gguf
+from gguf_files import LlamaShape, q4_k_m_types, q5_k_m_types, write_llama_gguf
 
 from mstar.cpu.quant import stored
 from mstar.cpu.quant.arena import KINDS
@@ -35,7 +35,12 @@ def _packed(model) -> dict[str, dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize(
     ("types", "tied"),
-    [(q4_k_m_types, False), (lambda *_: "Q4_0", True), (lambda *_: "Q8_0", False)],
+    [
+        (q4_k_m_types, False),
+        (q5_k_m_types, False),
+        (lambda *_: "Q4_0", True),
+        (lambda *_: "Q8_0", False),
+    ],
 )
 def test_a_second_load_reads_the_stored_layers_byte_for_byte(cache, monkeypatch, types, tied):
     path = write_llama_gguf(cache / "m.gguf", types, LlamaShape(), tied=tied)

@@ -13,7 +13,7 @@ with its parameters on the meta device (accelerate's
 each tensor is read once:
 
 - a linear layer's weights of a type the kernels take exactly (Q4_0, Q4_1,
-  Q8_0, Q4_K, Q6_K) are packed as they stand (``mstar.cpu.quant.gguf.decode_blocks``),
+  Q8_0, Q4_K, Q5_K, Q6_K) are packed as they stand (``mstar.cpu.quant.gguf.decode_blocks``),
   read only when ``quantize_model`` swaps the layer (which keeps a meta
   weight until then) for a ``PackedLinear``: one layer's read form at a time;
 - with ``pack``, the token embedding (a plain ``nn.Embedding``) of any

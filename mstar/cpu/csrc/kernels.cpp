@@ -156,8 +156,8 @@ void check_lane_rows(int64_t M) {
 
 // The layout of int4 (uint8) or int8 (int8) `lanes`, checked: float16 scales [N/16, K/32 *
 // 320] and [N/16, K/32 * 544], int4 symmetric [N/16, K/32, 288], float32 scales [N/16, K/32,
-// 384] and [N/16, K/32, 640], the K-quants' factors [N/16, K/256, 2368] (Q4_K) and [N/16,
-// K/256, 3360] (Q6_K) (lanes.h).
+// 384] and [N/16, K/32, 640], the K-quants' factors [N/16, K/256, 2368] (Q4_K), [N/16, K/256,
+// 3360] (Q6_K) and int8 [N/16, K/256, 2880] (Q5_K: SUPER5) (lanes.h).
 Scales lanes_layout(const at::Tensor& lanes) {
   TORCH_CHECK(lane_rows() > 0, "lanes need a build with AVX512-VNNI (lanes_rows() is 0 here)");
   const bool int4 = lanes.scalar_type() == at::kByte;
@@ -166,10 +166,11 @@ Scales lanes_layout(const at::Tensor& lanes) {
   if (known && lanes.dim() == 2 && last % (int4 ? LANE_GROUP_BYTES : LANE_INT8_BYTES) == 0) return Scales::F16;
   if (known && lanes.dim() == 3 && last == (int4 ? LANE_F32_BYTES : LANE_INT8_F32_BYTES)) return Scales::F32;
   if (known && lanes.dim() == 3 && int4 && last == LANE_SYM_BYTES) return Scales::SYM;
+  if (known && lanes.dim() == 3 && !int4 && last == super_bytes<uint8_t, Scales::SUPER5>()) return Scales::SUPER5;
   TORCH_CHECK(known && lanes.dim() == 3 && last == (int4 ? super_bytes<uint8_t>() : super_bytes<int8_t>()),
               "expected contiguous uint8 (int4) or int8 lanes [N/16, K/32 * 320 or 544] (float16 scales),"
               " uint8 [N/16, K/32, 288] (symmetric), [N/16, K/32, 384 or 640] (float32) or"
-              " [N/16, K/256, 2368 or 3360] (the K-quants' factors), got ",
+              " [N/16, K/256, 2368 or 3360, int8 2880] (the K-quants' factors), got ",
               lanes.scalar_type(), " ", lanes.sizes());
   return Scales::SUPER;
 }
@@ -178,20 +179,21 @@ Scales lanes_layout(const at::Tensor& lanes) {
 std::pair<int64_t, int64_t> lanes_shape(const at::Tensor& lanes) {
   const Scales layout = lanes_layout(lanes);
   const bool int4 = lanes.scalar_type() == at::kByte;
-  const int64_t K = layout == Scales::SUPER ? lanes.size(1) * 256
+  const int64_t K = factored(layout) ? lanes.size(1) * 256
                     : layout == Scales::F32 || layout == Scales::SYM ? lanes.size(1) * 32
                                             : lanes.size(1) / (int4 ? LANE_GROUP_BYTES : LANE_INT8_BYTES) * 32;
   return {lanes.size(0) * LANE_ROWS, K};
 }
 
-// f(data, layout) for `lanes` (`lanes_layout`): data a const uint8_t* (int4) or int8_t*, layout
-// a std::integral_constant of its `Scales`.
+// f(data, layout) for `lanes` (`lanes_layout`): data a const uint8_t* (int4, and Q5_K's int8
+// lanes: SUPER5, read as int4's) or int8_t*, layout a std::integral_constant of its `Scales`.
 template <typename F>
 void on_lanes(const at::Tensor& lanes, F&& f) {
   using F16 = std::integral_constant<Scales, Scales::F16>;
   using F32 = std::integral_constant<Scales, Scales::F32>;
   using SYM = std::integral_constant<Scales, Scales::SYM>;
   using SUPER = std::integral_constant<Scales, Scales::SUPER>;
+  using SUPER5 = std::integral_constant<Scales, Scales::SUPER5>;
   const bool int4 = lanes.scalar_type() == at::kByte;
   switch (lanes_layout(lanes)) {
     case Scales::F16:
@@ -202,6 +204,8 @@ void on_lanes(const at::Tensor& lanes, F&& f) {
       return f(lanes.data_ptr<uint8_t>(), SYM());
     case Scales::SUPER:
       return int4 ? f(lanes.data_ptr<uint8_t>(), SUPER()) : f(lanes.data_ptr<int8_t>(), SUPER());
+    case Scales::SUPER5:
+      return f(reinterpret_cast<uint8_t*>(lanes.data_ptr<int8_t>()), SUPER5());
   }
 }
 

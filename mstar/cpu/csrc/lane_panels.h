@@ -27,19 +27,25 @@ inline __m512i panel_line(__m512 even, __m512 odd) {
   return _mm512_permutexvar_epi16(order, halves);
 }
 
-// Group g of int4 lanes block `block` (16 rows, of the layout `S`) into the panel's 16 lines
-// of k pairs 16g..16g+15, half `half` of each (rows 16 half..16 half + 15).
+// Group g of int4 lanes block `block` (16 rows, of the layout `S`; SUPER5: Q5_K's, each nibble's
+// fifth bit from the group's 64 bytes after its octets) into the panel's 16 lines of k pairs
+// 16g..16g+15, half `half` of each (rows 16 half..16 half + 15).
 template <Scales S>
 inline void int4_group_lines(const uint8_t* block, uint16_t* panel, int64_t g, int half) {
   __m512 scale, min;
   int4_factors<S>(block, g, scale, min);
   const uint8_t* nibbles = lane_group<uint8_t, S>(block, g);
   const __m512i nibble = _mm512_set1_epi32(0x0F);
+  [[maybe_unused]] const __m512i high = S == Scales::SUPER5 ? _mm512_loadu_si512(nibbles + 256) : _mm512_setzero_si512();
   for (int o = 0; o < 4; ++o) {
     const __m512i bytes = _mm512_loadu_si512(nibbles + 64 * o);
     __m512 w[8];  // weights 8o..8o+7: byte j's low nibble is 8o + j, its high one 8o + 4 + j
     for (int t = 0; t < 8; ++t) {
-      const __m512i q = _mm512_and_si512(_mm512_srli_epi32(bytes, 8 * (t % 4) + 4 * (t / 4)), nibble);
+      __m512i q = _mm512_and_si512(_mm512_srli_epi32(bytes, 8 * (t % 4) + 4 * (t / 4)), nibble);
+      if constexpr (S == Scales::SUPER5) {  // its fifth bit: byte t % 4's bit 4 (t / 4) + o, to bit 4
+        const __m512i bit = _mm512_slli_epi32(_mm512_srli_epi32(high, 8 * (t % 4) + 4 * (t / 4) + o), 4);
+        q = _mm512_ternarylogic_epi32(q, bit, _mm512_set1_epi32(0x10), 0xF8);  // q | (bit & 16)
+      }
       w[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, min);
     }
     for (int t = 0; t < 8; t += 2) {

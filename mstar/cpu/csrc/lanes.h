@@ -52,6 +52,13 @@
 // values, as int4's octets hold theirs, in 9 instructions. Dotted as the nibbles are (q the
 // unsigned side against the activations' high bytes, the signed side against their low ones),
 // each half's sum starting at -32 x its 16 activations' sum: the same integers as (q - 32).
+//
+// Q5_K (`Scales::SUPER5`, packed.py's int8 lanes of minimums), int8 [N/16, K/256, 2880]: Q4_K's
+// head, then per group its 256 nibble bytes (its low 4 bits a value, as Q4_K's) and 64 bytes of
+// fifth bits: lane r's byte j holds at bit o row r's of column 8o + j, at bit 4 + o of 8o + 4 + j.
+// The same loop as Q4_K's (`lanes_gemv`), each octet's nibbles with their fifth bits ORed in at
+// bit 4 (a shift and a ternary logic a half; adding 16 x the bits' dot products instead would
+// take 4 more dot products an octet a row): 0.70 bytes a weight, the file's 0.69.
 #pragma once
 
 #include "i16_gemv.h"
@@ -66,13 +73,20 @@ constexpr int64_t LANE_F32_BYTES = 384;    // int4, float32 scales: 256 nibbles,
 constexpr int64_t LANE_INT8_F32_BYTES = 640;  // int8, float32 scales: 512 weights' bytes, 2 x 64 scales
 
 // How lanes hold their scales: float16 or float32 a group, float16 without minimums (int4's
-// -8 x scale), or the K-quants' factors a super-block.
-enum class Scales { F16, F32, SYM, SUPER };
+// -8 x scale), or the K-quants' factors a super-block (SUPER5: Q5_K's, SUPER's int4 layout with
+// a fifth bit a value).
+enum class Scales { F16, F32, SYM, SUPER, SUPER5 };
+
+// Whether lanes of the layout S hold the K-quants' factors a super-block.
+constexpr bool factored(Scales S) {
+  return S == Scales::SUPER || S == Scales::SUPER5;
+}
 
 // A group's weights' bytes in a block of a super-block's lanes (SUPER): Q4_K (uint8) 256 nibble
-// bytes, Q6_K (int8) 384 of six-bit values.
-template <typename T>
+// bytes, Q6_K (int8) 384 of six-bit values; SUPER5 (Q5_K) 256 nibble bytes and 64 of fifth bits.
+template <typename T, Scales S = Scales::SUPER>
 constexpr int64_t group_bytes() {
+  if constexpr (S == Scales::SUPER5) return 256 + 64;
   return std::is_same_v<T, uint8_t> ? 256 : 384;
 }
 
@@ -83,17 +97,17 @@ constexpr int64_t super_head() {
   return std::is_same_v<T, uint8_t> ? 320 : 288;
 }
 
-// A block's bytes a super-block of 256 columns (SUPER): its head, then its 8 groups' weights.
-template <typename T>
+// A block's bytes a super-block of 256 columns (SUPER, SUPER5): its head, then its 8 groups' weights.
+template <typename T, Scales S = Scales::SUPER>
 constexpr int64_t super_bytes() {
-  return super_head<T>() + 8 * group_bytes<T>();
+  return super_head<T>() + 8 * group_bytes<T, S>();
 }
 
 // A block's bytes a group of 32 columns (SUPER: on average): int4 (uint8) or int8 weights.
 template <typename T, Scales S>
 constexpr int64_t lane_bytes() {
   static_assert(S != Scales::SYM || std::is_same_v<T, uint8_t>, "symmetric lanes are int4's");
-  if constexpr (S == Scales::SUPER) return super_bytes<T>() / 8;
+  if constexpr (factored(S)) return super_bytes<T, S>() / 8;
   else if constexpr (S == Scales::SYM) return LANE_SYM_BYTES;
   else if constexpr (std::is_same_v<T, uint8_t>) return S == Scales::F32 ? LANE_F32_BYTES : LANE_GROUP_BYTES;
   else return S == Scales::F32 ? LANE_INT8_F32_BYTES : LANE_INT8_BYTES;
@@ -154,7 +168,7 @@ inline __m512 lane_product(const void* f, const void* p) {
 // Group g's weights (`group_bytes`) in int4 (uint8) or int8 lanes block `block` (the layouts above).
 template <typename T, Scales S>
 inline const T* lane_group(const T* block, int64_t g) {
-  if constexpr (S == Scales::SUPER) return block + g / 8 * super_bytes<T>() + super_head<T>() + g % 8 * group_bytes<T>();
+  if constexpr (factored(S)) return block + g / 8 * super_bytes<T, S>() + super_head<T>() + g % 8 * group_bytes<T, S>();
   else return block + g * lane_bytes<T, S>();
 }
 
@@ -162,9 +176,9 @@ inline const T* lane_group(const T* block, int64_t g) {
 // super-block's head with its first group).
 template <typename T, Scales S>
 inline std::pair<const T*, int64_t> lane_stream(const T* block, int64_t g) {
-  if constexpr (S == Scales::SUPER) {
-    if (g % 8 == 0) return {block + g / 8 * super_bytes<T>(), super_head<T>() + group_bytes<T>()};
-    return {lane_group<T, S>(block, g), group_bytes<T>()};
+  if constexpr (factored(S)) {
+    if (g % 8 == 0) return {block + g / 8 * super_bytes<T, S>(), super_head<T>() + group_bytes<T, S>()};
+    return {lane_group<T, S>(block, g), group_bytes<T, S>()};
   } else {
     return {lane_group<T, S>(block, g), lane_bytes<T, S>()};
   }
@@ -178,8 +192,8 @@ inline void int4_factors(const uint8_t* block, int64_t g, __m512& scale, __m512&
   if constexpr (S == Scales::SYM) {
     scale = lane_floats<false>(lane_group<uint8_t, S>(block, g) + 256);
     min = _mm512_mul_ps(scale, _mm512_set1_ps(-8.0f));
-  } else if constexpr (S == Scales::SUPER) {
-    const uint8_t* head = block + g / 8 * super_bytes<uint8_t>();
+  } else if constexpr (factored(S)) {
+    const uint8_t* head = block + g / 8 * super_bytes<uint8_t, S>();
     const int64_t j = g % 8;
     scale = lane_product<false>(head, head + 64 + 16 * j);
     const __m512i sign = _mm512_set1_epi32(INT32_MIN);  // -x exactly (0 - x makes -0 +0)
@@ -215,10 +229,21 @@ inline __m512i quad(const void* p) {
   return _mm512_set1_epi32(v);
 }
 
+// Octet o's nibbles `first` (weights 8o..8o+3) and `second` (8o+4..8o+7) with their fifth bits
+// (Q5_K's, `high`: the group's 64 bytes) ORed in at each byte's bit 4. A 16-bit shift moves a
+// byte's bit o (4 + o) to its bit 4; what it brings in from the next byte lands elsewhere.
+inline void fifth_bits(__m512i high, int o, __m512i& first, __m512i& second) {
+  const __m512i bit = _mm512_set1_epi8(0x10);
+  constexpr int OR_AND = 0xF8;  // a | (b & c)
+  first = _mm512_ternarylogic_epi32(first, _mm512_slli_epi16(high, 4 - o), bit, OR_AND);
+  second = _mm512_ternarylogic_epi32(second, _mm512_srli_epi16(high, o), bit, OR_AND);
+}
+
 // y[m0 + i, 16 b .. 16 b + 16) (y's rows ldy apart) for activation rows m0..m0+ROWS-1: per
 // block, per group, the four octets' nibbles dotted with each row's high and low bytes (four
 // 32-bit sums a row, two chains each side), joined as 256 high + low, made float32, times
-// weight scale x activation scale, plus minimum x the activations' sum.
+// weight scale x activation scale, plus minimum x the activations' sum (SUPER5: the nibbles'
+// fifth bits ORed in first).
 template <int ROWS, Scales S>
 void lanes_gemv(const uint8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, float* y, int64_t ldy) {
   const int64_t G = x.G, K = x.K;
@@ -232,11 +257,13 @@ void lanes_gemv(const uint8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, 
     const uint8_t* p = lane_group<uint8_t, S>(block, g);
     __m512i hi[ROWS][2], lo[ROWS][2];
     for (int m = 0; m < ROWS; ++m) hi[m][0] = hi[m][1] = lo[m][0] = lo[m][1] = _mm512_setzero_si512();
+    [[maybe_unused]] const __m512i high = S == Scales::SUPER5 ? _mm512_loadu_si512(p + 256) : _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int o = 0; o < 4; ++o) {
       const __m512i bytes = _mm512_loadu_si512(p + 64 * o);
-      const __m512i first = _mm512_and_si512(bytes, nibble);                         // weights 8o..8o+3
-      const __m512i second = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);  // 8o+4..8o+7
+      __m512i first = _mm512_and_si512(bytes, nibble);                         // weights 8o..8o+3
+      __m512i second = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);  // 8o+4..8o+7
+      if constexpr (S == Scales::SUPER5) fifth_bits(high, o, first, second);
 #pragma GCC unroll 4
       for (int m = 0; m < ROWS; ++m) {
         const int64_t at = (m0 + m) * K + g * 32 + 8 * o;

@@ -2,13 +2,13 @@
 
 - ``gguf``: a GGUF file's own quantized tensors, served as they stand where
   a kernel takes them exactly (Q4_0/Q4_1 -> int4 groups of 32, Q8_0 -> int8
-  groups of 32: ``mstar.cpu.quant.gguf``); Q4_K -> int4 and Q6_K -> int8 of
+  groups of 32: ``mstar.cpu.quant.gguf``); Q4_K -> int4, Q5_K and Q6_K -> int8 of
   float32 scales, which only the lanes take (few rows, on activations
   rounded to int16 whatever the arithmetic, with bfloat16 panels of the
   same weights for more: CPUs with AVX512-BF16 and -VNNI, rows a multiple
   of 32), else dequantized as the other types are, the description saying
   why; the linear layers of other
-  types (Q5_K, F16, ...) as bfloat16 panels of their float32
+  types (Q5_1, F16, ...) as bfloat16 panels of their float32
   dequantization where the CPU has AVX512-BF16 (as ``bf16`` below), else
   float32; the description counts them per type, and says why float32.
 - ``int8`` / ``int4``: the float weights quantized at load (int8 per output
@@ -48,7 +48,7 @@ With AVX512-VNNI the int4 and int8 layers also hold their weights as lanes
 (``Packed.lanes``: 16 rows to a vector, scales and minimums beside them, the
 packed weights' bytes again; Q4_0's without its minimums, 0.5625 bytes a
 weight; the K-quants' own factors in place of their float32 scales: Q4_K
-0.58 bytes a weight, Q6_K 0.82), which those rows multiply with VNNI's dot
+0.58 bytes a weight, Q5_K 0.70, Q6_K 0.82), which those rows multiply with VNNI's dot
 products: int4 about half the instructions, int8 about a fifth, so the
 step's stream runs at the memory's rate; int8 at 1-8 rows there, not one
 (``cpp/lanes.h``). Then each kind of the packed tensors (lanes, panels,

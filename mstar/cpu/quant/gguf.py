@@ -8,10 +8,11 @@ and so are Q5_0's (``d``, 32 five-bit ``q``: int8 ``q - 16`` of scale
 ``d``, as gguf-py computes them). The K-quants' super-blocks of 256 take
 float32 scales: Q4_K (float16 ``d`` and ``dmin``, 6-bit ``sc`` and ``m`` per
 sub-block of 32, 4-bit values) is int4 groups of 32 of scale ``d * sc`` and
-min ``-dmin * m``; Q6_K (int8 ``scale`` per sub-block of 16, float16 ``d``,
+min ``-dmin * m``; Q5_K (Q4_K's with a fifth bit a value) int8 values 0..31
+of the same scales and minimums; Q6_K (int8 ``scale`` per sub-block of 16, float16 ``d``,
 6-bit values ``q``) is int8 ``q - 32`` of scale ``d * scale`` per 16
 columns; each product exact in float32, so ``Packed.dequantize`` is gguf-py's
-float32 dequantization. Q4_K's and Q6_K's packed weights also keep their
+float32 dequantization. The K-quants' packed weights also keep their
 factors (``SuperBlocks``), which their lanes hold in place of the float32
 scales. Every other type is not packed here
 (``quantize_model`` serves its float32 dequantization as bfloat16 panels
@@ -32,7 +33,7 @@ from mstar.cpu.quant.packed import GROUP, Packed, SuperBlocks, pack_int4
 # bytes of one block of 32 weights
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
 # bytes of one super-block of 256 weights
-SUPER_BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
+SUPER_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 PACKED_TYPES = (*BLOCK_BYTES, *SUPER_BLOCK_BYTES)  # the types ``decode_blocks`` takes
 
 
@@ -68,6 +69,8 @@ def decode_blocks(type_name: str, data: np.ndarray) -> Packed:
     blocks = torch.from_numpy(np.require(data, requirements=["C", "W"])).view(rows, -1, size)
     if type_name == "Q4_K":
         return _q4_k(blocks)
+    if type_name == "Q5_K":
+        return _q5_k(blocks)
     if type_name == "Q6_K":
         return _q6_k(blocks)
     scales = _halves(blocks, 0)
@@ -122,6 +125,19 @@ def _q4_k(blocks: torch.Tensor) -> Packed:
     pairs = blocks[:, :, 16:].reshape(rows, count, 4, 1, GROUP)
     q = torch.cat([pairs & 0x0F, pairs >> 4], dim=3)  # [rows, S, pair, sub-block, 32]
     return replace(pack_int4(q.view(rows, -1), *factors.scales(), torch.float32), factors=factors)
+
+
+def _q5_k(blocks: torch.Tensor) -> Packed:
+    """Q5_K super-blocks ``[rows, S, 176]``: Q4_K's (``_q4_k``) with 32 bytes
+    of high bits after its 12 of ``sc`` and ``m`` (byte ``l``'s bit ``s``:
+    weight ``32 s + l``'s), each value ``low | high << 4``: int8 0..31 of
+    Q4_K's scales, minimums and factors."""
+    rows, count = blocks.shape[:2]
+    low = _q4_k(torch.cat([blocks[:, :, :16], blocks[:, :, 48:]], dim=2))
+    shifts = torch.arange(8, dtype=torch.uint8).view(8, 1)
+    high = (blocks[:, :, None, 16:48] >> shifts) & 1  # [rows, S, sub-block, 32]
+    q = low.values().view(rows, count, 8, GROUP) | (high << 4)
+    return replace(low, kind="int8", qweight=q.view(torch.int8).view(rows, -1))
 
 
 def _q6_k(blocks: torch.Tensor) -> Packed:

@@ -7,7 +7,9 @@ weight ``j + 16`` in its high one), ``scales`` and ``mins`` float16
 sub-block scales ``d * sc`` and minimums ``-dmin * m``, exact in float32).
 ``int8``: ``qweight`` int8 ``[N, K]``, ``scales`` float16 ``[N, K/G]``:
 ``w = q * scale`` (``G = 32`` for GGUF's Q8_0, ``K`` per channel); or
-float32 (GGUF's Q6_K: ``G = 16``, ``d * scale`` exact in float32).
+float32 (GGUF's Q6_K: ``G = 16``, ``d * scale`` exact in float32); with
+float32 ``mins`` too (GGUF's Q5_K: ``q`` 0..31, Q4_K's scales and minimums
+per 32): ``w = q * scale + min``.
 bfloat16 panels (``panels``): float weights rounded to bfloat16,
 ``[N/32, K/2, 32, 2]``: 32 rows a panel, each a run of k pairs, each pair's
 32 rows side by side (``panels[p, j, r, i] = w[32p + r, 2j + i]``); held
@@ -25,7 +27,8 @@ scale per 16 columns) ``[N/16, K/32, 640]``; weights holding the K-quants' own f
 (``SuperBlocks``) take them instead of float32 scales, Q4_K (int4) uint8
 ``[N/16, K/256, 2368]`` (0.58 bytes a weight, not 0.75), Q6_K (int8) int8
 ``[N/16, K/256, 3360]`` (its values in 6 bits: 0.82, the file's own, not
-1.25); held beside the packed weights for few rows.
+1.25), Q5_K (int8 of minimums) int8 ``[N/16, K/256, 2880]`` (Q4_K's and a
+fifth bit a value: 0.70); held beside the packed weights for few rows.
 """
 
 from __future__ import annotations
@@ -47,13 +50,17 @@ SUPER_HEAD = {"int4": 320, "int8": 288}
 # a block's bytes a super-block: the head, then 8 groups' weights, int4 256 bytes of nibbles
 # a group, int8 (Q6_K) 384 of six-bit values (int4 2368, int8 3360)
 LANE_BYTES_SUPER = {"int4": 320 + 8 * 256, "int8": 288 + 8 * 384}
+# Q5_K's (int8 weights of minimums): Q4_K's head, then per group its 256 bytes of low nibbles
+# and 64 of fifth bits (2880)
+LANE_BYTES_Q5 = SUPER_HEAD["int4"] + 8 * (256 + 64)
 
 
 @dataclass(frozen=True)
 class SuperBlocks:
     """A GGUF K-quant's own factors of weights ``[N, K]``: ``d`` float16
-    ``[N, K/256]`` and ``sc`` per sub-block; Q4_K (int4): ``sc`` and ``m``
-    uint8 ``[N, K/32]``, ``dmin`` float16: group ``g``'s scale ``d * sc``,
+    ``[N, K/256]`` and ``sc`` per sub-block; Q4_K (int4) and Q5_K (int8 of
+    minimums): ``sc`` and ``m`` uint8 ``[N, K/32]``, ``dmin`` float16: group
+    ``g``'s scale ``d * sc``,
     minimum ``-(dmin * m)``; Q6_K (int8): ``sc`` int8 ``[N, K/16]``, a scale
     ``d * sc`` per 16 columns, no ``dmin``, ``m``. Each product exact in
     float32 (of its super-block's ``d``, ``dmin``)."""
@@ -88,7 +95,7 @@ class Packed:
     """One weight matrix ``[N, K]`` in a packed format (``kind``: int4, int8,
     or bf16: ``qweight`` its panels, ``scales`` None); weights of float32
     scales may also hold the factors they are made of (``factors``: Q4_K's,
-    Q6_K's, which its lanes then hold in their place); ``symmetric``: int4
+    Q5_K's, Q6_K's, which its lanes then hold in their place); ``symmetric``: int4
     of float16 scales whose every minimum is exactly ``-8 * scale`` in
     float32 (GGUF's Q4_0: its lanes hold no minimums), which its maker
     vouches for; ``ValueError`` for other weights."""
@@ -142,7 +149,7 @@ class Packed:
             return self.qweight.permute(0, 2, 1, 3).reshape(self.shape).float()
         width = self.shape[1]
         scales = self.scales.float().repeat_interleave(width // self.scales.shape[1], dim=1)
-        if self.kind == "int8":
+        if self.kind == "int8" and self.mins is None:
             return self.qweight.float() * scales
         mins = self.mins.float().repeat_interleave(GROUP, dim=1)
         return self.values().float() * scales + mins
@@ -162,9 +169,10 @@ class Packed:
         per group of the 8 the rows' ``sc``, then per group their ``m``
         (uint8), then the 8 groups' octets; int8: the rows' ``d``, then per
         16 columns their ``sc`` (int8), then the 8 groups' six-bit values
-        (``_six_bit_groups``). ``ValueError`` for bf16, rows not a multiple
-        of 16, float32 int8 scales not a whole number per 16 columns, or
-        int8 values of factors outside Q6_K's -32..31."""
+        (``_six_bit_groups``); int8 of minimums (Q5_K): ``_five_bit_lanes``.
+        ``ValueError`` for bf16, rows not a multiple of 16, float32 int8
+        scales not a whole number per 16 columns, int8 values of factors
+        outside Q6_K's -32..31, or int8 of minimums not Q5_K's."""
         rows, width = self.shape
         if self.kind == "bf16" or rows % LANES:
             raise ValueError(
@@ -181,6 +189,8 @@ class Packed:
             if self.factors is not None:
                 return self._super_lanes(per_group[0])
             scales = [self.scales] if self.symmetric else [self.scales, self.mins]
+        elif self.mins is not None:
+            return self._five_bit_lanes()
         elif self.factors is not None:  # Q6_K's six-bit values
             return self._super_lanes(_six_bit_groups(self.qweight))
         else:  # [block, row, group, pair, 2] -> [block, group, pair, row, 2]
@@ -212,6 +222,26 @@ class Packed:
         lanes = torch.cat([*head, weights.reshape(blocks, count, -1)], dim=2)
         return lanes.view(self.qweight.dtype)
 
+    def _five_bit_lanes(self) -> torch.Tensor:
+        """Q5_K's lanes (int8 ``[N/16, K/256, 2880]``): Q4_K's of its values'
+        low nibbles (the head, then per group the octets), each group's octets
+        followed by its 64 bytes of fifth bits (``_fifth_bits``); ``ValueError``
+        without its factors or for values outside 0..31."""
+        values = self.qweight
+        low, high = (int(v) for v in values.aminmax()) if values.numel() else (0, 0)
+        if self.factors is None or low < 0 or high > 31:
+            raise ValueError(
+                "expected Q5_K's factors and values 0..31 for lanes of int8 weights of minimums,"
+                f" got factors={self.factors is not None}, values {low}..{high}"
+            )
+        nibbles = pack_int4(values & 0x0F, self.scales, self.mins, torch.float32)
+        held = replace(nibbles, factors=self.factors).lanes()  # [N/16, K/256, 2368]
+        blocks, count = held.shape[:2]
+        octets = held[..., SUPER_HEAD["int4"] :].reshape(blocks, count, 8, -1)
+        bits = _fifth_bits(values).view(blocks, count, 8, -1)
+        groups = torch.cat([octets, bits], dim=3).view(blocks, count, -1)
+        return torch.cat([held[..., : SUPER_HEAD["int4"]], groups], dim=2).view(torch.int8)
+
     @classmethod
     def from_lanes(cls, kind: str, lanes: torch.Tensor) -> Packed:
         """The int4 or int8 weights ``lanes`` hold (``Packed.lanes``), packed
@@ -220,6 +250,8 @@ class Packed:
         per 16; symmetric int4: ``symmetric``, its minimums ``-8 * scale``);
         of a K-quant's factors, those and the float32 scales they make."""
         dtype = torch.uint8 if kind == "int4" else torch.int8
+        if kind == "int8" and lanes.dim() == 3 and lanes.shape[2] == LANE_BYTES_Q5:
+            return cls._from_five_bit_lanes(lanes)
         if (
             lanes.dim() == 3
             and lanes.dtype == dtype
@@ -278,6 +310,20 @@ class Packed:
             packed = pack_int4(_nibbles(weights), *factors.scales(), torch.float32)
         return replace(packed, factors=factors)
 
+    @classmethod
+    def _from_five_bit_lanes(cls, lanes: torch.Tensor) -> Packed:
+        """``from_lanes`` of Q5_K's lanes ``[N/16, K/256, 2880]``: Q4_K's of its
+        low nibbles, each value's fifth bit added."""
+        blocks, count = lanes.shape[:2]
+        held = lanes.view(torch.uint8)
+        head = SUPER_HEAD["int4"]
+        groups = held[..., head:].reshape(blocks, count, 8, -1)
+        nibbles = torch.cat([held[..., :head], groups[..., :256].reshape(blocks, count, -1)], dim=2)
+        low = cls._from_super_lanes("int4", nibbles)
+        high = _fifth_bit_values(groups[..., 256:].reshape(blocks, count * 8, -1))
+        q = (low.values() | (high << 4)).view(torch.int8)
+        return replace(low, kind="int8", qweight=q)
+
     def values(self) -> torch.Tensor:
         """The integers ``q``, ``[N, K]`` (int4: uint8 0..15; int8: int8)."""
         if self.kind == "bf16":
@@ -302,6 +348,35 @@ def _pairs(pairs: torch.Tensor) -> torch.Tensor:
     blocks, groups = pairs.shape[:2]
     pairs = pairs.reshape(blocks, groups, GROUP // 2, LANES, 2)  # [block, group, p, r, i]
     return pairs.permute(0, 3, 1, 2, 4).reshape(blocks * LANES, -1).view(torch.int8).contiguous()
+
+
+def _fifth_bit_shifts(device: torch.device) -> torch.Tensor:
+    """The bit of a Q5_K lanes' byte of fifth bits holding octet ``o``'s half
+    ``h``: ``o + 4 h``, ``[4, 2, 1]`` (uint8)."""
+    o, h = torch.arange(4, device=device).view(4, 1, 1), torch.arange(2, device=device).view(2, 1)
+    return (o + 4 * h).to(torch.uint8)
+
+
+def _fifth_bits(values: torch.Tensor) -> torch.Tensor:
+    """Q5_K's values' fifth bits ``[N, K]`` (0..31) as its lanes' (uint8
+    ``[N/16, K/32, 64]``, ``cpp/lanes.h``): byte ``4r + j`` of a group holds
+    row ``r``'s bit 4 of column ``8o + j`` at bit ``o``, of column ``8o + 4 +
+    j`` at bit ``4 + o`` (``o`` < 4: the octet whose nibbles they join)."""
+    rows, width = values.shape
+    high = (values.view(torch.uint8) >> 4).view(rows // LANES, LANES, width // GROUP, 4, 2, 4)
+    # [block, row, group, j]: its 8 bits
+    bits = (high << _fifth_bit_shifts(values.device)).sum(dim=(3, 4), dtype=torch.uint8)
+    return bits.permute(0, 2, 1, 3).reshape(rows // LANES, width // GROUP, -1)
+
+
+def _fifth_bit_values(bits: torch.Tensor) -> torch.Tensor:
+    """The fifth bits ``[N, K]`` (uint8 0 or 1) of Q5_K lanes' ``bits`` (uint8
+    ``[N/16, K/32, 64]``, ``_fifth_bits``)."""
+    blocks, groups = bits.shape[:2]
+    held = bits.reshape(blocks, groups, LANES, 1, 1, 4)
+    # [block, group, row, o, h, j]: column 8o + 4h + j
+    high = (held >> _fifth_bit_shifts(bits.device)) & 1
+    return high.permute(0, 2, 1, 3, 4, 5).reshape(blocks * LANES, -1)
 
 
 def _six_bit_groups(values: torch.Tensor) -> torch.Tensor:
@@ -337,13 +412,16 @@ def lanes_shape(packed: Packed) -> tuple[int, ...]:
     """The shape of ``packed.lanes()``: with float16 scales ``[N/16, K/32 *
     320]`` for int4, ``[N/16, K/32 * 544]`` for int8; symmetric int4 ``[N/16,
     K/32, 288]``; with float32 scales ``[N/16, K/32, 384]`` and ``[N/16,
-    K/32, 640]``; with the K-quants' factors ``[N/16, K/256, 2368]`` (int4)
-    and ``[N/16, K/256, 3360]`` (int8)."""
+    K/32, 640]``; with the K-quants' factors ``[N/16, K/256, 2368]`` (int4),
+    ``[N/16, K/256, 3360]`` (int8) and ``[N/16, K/256, 2880]`` (int8 of
+    minimums: Q5_K)."""
     rows, width = packed.shape
     if packed.symmetric:
         return rows // LANES, width // GROUP, LANE_BYTES_SYM
     if packed.factors is not None:
-        return rows // LANES, width // SUPER, LANE_BYTES_SUPER[packed.kind]
+        five = packed.kind == "int8" and packed.mins is not None  # Q5_K
+        size = LANE_BYTES_Q5 if five else LANE_BYTES_SUPER[packed.kind]
+        return rows // LANES, width // SUPER, size
     if packed.wide:
         return rows // LANES, width // GROUP, LANE_BYTES_F32[packed.kind]
     return rows // LANES, width // GROUP * LANE_BYTES[packed.kind]
