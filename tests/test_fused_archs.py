@@ -16,6 +16,7 @@ from mstar.cpu.layer_ops import layer_ops_or_why
 from mstar.cpu.quant.linear import PackedLinear
 from mstar.models import hf
 from mstar.models.hf import register
+from mstar.models.llama.fused_linear import SideBySide
 from mstar.models.llama.stack import LayerStack
 from mstar.models.llama.step import fused_refusal, fused_step
 
@@ -119,18 +120,17 @@ def test_the_family_table_checks_each_architecture_s_own_classes():
     assert fused_refusal(qwen3) == "has query and key head norms of different epsilons"
 
 
-def test_biased_layers_side_by_side_run_layer_by_layer():
+def test_biased_layers_side_by_side_run_in_the_stack():
     """A Qwen2 of a Q4_K_M file's formats (q/k int4, v int8: side by side,
-    each with its bias): the stack refuses it, and the layers give HF's
-    logits and greedy tokens."""
+    each with its bias): the stack serves it, its logits the layers' bit for
+    bit, and those give HF's logits and greedy tokens."""
     if layer_ops_or_why() is not None:
         pytest.skip(f"layer ops: {layer_ops_or_why()}")
     reference, paged = _llama(packed=True, kquants=True, arch="qwen2")
     fused = fused_step(paged)
-    assert fused.stack is None
-    assert LayerStack.refusal(fused.layers) == (
-        "has linear layers of several formats side by side with a bias"
-    )
+    assert any(isinstance(layer.qkv.module, SideBySide) for layer in fused.layers)
+    assert fused.stack is not None and LayerStack.refusal(fused.layers) is None
+    stack_equals_layers(paged)
     prompt = _prompt(6, 1)
     run = Twin(paged)
     run.step([("a", prompt)])

@@ -9,7 +9,8 @@ Python calls into the dispatcher a layer and the Python between them. It
 serves steps the layer ops' attention serves (``StepAttention.rows``:
 decode, short prefills) of fewer than ``BF16_ROWS`` tokens (more may
 multiply on bfloat16 panels), on layers whose linear layers are all packed
-(or packed side by side without bias: up to three lanes, ``SideBySide``),
+(or packed side by side: up to three lanes, ``SideBySide``, the parts'
+biases joined and added after the joined product, as each part adds its own),
 with SiLU, every norm of one epsilon; any other step runs layer by layer.
 The weights and biases are read from the layers at every step, as the
 layer-by-layer path reads them.
@@ -80,8 +81,6 @@ class LayerStack:
             side_by_side = [m for m in _linears(layer) if isinstance(m, SideBySide)]
             if any(len(m.parts) > 3 for m in side_by_side):
                 return "has more than three formats side by side in one linear layer"
-            if any(m.bias is not None for m in side_by_side):
-                return "has linear layers of several formats side by side with a bias"
             norms = [
                 n.variance_epsilon for n in (layer.norm1, layer.norm2, *(layer.head_norms or ()))
             ]
