@@ -357,19 +357,37 @@ def test_float32_scale_lanes_kernel_is_its_rounding_of_the_activations(
     share among threads (464 x 768)."""
     packed = k_quant(type_name, *shape, seed=shape[0])
     held = packed.lanes()
+    _lanes_round_as_modelled(packed, held, rows)
+    with pytest.raises(RuntimeError, match=r"\[N/16, K/32, 384 or 640\] \(float32\)"):
+        torch.ops.mstar_quant.lanes_i16(torch.randn(1, shape[1]), held[:, :, :-1].contiguous())
+
+
+def _assert_rebuilds(kind: str, held: torch.Tensor, packed: Packed) -> None:
+    """``Packed.from_lanes(kind, held)`` is ``packed``: its row-major tensors and its factors."""
+    back = Packed.from_lanes(kind, held)
+    for name in ("qweight", "scales", "mins"):
+        assert torch.equal(getattr(back, name), getattr(packed, name)), name
+    for name in ("d", "dmin", "sc", "m"):
+        assert torch.equal(getattr(back.factors, name), getattr(packed.factors, name)), name
+
+
+def _lanes_round_as_modelled(packed: Packed, held: torch.Tensor, rows: int) -> torch.Tensor:
+    """``lanes_i16`` on ``held`` (``packed``'s lanes) at 1 to ``rows`` rows:
+    against the float64 model of the rounding, and within 1e-4 of
+    ``F.linear`` on the dequantized weights, which it returns."""
     weight = packed.dequantize()
+    n, k = weight.shape
     g = torch.Generator().manual_seed(5)
     for count in range(1, rows + 1):
-        x = activations(count, shape[1], g)
+        x = activations(count, k, g)
         y = torch.ops.mstar_quant.lanes_i16(x, held)
-        assert y.shape == (count, shape[0]) and y.dtype == torch.float32
+        assert y.shape == (count, n) and y.dtype == torch.float32
         expected = rounded_reference(x, packed)
         top = float(expected.abs().max())
         torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * top)
         exact = F.linear(x.double(), weight.double())
         torch.testing.assert_close(y.double(), exact, rtol=0, atol=1e-4 * top)
-    with pytest.raises(RuntimeError, match=r"\[N/16, K/32, 384 or 640\] \(float32\)"):
-        torch.ops.mstar_quant.lanes_i16(torch.randn(1, shape[1]), held[:, :, :-1].contiguous())
+    return weight
 
 
 def test_packed_linear_multiplies_few_rows_on_its_lanes(lanes, rows):
@@ -478,11 +496,7 @@ def test_k_quant_lanes_hold_their_factors_at_their_place():
         octet, half, j = k // 8, k % 8 // 4, k % 4
         byte = int(head[320 + 256 * group + 64 * octet + 4 * r + j])
         assert (byte >> 4 * half) & 0x0F == q[row, column]
-    back = Packed.from_lanes("int4", held)
-    for name in ("qweight", "scales", "mins"):
-        assert torch.equal(getattr(back, name), getattr(q4, name)), name
-    for name in ("d", "dmin", "sc", "m"):
-        assert torch.equal(getattr(back.factors, name), getattr(f, name)), name
+    _assert_rebuilds("int4", held, q4)
     order = torch.randperm(48, generator=torch.Generator().manual_seed(1))
     moved = q4.rows(order)
     assert torch.equal(moved.factors.d, f.d[order]) and torch.equal(moved.factors.m, f.m[order])
@@ -548,11 +562,7 @@ def test_q5_k_lanes_hold_q4_k_lanes_nibbles_and_their_fifth_bits():
         low = (int(head[at + 64 * octet + 4 * r + j]) >> 4 * half) & 0x0F
         fifth = (int(head[at + 256 + 4 * r + j]) >> 4 * half + octet) & 1
         assert low | fifth << 4 == q[row, column]
-    back = Packed.from_lanes("int8", held)
-    for name in ("qweight", "scales", "mins"):
-        assert torch.equal(getattr(back, name), getattr(q5, name)), name
-    for name in ("d", "dmin", "sc", "m"):
-        assert torch.equal(getattr(back.factors, name), getattr(f, name)), name
+    _assert_rebuilds("int8", held, q5)
     order = torch.randperm(48, generator=torch.Generator().manual_seed(1))
     again = Packed.from_lanes("int8", q5.rows(order).lanes()).dequantize()
     assert torch.equal(again, q5.dequantize()[order])
@@ -576,17 +586,7 @@ def test_q5_k_lanes_kernel_is_its_rounding_of_the_activations(lanes, rows, shape
     threads; a lanes tensor one byte short named."""
     packed = k_quant("Q5_K", *shape, seed=shape[0], factors=True)
     held = packed.lanes()
-    weight = packed.dequantize()
-    g = torch.Generator().manual_seed(5)
-    for count in range(1, rows + 1):
-        x = activations(count, shape[1], g)
-        y = torch.ops.mstar_quant.lanes_i16(x, held)
-        assert y.shape == (count, shape[0]) and y.dtype == torch.float32
-        expected = rounded_reference(x, packed)
-        top = float(expected.abs().max())
-        torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * top)
-        exact = F.linear(x.double(), weight.double())
-        torch.testing.assert_close(y.double(), exact, rtol=0, atol=1e-4 * top)
+    weight = _lanes_round_as_modelled(packed, held, rows)
     if bf16_or_why() is None and shape[0] % 32 == 0:
         _assert_panels_from_lanes_are_held_panels(packed)
         layer = PackedLinear(packed, None, None, True, held, lane_panels=True)
