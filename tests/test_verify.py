@@ -274,13 +274,16 @@ def test_the_reference_shares_the_packed_and_float32_tensors_and_dequantizes_per
     slice of rows at a time."""
     from mstar.cpu.quant import QuantChoice, quantize_model
     from mstar.engine.verify import Dequantizing, is_packed
+    from mstar.models.llama.step import fused_step
 
     model = copy.deepcopy(paged)
     quantize_model(model, QuantChoice("int4", "as asked", "bfloat16"))
+    assert fused_step(model) is not None  # built, as a step before the check builds it
     before = {n: t.data_ptr() for n, t in model.state_dict().items()}
     monkeypatch.setattr(Dequantizing, "ROWS_AT_ONCE", 32)  # the head's 256 rows in 8 slices
     reference = float32_reference(model)
     (held,) = [c.cell_contents for c in reference.__closure__]
+    assert "_mstar_fused" not in vars(held)  # its joined weights not copied
     layers = [m.weight_rows.__self__ for m in held.modules() if isinstance(m, Dequantizing)]
     assert len(layers) == 15  # 2 layers x 7 products and the head
     packed = {t.data_ptr() for m in layers for t in m.state_dict().values()}

@@ -157,9 +157,14 @@ def float32_reference(model: Any) -> Reference:
     half-precision weights are copied, upcast): each packed layer dequantizes its weights
     as it runs, so one layer's float32 weights exist at a time, not the
     model's. Free it by dropping the function."""
-    reference = copy.deepcopy(model, memo=_shared(model))
-    for attr in ("forward", "_mstar_eager_forward"):  # a compiled forward is not copied
-        vars(reference).pop(attr, None)
+    memo = _shared(model)
+    # not copied: a compiled forward, and the fused step (``_mstar_fused``), whose joined
+    # weights are no tensor of the model's (a copy of an 8B's took 4 GB); the reference runs neither
+    skipped = [a for a in ("forward", "_mstar_eager_forward", "_mstar_fused") if a in vars(model)]
+    memo.update({id(vars(model)[a]): None for a in skipped})
+    reference = copy.deepcopy(model, memo=memo)
+    for attr in skipped:
+        vars(reference).pop(attr)
     reference = reference.float().eval()
     reference.set_attn_implementation("sdpa")
 
