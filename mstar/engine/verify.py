@@ -157,10 +157,13 @@ def float32_reference(model: Any) -> Reference:
     half-precision weights are copied, upcast): each packed layer dequantizes its weights
     as it runs, so one layer's float32 weights exist at a time, not the
     model's. Free it by dropping the function."""
+    from mstar.models.llama.step import FUSED_ATTRIBUTE
+
     memo = _shared(model)
-    # not copied: a compiled forward, and the fused step (``_mstar_fused``), whose joined
-    # weights are no tensor of the model's (a copy of an 8B's took 4 GB); the reference runs neither
-    skipped = [a for a in ("forward", "_mstar_eager_forward", "_mstar_fused") if a in vars(model)]
+    # not copied: a compiled forward, and the fused step, whose joined weights are no
+    # tensor of the model's (a copy of an 8B's took 4 GB); the reference runs neither
+    attrs = ("forward", "_mstar_eager_forward", FUSED_ATTRIBUTE)
+    skipped = [a for a in attrs if a in vars(model)]
     memo.update({id(vars(model)[a]): None for a in skipped})
     reference = copy.deepcopy(model, memo=memo)
     for attr in skipped:

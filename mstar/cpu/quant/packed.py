@@ -228,7 +228,7 @@ class Packed:
         followed by its 64 bytes of fifth bits (``_fifth_bits``); ``ValueError``
         without its factors or for values outside 0..31."""
         values = self.qweight
-        low, high = (int(v) for v in values.aminmax()) if values.numel() else (0, 0)
+        low, high = _value_range(values)
         if self.factors is None or low < 0 or high > 31:
             raise ValueError(
                 "expected Q5_K's factors and values 0..31 for lanes of int8 weights of minimums,"
@@ -350,6 +350,11 @@ def _pairs(pairs: torch.Tensor) -> torch.Tensor:
     return pairs.permute(0, 3, 1, 2, 4).reshape(blocks * LANES, -1).view(torch.int8).contiguous()
 
 
+def _value_range(values: torch.Tensor) -> tuple[int, int]:
+    """The least and greatest of ``values`` (``(0, 0)`` for none)."""
+    return tuple(int(v) for v in values.aminmax()) if values.numel() else (0, 0)
+
+
 def _fifth_bit_shifts(device: torch.device) -> torch.Tensor:
     """The bit of a Q5_K lanes' byte of fifth bits holding octet ``o``'s half
     ``h``: ``o + 4 h``, ``[4, 2, 1]`` (uint8)."""
@@ -387,7 +392,7 @@ def _six_bit_groups(values: torch.Tensor) -> torch.Tensor:
     bits and bits ``2i, 2i+1`` of that of column ``12 + j`` in its top 2;
     ``ValueError`` for values outside -32..31."""
     rows, width = values.shape
-    low, high = (int(v) for v in values.aminmax()) if values.numel() else (0, 0)
+    low, high = _value_range(values)
     if low < -32 or high > 31:
         raise ValueError(f"expected Q6_K values -32..31 for its lanes, got {low}..{high}")
     q = (values + 32).view(torch.uint8).view(rows // LANES, LANES, width // GROUP, 2, 4, 4)

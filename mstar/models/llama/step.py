@@ -33,9 +33,9 @@ from mstar.models.llama.layer import FusedLlamaLayer, added_norm, layer_refusal
 from mstar.models.llama.rotary import RotaryTable, StepRotary
 from mstar.models.llama.stack import LayerStack
 
-__all__ = ["FusedLlama", "fused_refusal", "fused_step"]
+__all__ = ["FUSED_ATTRIBUTE", "FusedLlama", "fused_refusal", "fused_step"]
 
-_ATTRIBUTE = "_mstar_fused"
+FUSED_ATTRIBUTE = "_mstar_fused"  # where a model keeps its FusedLlama (or the refusal)
 
 
 def fused_step(model: PreTrainedModel) -> FusedLlama | None:
@@ -46,13 +46,13 @@ def fused_step(model: PreTrainedModel) -> FusedLlama | None:
     the first step are not seen)."""
     if model.training or "forward" in vars(model):
         return None  # HF's forward computes dropout / a compiled or wrapped forward runs
-    fused = vars(model).get(_ATTRIBUTE)
+    fused = vars(model).get(FUSED_ATTRIBUTE)
     if isinstance(fused, FusedLlama) and fused.current():
         return fused
     if fused is None or isinstance(fused, FusedLlama):
         reason = fused_refusal(model)
         fused = reason if reason is not None else FusedLlama(model)
-        vars(model)[_ATTRIBUTE] = fused
+        vars(model)[FUSED_ATTRIBUTE] = fused
     return fused if isinstance(fused, FusedLlama) else None
 
 
