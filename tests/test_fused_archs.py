@@ -123,7 +123,8 @@ def test_the_family_table_checks_each_architecture_s_own_classes():
 def test_biased_layers_side_by_side_run_in_the_stack():
     """A Qwen2 of a Q4_K_M file's formats (q/k int4, v int8: side by side,
     each with its bias): the stack serves it, its logits the layers' bit for
-    bit, and those give HF's logits and greedy tokens."""
+    bit, and those give HF's greedy tokens, and its logits within the prompt's
+    rounding to int8 (its 6 rows: ``PackedLinear.int8_rows``; 7e-3 here)."""
     if layer_ops_or_why() is not None:
         pytest.skip(f"layer ops: {layer_ops_or_why()}")
     reference, paged = _llama(packed=True, kquants=True, arch="qwen2")
@@ -136,4 +137,4 @@ def test_biased_layers_side_by_side_run_in_the_stack():
     run.step([("a", prompt)])
     for _ in range(3):
         run.decode(["a"])
-    run.check(reference, "a", len(prompt))
+    run.check(reference, "a", len(prompt), tol=2e-2)

@@ -21,7 +21,9 @@
 // factors [N/16, K/256, 2368 or 3360]) with scales and mins empty; or up to three such lanes of different layouts in its
 // three slots (the rest empty), their outputs side by side (fused_linear.py's `SideBySide`:
 // a Q4_K_M file's q/k int4 and v int8);
-// int16_activations: they take their activations rounded to int16 (int4/int8_linear_i16).
+// int16_activations: they take their activations rounded to int16 (int4/int8_linear_i16);
+// int8_rows: lanes that take them (int4, Q5_K, Q6_K) take 2+ rows rounded to int8 instead
+// (`multiply_lanes`, lanes_i8.h).
 // biases: none (no layer has one), or per layer 4: q/k/v's, o's, gate/up's and down's,
 // float32 [N] each (empty: that layer has none), added after its product (as PackedLinear's
 // `y + bias`). head_norms: none, or per layer 2: the RMSNorm weights [D] of each query head
@@ -48,6 +50,7 @@ struct StackLinear {
   const at::Tensor* w;
   int64_t N, K;
   bool int16_activations;
+  bool int8_rows = false;
   int parts = 0;                // lanes tensors side by side (0: not lanes)
   int64_t rows[3] = {0, 0, 0};  // each one's output rows
   const float* bias = nullptr;  // (nullptr: none)
@@ -70,7 +73,7 @@ struct StackLinear {
 #endif
     } else if (parts > 0) {
       int64_t at = 0;  // the part's first output column
-      for (int i = 0; i < parts; at += rows[i], ++i) multiply_lanes(w[i], rows[i], K, x, M, y + at, N);
+      for (int i = 0; i < parts; at += rows[i], ++i) multiply_lanes(w[i], rows[i], K, x, M, y + at, N, int8_rows);
     } else if (w[0].scalar_type() == at::kByte) {
       linear_rows(int4_weights(w[0], w[1], w[2]), x, M, N, K, int16_activations, y);
     } else {
@@ -80,8 +83,8 @@ struct StackLinear {
 };
 
 // The linear layer at w for M rows of activations of width K, checked as its op checks it.
-StackLinear stack_linear(const at::Tensor* w, int64_t K, int64_t M, bool int16_activations) {
-  StackLinear linear{w, 0, K, int16_activations};
+StackLinear stack_linear(const at::Tensor* w, int64_t K, int64_t M, bool int16_activations, bool int8_rows) {
+  StackLinear linear{w, 0, K, int16_activations, int8_rows};
   int64_t held = K;  // held: the width the weights take
   if (w[0].scalar_type() == at::kBFloat16) {
     linear.N = panels_rows(w[0], K);
@@ -128,7 +131,8 @@ at::Tensor run_layers(at::Tensor h, at::TensorList weights, at::TensorList biase
                       const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_rows,
                       const at::Tensor& v_rows, const at::Tensor& q_index, const at::Tensor& q_lens,
                       const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-                      const at::Tensor& kv_lens, int64_t heads, double scale, bool int16_activations) {
+                      const at::Tensor& kv_lens, int64_t heads, double scale, bool int16_activations,
+                      bool int8_rows) {
   const int64_t layers = static_cast<int64_t>(caches.size()), M = h.size(0), hidden = h.size(1);
   const int threads = at::in_parallel_region() ? 1 : static_cast<int>(team_threads());
   AttentionStep<T> attention(caches[0], M, k_rows, v_rows, q_index, q_lens, kv_indptr, kv_indices,
@@ -144,11 +148,11 @@ at::Tensor run_layers(at::Tensor h, at::TensorList weights, at::TensorList biase
     const at::Tensor* w = weights.data() + i * LAYER_TENSORS;
     check_norm_weight(w[0], hidden);
     check_norm_weight(w[7], hidden);
-    linears.push_back(stack_linear(w + 1, hidden, M, int16_activations));
-    linears.push_back(stack_linear(w + 4, heads * dim, M, int16_activations));
-    linears.push_back(stack_linear(w + 8, hidden, M, int16_activations));
+    linears.push_back(stack_linear(w + 1, hidden, M, int16_activations, int8_rows));
+    linears.push_back(stack_linear(w + 4, heads * dim, M, int16_activations, int8_rows));
+    linears.push_back(stack_linear(w + 8, hidden, M, int16_activations, int8_rows));
     TORCH_CHECK(linears.back().N % 2 == 0, "expected gate/up of an even width, got ", linears.back().N);
-    linears.push_back(stack_linear(w + 11, linears.back().N / 2, M, int16_activations));
+    linears.push_back(stack_linear(w + 11, linears.back().N / 2, M, int16_activations, int8_rows));
     TORCH_CHECK(linears[4 * i + 1].N == hidden && linears[4 * i + 3].N == hidden,
                 "expected o and down of the hidden width ", hidden);
     for (int64_t j = 0; j < 4; ++j) {
@@ -211,7 +215,7 @@ at::Tensor decode_layers(at::Tensor h, at::TensorList weights, at::TensorList bi
                          const at::Tensor& v_rows, const at::Tensor& q_index,
                          const at::Tensor& q_lens, const at::Tensor& kv_indptr,
                          const at::Tensor& kv_indices, const at::Tensor& kv_lens, int64_t heads,
-                         double scale, bool int16_activations) {
+                         double scale, bool int16_activations, bool int8_rows) {
   const int64_t layers = static_cast<int64_t>(caches.size());
   TORCH_CHECK(layers > 0, "expected at least one layer");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * LAYER_TENSORS, "expected ",
@@ -224,7 +228,7 @@ at::Tensor decode_layers(at::Tensor h, at::TensorList weights, at::TensorList bi
               "caches: expected float32 or bfloat16 CPU tensors, got ", caches[0].scalar_type());
   const auto run = bf16 ? &run_layers<Bf16> : &run_layers<float>;
   return run(h, weights, biases, head_norms, caches, eps, cos, sin, k_rows, v_rows, q_index, q_lens, kv_indptr,
-             kv_indices, kv_lens, heads, scale, int16_activations);
+             kv_indices, kv_lens, heads, scale, int16_activations, int8_rows);
 }
 
 }  // namespace
@@ -235,7 +239,7 @@ TORCH_LIBRARY_FRAGMENT(mstar_layer, m) {
       " Tensor(b!)[] caches,"
       " float eps, Tensor cos, Tensor sin, Tensor k_rows, Tensor v_rows, Tensor q_index,"
       " Tensor q_lens, Tensor kv_indptr, Tensor kv_indices, Tensor kv_lens, int heads,"
-      " float scale, bool int16_activations) -> Tensor");
+      " float scale, bool int16_activations, bool int8_rows=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mstar_layer, CPU, m) { m.impl("decode_layers", decode_layers); }

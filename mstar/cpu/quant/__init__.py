@@ -38,7 +38,10 @@ is the packed layers' products. Where the CPU has AVX512-BF16, inputs of
 bfloat16 on panels of the weights dequantized from their lanes (below) as
 the product reaches them (``lane_panels``: ~2.5x float32 at 32 rows, no
 panels held, where held ones cost two bytes a weight); elsewhere those rows
-stay float32. Few rows
+stay float32. Lanes without panels of int4, Q5_K or Q6_K take 2+ rows on
+activations rounded to int8 per group of 32 instead (``PackedLinear.int8_rows``,
+``cpp/lanes_i8.h``, as llama.cpp multiplies its blocks: the file's weights
+exactly, 1.3-1.4x the panels' speed at 512 rows, ~1.6x the int16 lanes' at 8). Few rows
 (decode) stream the packed weights on their activations rounded to int16
 per group of 32 (``PackedLinear.int16_rows`` of them: int4 1-8 with AVX512-VNNI's
 16-bit dot products, which every CPU with AVX512-BF16 has, at one row
@@ -353,18 +356,28 @@ def _swap(
 def _rounded_summary(model: Any, packed: dict[str, tuple[str, str]]) -> str:
     """The summary's clause on bfloat16 arithmetic: the rows on int16
     activations, per kind of layer, and how many layers take them on lanes;
-    the rows on bfloat16 panels (naming the layers ``_swap`` left without),
-    or why there are none."""
+    the rows on int8 activations (``PackedLinear.int8_rows``) and on
+    bfloat16 panels (naming the layers ``_swap`` left without), or why
+    there are none."""
+    every = [model.get_submodule(name) for name in packed]
+    int8 = [m for m in every if m.int8_rows]
     if (why := bf16_or_why()) is not None:
         many = f"more rows float32 ({why})"
     else:
-        layers = [model.get_submodule(name) for name in packed]
-        odd = [n for n, m in zip(packed, layers) if not m.lane_panels and m.panels is None]
+        odd = [n for n, m in zip(packed, every) if not m.lane_panels and m.panels is None]
         kept = f" (float32 for {', '.join(odd)}: rows not a multiple of {PANEL})" if odd else ""
-        lean = " on panels dequantized from the lanes" * any(m.lane_panels for m in layers)
-        many = f"{BF16_ROWS}+ rows multiply in bfloat16{lean}{kept}"
-    layers = [m for m in map(model.get_submodule, packed) if m.int16_activations]
-    kinds = Counter((m.kind, m.int16_rows) for m in layers)
+        lean = " on panels dequantized from the lanes" * any(
+            m.lane_panels and not m.int8_rows for m in every
+        )
+        rest = " (the rest)" * bool(int8)
+        many = f"{BF16_ROWS}+ rows multiply in bfloat16{lean}{rest}{kept}"
+    if int8:
+        on_int8 = f"{int8[0].int8_rows}+ rows on int8 activations"
+        n = len(int8)
+        rest = f" ({n} layer{'s' * (n > 1)}: int4, Q5_K and Q6_K lanes), {many}"
+        many = on_int8 + rest * (n < len(every))
+    layers = [m for m in every if m.int16_activations]
+    kinds = Counter((m.kind, 1 if m.int8_rows else m.int16_rows) for m in layers)
     by_rows: dict[int, list[str]] = {}
     for (kind, rows), n in sorted(kinds.items()):
         by_rows.setdefault(rows, []).append(f"the {n} {kind} layer{'s' * (n > 1)}")

@@ -10,7 +10,9 @@ weights also held as ``lanes`` (``Packed.lanes``, where the kernels'
 ``lanes_rows()``: 1-8 with AVX512-VNNI, int8 too) multiply those rows there;
 with ``lane_panels``, inputs of ``BF16_ROWS`` rows or more multiply in
 bfloat16 on panels dequantized from the lanes as the product reaches them
-(``lanes_bf16``: the products of held panels bit for bit, none held)."""
+(``lanes_bf16``: the products of held panels bit for bit, none held), or,
+on lanes of int4, Q5_K or Q6_K, inputs of ``int8_rows`` (2) rows or more on
+activations rounded to int8 per group of 32 (``lanes_i8``)."""
 
 from __future__ import annotations
 
@@ -37,8 +39,11 @@ class PackedLinear(torch.nn.Module):
     lanes and panels, which then take every row count, it holds no
     row-major copy (``qweight``, ``scales``, ``mins`` None); ``lane_panels``
     (with lanes, rows a multiple of 32, no ``panels``) is held panels'
-    arithmetic without holding them. bf16 weights (the panels themselves)
-    take every row count as the panels do."""
+    arithmetic without holding them, or, on lanes ``lanes_i8`` takes, at
+    ``int8_rows`` rows or more as on ``x`` rounded to int8 per group of 32
+    (``scale = max |x| / 127``; minimums times the float32 sums, as above).
+    bf16 weights (the panels themselves) take every row count as the
+    panels do."""
 
     def __init__(
         self,
@@ -86,6 +91,10 @@ class PackedLinear(torch.nn.Module):
                 )
         self.register_buffer("lanes", lanes)
         self._lane_rows = 0 if lanes is None else torch.ops.mstar_quant.lanes_rows()
+        # lanes that take every row count (no panels held) of int4, Q5_K or Q6_K: 2+ rows on
+        # activations rounded to int8 (``lanes_i8``), as llama.cpp multiplies its blocks
+        takes = lane_panels and torch.ops.mstar_quant.lanes_i8_takes(lanes)
+        self._int8_from = torch.ops.mstar_quant.int8_lane_rows() if takes else 0
         # the row-major bytes, where a row count reads them: not where the lanes take every
         # count below the panels' (``packed()`` then rebuilds them from the lanes)
         many = panels is not None or lane_panels
@@ -126,13 +135,22 @@ class PackedLinear(torch.nn.Module):
         return self._int16
 
     @property
+    def int8_rows(self) -> int:
+        """Fewest input rows rounded to int8 per group of 32 (``lanes_i8``;
+        0: none): with ``lane_panels``, on lanes of int4, Q5_K or Q6_K."""
+        return self._int8_from
+
+    @property
     def arithmetic(self) -> str:
         """``float32`` (exact against the dequantized weights), else what
         rounds: ``bfloat16`` (many rows on the panels), ``int16`` (few rows'
-        activations), or ``bfloat16+int16``."""
-        panels = self.panels is not None or self.lane_panels or self.kind == "bf16"
+        activations), ``int8`` (2+ rows' activations, ``int8_rows``), joined
+        by ``+``."""
+        panels = not self._int8_from and (
+            self.panels is not None or self.lane_panels or self.kind == "bf16"
+        )
         rounded = ["bfloat16"] * panels + ["int16"] * self.int16_activations
-        return "+".join(rounded) or "float32"
+        return "+".join(rounded + ["int8"] * bool(self._int8_from)) or "float32"
 
     def _panelled(self, rows: int) -> bool:
         """Whether ``rows`` input rows multiply on bfloat16 panels (held or from the lanes)."""
@@ -150,6 +168,8 @@ class PackedLinear(torch.nn.Module):
         rows = x.numel() // self.in_features
         if self.kind == "bf16":
             y = ops.bf16_linear.default(x, b["qweight"])
+        elif self._int8_from and rows >= self._int8_from:
+            y = ops.lanes_i8.default(x, b["lanes"])
         elif self._panelled(rows):
             panels = b["panels"]
             y = (
@@ -170,7 +190,9 @@ class PackedLinear(torch.nn.Module):
     def read_tensors(self, rows: int) -> list[torch.Tensor]:
         """The tensors a call on ``rows`` input rows reads (the panels, the
         lanes, or the row-major weights; the bias)."""
-        if self._panelled(rows):
+        if self._int8_from and rows >= self._int8_from:
+            tensors = [self.lanes]
+        elif self._panelled(rows):
             tensors = [self.lanes if self.panels is None else self.panels]
         elif self._laned(rows):
             tensors = [self.lanes]

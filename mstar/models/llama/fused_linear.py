@@ -78,6 +78,11 @@ class SideBySide:
         return all(m.int16_activations for m in self.parts)
 
     @property
+    def int8_rows(self) -> int:
+        """Fewest rows its parts that take them round to int8 (0: none does)."""
+        return max(m.int8_rows for m in self.parts)
+
+    @property
     def bias(self) -> torch.Tensor | None:
         """The parts' biases joined (None where none has one)."""
         if all(m.bias is None for m in self.parts):

@@ -11,7 +11,9 @@ decode, short prefills) of fewer than ``BF16_ROWS`` tokens (more may
 multiply on bfloat16 panels), on layers whose linear layers are all packed
 (or packed side by side: up to three lanes, ``SideBySide``, the parts'
 biases joined and added after the joined product, as each part adds its own),
-with SiLU, every norm of one epsilon; any other step runs layer by layer.
+with SiLU, every norm of one epsilon, and lanes that take int8 rows
+(``PackedLinear.int8_rows``) all rounding 2+ rows to int8 or none; any other
+step runs layer by layer.
 The weights and biases are read from the layers at every step, as the
 layer-by-layer path reads them.
 """
@@ -49,6 +51,7 @@ class LayerStack:
         slots: list[tuple[dict[str, torch.Tensor | None], str]] = []
         self._linears = tuple(m for layer in self.layers for m in _linears(layer))
         self.int16_activations = any(m.int16_activations for m in self._linears)
+        self.int8_rows = any(m.int8_rows for m in self._linears)
         for layer in self.layers:
             slots.append((layer.norm1._parameters, "weight"))
             for i, module in enumerate(_linears(layer)):
@@ -88,6 +91,9 @@ class LayerStack:
                 return "has layers of different norm epsilons or head counts"
         if len({m.int16_activations for layer in layers for m in _linears(layer)}) > 1:
             return "has layers with and without int16 activations"
+        linears = [m for layer in layers for m in _linears(layer)]
+        if any(m.int8_rows for m in linears) and any(map(_int8_refused, linears)):
+            return "has lanes that take int8 rows with and without them"
         return None
 
     def __call__(
@@ -106,7 +112,7 @@ class LayerStack:
         return torch.ops.mstar_layer.decode_layers.default(
             h, self._weights(), self._biases(), self._head_norms(), caches, self.eps,
             rotary.cos_rows, rotary.sin_rows, *attention.rows, self.heads, attention.scaling,
-            self.int16_activations,
+            self.int16_activations, self.int8_rows,
         )  # fmt: skip
 
     def _weights(self) -> list[torch.Tensor]:
@@ -135,3 +141,11 @@ class LayerStack:
 def _linears(layer: FusedLlamaLayer) -> tuple[torch.nn.Module, ...]:
     """The layer's linear modules in the order it calls them."""
     return (layer.qkv.module, layer.o_proj, layer.gate_up.module, layer.down)
+
+
+def _int8_refused(linear: PackedLinear | SideBySide) -> bool:
+    """Whether ``linear`` holds lanes ``decode_layers`` would round to int8
+    (``lanes_i8_takes``) that it rounds to int16 itself (no ``int8_rows``)."""
+    parts = linear.parts if isinstance(linear, SideBySide) else (linear,)
+    takes = torch.ops.mstar_quant.lanes_i8_takes
+    return any(m.lanes is not None and not m.int8_rows and takes(m.lanes) for m in parts)
