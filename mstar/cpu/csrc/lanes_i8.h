@@ -9,8 +9,8 @@
 // both sides, each to 1/512 of the value). Per block of 16 weight rows, every activation
 // row in passes of `i8_pass` (the block's weights from L1/L2 after the first), each group's
 // integers made float32 and scaled as `lanes_gemv` scales them: weight scale x activation
-// scale, plus minimum x the activations' float32 sum (Q6_K: its -32 folded into the
-// integers, as `lanes6_gemv` folds it).
+// scale, plus minimum x the rounded activations' sum (Q6_K: its -32 folded into the
+// integers, as `lanes6_gemv` folds it): the weights times the rounded activations.
 #pragma once
 
 #include "lanes.h"
@@ -28,27 +28,31 @@ constexpr int64_t i8_pass() {
 }
 
 // One group of 32 activations at xg rounded to int8 (scale = max |x| / 127, to nearest, ties
-// to even; a group under 1e-30 left at zero), in order; its scale into `scale` and its float32
-// sum into `sum`.
+// to even; a group under 1e-30 left at zero), in order; its scale into `scale` and the sum of
+// its rounded values (scale x the integers' sum) into `sum`: the minimums meet the rounded
+// activations, so a product is the weights times them exactly (with the float32 sums, the
+// rounding errors would meet w - min, all of one sign: on SmolLM2 a 1.8% higher perplexity,
+// against 0.03%).
 inline __m256i rounded_group8(const float* xg, float& scale, float& sum) {
   const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   const __m512 inverse = _mm512_set1_ps(amax > 1e-30f ? 127.0f / amax : 0.0f);
   scale = amax > 1e-30f ? amax / 127.0f : 0.0f;
-  sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
   const __m128i low = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inverse)));
   const __m128i high = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inverse)));
+  const __m512i both = _mm512_add_epi32(_mm512_cvtepi8_epi32(low), _mm512_cvtepi8_epi32(high));
+  sum = scale * static_cast<float>(_mm512_reduce_add_epi32(both));
   return _mm256_inserti128_si256(_mm256_castsi128_si256(low), high, 1);
 }
 
 // Activation rows [M, K] rounded to int8 per group of 32 (`rounded_group8`), rows shared
-// among the threads (in a gang, each thread all of them); each group's scale and float32 sum;
-// for Q6_K lanes (`q6`) also -32 x each 16 columns' sum of the integers.
+// among the threads (in a gang, each thread all of them); each group's scale and its rounded
+// values' sum; for Q6_K lanes (`q6`) also -32 x each 16 columns' sum of the integers.
 struct Int8Rows {
   int64_t K, G;
   std::vector<int8_t> q;         // [M, K]
   std::vector<float> scales;     // [M, G]
-  std::vector<float> sums;       // [M, G]
+  std::vector<float> sums;       // [M, G]: scale x the integers' sum
   std::vector<int32_t> offsets;  // [M, K/16] (q6), else empty
 
   Int8Rows(const float* x, int64_t M, int64_t K, bool q6)
@@ -72,7 +76,7 @@ struct Int8Rows {
 // y[m0 + i, 16 b .. 16 b + 16) (y's rows ldy apart) for activation rows m0..m0+ROWS-1 and int4
 // lanes of the layout S: per group, the four octets' nibbles (SUPER5: with their fifth bits)
 // dotted with each row's int8 activations, made float32, times weight scale x activation
-// scale, plus minimum x the activations' sum.
+// scale, plus minimum x the rounded activations' sum.
 template <int ROWS, Scales S>
 void lanes_i8_gemv(const uint8_t* lanes, const Int8Rows& x, int64_t m0, int64_t b, float* y, int64_t ldy) {
   const int64_t G = x.G, K = x.K;
