@@ -22,7 +22,10 @@ what bfloat16 arithmetic takes there), and with AVX512-VNNI the same
 weights as this tree's lanes (``int4 lanes``, ``int8 lanes``: what the
 engine runs there). Random weights,
 SmolLM2-135M's shapes (``head``: the tied vocabulary head, which the engine
-runs as int8). ``--stream``: each variant cycles through distinct copies of
+runs as int8), and a Llama-3.2-1B's gate and down (``1b-gate``, ``1b-down``).
+From ``int8_lane_rows()`` rows, the int4 lanes on activations rounded to
+int8 (``int4 int8 rows``) and bfloat16 panels dequantized from them
+(``int4 bf16 lanes``). ``--stream``: each variant cycles through distinct copies of
 its weights, ``STREAM_BYTES`` of them in all (more than the L3 cache holds), so
 every call reads its weights from memory, as a model's step does; without it
 they stay in cache. Prints the CPU and the load before and after.
@@ -51,6 +54,8 @@ SHAPES = {
     "gate": (1536, 576),
     "down": (576, 1536),
     "head": (49152, 576),
+    "1b-gate": (8192, 2048),  # Llama-3.2-1B's gate (and up)
+    "1b-down": (2048, 8192),
 }
 BYTES_PER_WEIGHT = {"int4": 0.625, "int8": 1.0625, "bf16": 2.0, "f32": 4.0}
 STREAM_BYTES = 128 << 20  # the weights a --stream variant cycles through
@@ -142,12 +147,15 @@ def variants(
             )
     ours = torch.ops.mstar_quant
     if ours.lanes_rows() and n % LANES == 0:  # this tree's lanes, at the rows they take
+        lanes4 = [(Packed("int4", *w).lanes(),) for w in int4]
         if rows <= ours.lanes_rows():
-            lanes4 = [(Packed("int4", *w).lanes(),) for w in int4]
             calls["int4 lanes"] = cycled(lanes4, lambda w: ours.lanes_i16(x, w))
-        if rows <= ours.lanes_rows():
             lanes8 = [(Packed("int8", *w).lanes(),) for w in int8]
             calls["int8 lanes"] = cycled(lanes8, lambda w: ours.lanes_i16(x, w))
+        if rows >= ours.int8_lane_rows():  # what lanes held without panels take from 2 rows
+            calls["int4 int8 rows"] = cycled(lanes4, lambda w: ours.lanes_i8(x, w))
+        if bf16_or_why() is None and n % PANEL == 0:  # and what they took before
+            calls["int4 bf16 lanes"] = cycled(lanes4, lambda w: ours.lanes_bf16(x, w))
     if bf16_or_why() is None and n % PANEL == 0:  # this tree's bfloat16 panels
         panels = [(bf16_panels(Packed("int4", *w)),) for w in int4[: copies("bf16")]]
         calls["bf16 panels"] = cycled(panels, lambda p: torch.ops.mstar_quant.bf16_linear(x, p))

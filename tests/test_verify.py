@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -224,6 +225,51 @@ def test_a_packed_kernel_that_disagrees_is_refused(paged, packed_kernels, monkey
     monkeypatch.setattr(PackedLinear, "forward", lambda self, x: real(self, x) + 1e-2)
     with pytest.raises(ModeMismatch, match="packed int8 disagrees with eager float32"):
         Engine(model, **OPTIONS)
+
+
+def test_int8_rows_that_disagree_are_dropped_for_the_panels_before_float32(
+    paged, packed_kernels, monkeypatch
+):
+    """A model with int8 rows (lanes held without panels) whose check fails
+    is checked again without them: it serves bfloat16 panels from the lanes
+    (the fused step's joined layers and stack rebuilt without them), with a
+    warning and its description saying so; without int8 rows to drop, the
+    failure stands."""
+    import mstar.cpu.quant as quant
+    import mstar.engine.build as build
+    from mstar.cpu.quant import QuantChoice, quantize_model
+    from mstar.cpu.quant.linear import PackedLinear
+    from mstar.models.llama.step import fused_step
+
+    if not torch.ops.mstar_quant.int8_lane_rows():
+        pytest.skip("the kernels' build has no int8 rows (no AVX512-VNNI)")
+    monkeypatch.setattr(quant, "HELD_PANELS_BYTES", 0)
+    model = copy.deepcopy(paged)
+    quantize_model(model, QuantChoice("int4", "as asked", "bfloat16"))
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert all(m.int8_rows for m in layers) and fused_step(model).stack.int8_rows
+    real = build.check_mode
+
+    def refusing_int8(engine, reference, tolerance):
+        found = real(engine, reference, tolerance)
+        if any(m.int8_rows for m in engine.model.modules() if isinstance(m, PackedLinear)):
+            return replace(found, failure="made up")
+        return found
+
+    monkeypatch.setattr(build, "check_mode", refusing_int8)
+    with pytest.warns(UserWarning, match="int8 arithmetic.* made up; serving packed int4"):
+        engine = Engine(model, **OPTIONS)
+    assert engine.mode_check.ok and not any(m.int8_rows for m in layers)
+    fused = fused_step(model)
+    assert not fused.stack.int8_rows
+    assert not any(getattr(layer.qkv.module, "int8_rows", 0) for layer in fused.layers)
+    assert model.mstar_quantization.endswith("int8 rows dropped: 2+ rows as without them")
+    plain = copy.deepcopy(paged)  # panels held: no int8 rows to drop, the failure stands
+    monkeypatch.setattr(quant, "HELD_PANELS_BYTES", 512 << 20)
+    quantize_model(plain, QuantChoice("int4", "as asked", "bfloat16"))
+    monkeypatch.setattr(build, "check_mode", lambda *args: replace(real(*args), failure="made up"))
+    with pytest.raises(ModeMismatch, match="made up"):
+        Engine(plain, **OPTIONS)
 
 
 def test_a_refused_mode_falls_back_to_float32_arithmetic_on_packed_weights_first():

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from mstar.cpu.quant import without_int8_rows
 from mstar.cpu.quant.arena import trim_heap
 from mstar.engine.resources.groups import KVGroups, group_size
 from mstar.engine.resources.kv.cache import KVCache, cache_serves
@@ -36,6 +37,7 @@ from mstar.engine.verify import (
 from mstar.models.compiled import compile_forward, compile_refusal, restore_eager
 from mstar.models.device import checked_device, flashinfer_or_none
 from mstar.models.dtypes import resolve_dtype
+from mstar.models.llama.step import FUSED_ATTRIBUTE
 from mstar.models.loader import asks_packed
 from mstar.models.tp import TensorParallel, check_size, load_sharded, shard
 
@@ -292,8 +294,10 @@ def checked_forward(engine: Any, compile: bool) -> tuple[str | None, ModeCheck |
     eager float32 (``mstar.engine.verify``): ``(compiled, check)``, as
     ``Engine.compiled`` and ``Engine.mode_check`` hold them. A compiled
     forward that disagrees falls back to eager (``compiled`` says why); an
-    eager one that disagrees raises ``ModeMismatch`` (the caller serves
-    float32 instead). Eager float32 weights over a float32 KV cache are the
+    eager one with int8 rows (``PackedLinear.int8_rows``) that disagrees is
+    checked again without them (``without_int8_rows``: bfloat16 panels from
+    the lanes), with a warning; one that still disagrees raises
+    ``ModeMismatch`` (the caller serves float32 instead). Eager float32 weights over a float32 KV cache are the
     reference itself, and tensor parallel shards are not checked: ``check``
     None. A half-precision KV cache is part of the mode (not exact). A
     check passed before on the same model files, code, CPU and settings is
@@ -337,6 +341,13 @@ def _checked_forward(engine: Any, compile: bool) -> tuple[str | None, ModeCheck 
     if weights is None:
         return compiled, None
     found = check("eager")
+    if not found.ok and without_int8_rows(engine.model):  # the next mode: bfloat16 panels
+        refused = f"{weights} disagrees with eager float32: {found.failure}"
+        vars(engine.model).pop(FUSED_ATTRIBUTE, None)  # its joined layers rebuilt without them
+        weights = weights_mode(engine.model)
+        found = check("eager")
+        if found.ok:
+            warnings.warn(f"{refused}; serving {weights} instead", stacklevel=5)
     if not found.ok:
         raise ModeMismatch(f"{weights} disagrees with eager float32: {found.failure}")
     return compiled, found

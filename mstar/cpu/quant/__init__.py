@@ -74,7 +74,13 @@ from mstar.cpu.quant.kernels import bf16_or_why, kernel_or_why
 from mstar.cpu.quant.linear import BF16_ROWS, PackedLinear
 from mstar.cpu.quant.packed import GROUP, LANES, PANEL, Packed, bf16_panels, pack_bf16
 
-__all__ = ["QUANTIZATIONS", "QuantChoice", "quantize_model", "resolve_quantization"]
+__all__ = [
+    "QUANTIZATIONS",
+    "QuantChoice",
+    "quantize_model",
+    "resolve_quantization",
+    "without_int8_rows",
+]
 
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4", "bf16")
 # most bytes of bfloat16 panels a model's many-row products hold (SmolLM2's 0.27 GB: 1.1-1.6x
@@ -202,6 +208,16 @@ def quantize_model(
         summary += f"; {_rounded_summary(model, int16)}"
     model.mstar_quantization = summary
     return summary
+
+
+def without_int8_rows(model: Any) -> bool:
+    """``model``'s packed layers multiply 2+ rows as without int8 rows from
+    now on (``PackedLinear.drop_int8_rows``), its description saying so;
+    whether any had them. A fused step built before must be built anew."""
+    dropped = [m.drop_int8_rows() for m in model.modules() if isinstance(m, PackedLinear)]
+    if any(dropped):
+        model.mstar_quantization += "; int8 rows dropped: 2+ rows as without them"
+    return any(dropped)
 
 
 def _linear_layers(model: Any) -> dict[str, torch.nn.Linear]:

@@ -53,6 +53,7 @@ class PackedLinear(torch.nn.Module):
         int16_activations: bool = False,
         lanes: torch.Tensor | None = None,
         lane_panels: bool = False,
+        int8_rows: bool = True,
     ) -> None:
         super().__init__()
         if packed.kind == "bf16" and (panels is not None or int16_activations):
@@ -93,7 +94,7 @@ class PackedLinear(torch.nn.Module):
         self._lane_rows = 0 if lanes is None else torch.ops.mstar_quant.lanes_rows()
         # lanes that take every row count (no panels held) of int4, Q5_K or Q6_K: 2+ rows on
         # activations rounded to int8 (``lanes_i8``), as llama.cpp multiplies its blocks
-        takes = lane_panels and torch.ops.mstar_quant.lanes_i8_takes(lanes)
+        takes = int8_rows and lane_panels and torch.ops.mstar_quant.lanes_i8_takes(lanes)
         self._int8_from = torch.ops.mstar_quant.int8_lane_rows() if takes else 0
         # the row-major bytes, where a row count reads them: not where the lanes take every
         # count below the panels' (``packed()`` then rebuilds them from the lanes)
@@ -111,12 +112,13 @@ class PackedLinear(torch.nn.Module):
         bias: torch.Tensor | None = None,
         panels: torch.Tensor | None = None,
         lane_panels: bool = False,
+        int8_rows: bool = True,
     ) -> PackedLinear:
         """A layer holding ``lanes`` (and ``panels`` or ``lane_panels``, so
         every row count reads them) and no row-major copy: its shape and
         dtypes are read from a meta stand-in, the weights never rebuilt."""
         packed = Packed.from_lanes(kind, lanes.to("meta"))
-        return cls(packed, bias, panels, True, lanes, lane_panels)
+        return cls(packed, bias, panels, True, lanes, lane_panels, int8_rows)
 
     @property
     def int16_rows(self) -> int:
@@ -137,8 +139,16 @@ class PackedLinear(torch.nn.Module):
     @property
     def int8_rows(self) -> int:
         """Fewest input rows rounded to int8 per group of 32 (``lanes_i8``;
-        0: none): with ``lane_panels``, on lanes of int4, Q5_K or Q6_K."""
+        0: none): with ``lane_panels``, on lanes of int4, Q5_K or Q6_K,
+        unless built with ``int8_rows=False`` or ``drop_int8_rows()``."""
         return self._int8_from
+
+    def drop_int8_rows(self) -> bool:
+        """Multiply 2+ rows as without int8 rows from now on (the int16
+        lanes, then bfloat16 panels from the lanes); whether it had them. A
+        fused step built before keeps its own joined layers' rows."""
+        had, self._int8_from = bool(self._int8_from), 0
+        return had
 
     @property
     def arithmetic(self) -> str:

@@ -250,10 +250,18 @@ def _joined(layers: Sequence[torch.nn.Module]) -> torch.nn.Module:
                  for n in _PACKED_TENSORS]  # fmt: skip
         first = layers[0]
         if parts[0] is None:  # the layers hold no row-major copy: none is rebuilt
-            return PackedLinear.on_lanes(first.kind, parts[4], bias, parts[3], first.lane_panels)
+            return PackedLinear.on_lanes(
+                first.kind, parts[4], bias, parts[3], first.lane_panels, bool(first.int8_rows)
+            )
         packed = Packed(first.kind, *parts[:3], symmetric=all(m.symmetric for m in layers))
         return PackedLinear(
-            packed, bias, parts[3], first.int16_activations, parts[4], first.lane_panels
+            packed,
+            bias,
+            parts[3],
+            first.int16_activations,
+            parts[4],
+            first.lane_panels,
+            bool(first.int8_rows),
         )
     weight = torch.cat([m.weight for m in layers])
     joined = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
