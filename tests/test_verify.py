@@ -263,7 +263,8 @@ def test_int8_rows_that_disagree_are_dropped_for_the_panels_before_float32(
     fused = fused_step(model)
     assert not fused.stack.int8_rows
     assert not any(getattr(layer.qkv.module, "int8_rows", 0) for layer in fused.layers)
-    assert model.mstar_quantization.endswith("int8 rows dropped: 2+ rows as without them")
+    assert model.mstar_quantization.endswith("int8 rows dropped: 2+ rows on int16 activations"
+                                             " up to the lanes' rows, then bfloat16 panels from the lanes")  # fmt: skip
     plain = copy.deepcopy(paged)  # panels held: no int8 rows to drop, the failure stands
     monkeypatch.setattr(quant, "HELD_PANELS_BYTES", 512 << 20)
     quantize_model(plain, QuantChoice("int4", "as asked", "bfloat16"))
@@ -386,3 +387,17 @@ def test_a_passed_check_is_recorded_and_read_at_the_next_load_of_the_same_files(
     for _ in range(2):  # in memory: never recorded
         Engine(build_model(seed=0)[1].to(torch.bfloat16), **OPTIONS).close()
     assert len(runs) == 5
+
+
+def test_a_failed_check_is_recorded_too(tmp_path, monkeypatch):
+    """A failed check is kept as a passed one is: a later load of the same
+    files and settings moves on to the next mode without running it again."""
+    from mstar.engine.verify import ModeCheck, record_check, recorded_check
+
+    monkeypatch.setenv("MSTAR_KV_CACHE", str(tmp_path))
+    failed = ModeCheck(0.7, 3, 0, "greedy token 1 of check prompt 3 is 5")
+    record_check("some-key", failed)
+    again = recorded_check("some-key")
+    assert again == replace(failed, recorded=True) and not again.ok
+    assert again.describe().startswith(failed.failure) and "recorded" in again.describe()
+    assert recorded_check("another-key") is None

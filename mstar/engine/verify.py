@@ -104,10 +104,10 @@ class ModeCheck:
         return self.failure is None
 
     def describe(self) -> str:
-        if self.failure is not None:
-            return self.failure
-        flips = f", {self.flips} near-tie flips" if self.flips else ""
         when = "; recorded at an earlier load of these files, build and settings" * self.recorded
+        if self.failure is not None:
+            return self.failure + when
+        flips = f", {self.flips} near-tie flips" if self.flips else ""
         return f"agrees with eager float32 ({self.tokens} greedy tokens{flips}, max |dlogprob| {self.worst:.1g}{when})"
 
 
@@ -130,7 +130,7 @@ def record_key(model: Any, settings: str) -> str | None:
 
 
 def recorded_check(key: str | None) -> ModeCheck | None:
-    """The passed check recorded under ``key`` (``record_check``), or None."""
+    """The check recorded under ``key`` (``record_check``), or None."""
     path = cache_root() / RECORDS / f"{key}.json"
     if key is None or not path.exists():
         return None
@@ -138,13 +138,16 @@ def recorded_check(key: str | None) -> ModeCheck | None:
 
 
 def record_check(key: str | None, check: ModeCheck) -> None:
-    """Keep a passed ``check`` under ``key`` for later loads (written aside,
-    then renamed into place); a failed one is not kept."""
-    if key is None or not check.ok:
+    """Keep ``check`` under ``key`` for later loads (written aside, then
+    renamed into place): a passed one, or a failed one (the same files, code,
+    CPU and settings fail alike: a later load moves on to the next mode at
+    once, as a model refusing int8 rows does)."""
+    if key is None:
         return
     folder = cache_root() / RECORDS
     folder.mkdir(parents=True, exist_ok=True)
-    fields = {"worst": check.worst, "tokens": check.tokens, "flips": check.flips, "failure": None}
+    fields = {"worst": check.worst, "tokens": check.tokens, "flips": check.flips,
+              "failure": check.failure}  # fmt: skip
     scratch = folder / f".{key}.{os.getpid()}"
     scratch.write_text(json.dumps(fields))
     scratch.replace(folder / f"{key}.json")

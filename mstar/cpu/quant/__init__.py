@@ -216,7 +216,10 @@ def without_int8_rows(model: Any) -> bool:
     whether any had them. A fused step built before must be built anew."""
     dropped = [m.drop_int8_rows() for m in model.modules() if isinstance(m, PackedLinear)]
     if any(dropped):
-        model.mstar_quantization += "; int8 rows dropped: 2+ rows as without them"
+        model.mstar_quantization += (
+            "; int8 rows dropped: 2+ rows on int16 activations up to the lanes' rows, then"
+            " bfloat16 panels from the lanes"
+        )
     return any(dropped)
 
 
