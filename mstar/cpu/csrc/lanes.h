@@ -239,6 +239,17 @@ inline void fifth_bits(__m512i high, int o, __m512i& first, __m512i& second) {
   second = _mm512_ternarylogic_epi32(second, _mm512_srli_epi16(high, o), bit, OR_AND);
 }
 
+// Octet o of a group's bytes at p as its weights 8o..8o+3 (`first`) and 8o+4..8o+7 (`second`),
+// a byte each (SUPER5: with their fifth bits from the group's 64 bytes `high`, `fifth_bits`).
+template <Scales S>
+inline void octet_values(const uint8_t* p, int o, __m512i high, __m512i& first, __m512i& second) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i bytes = _mm512_loadu_si512(p + 64 * o);
+  first = _mm512_and_si512(bytes, nibble);
+  second = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+  if constexpr (S == Scales::SUPER5) fifth_bits(high, o, first, second);
+}
+
 // y[m0 + i, 16 b .. 16 b + 16) (y's rows ldy apart) for activation rows m0..m0+ROWS-1: per
 // block, per group, the four octets' nibbles dotted with each row's high and low bytes (four
 // 32-bit sums a row, two chains each side), joined as 256 high + low, made float32, times
@@ -247,7 +258,6 @@ inline void fifth_bits(__m512i high, int o, __m512i& first, __m512i& second) {
 template <int ROWS, Scales S>
 void lanes_gemv(const uint8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, float* y, int64_t ldy) {
   const int64_t G = x.G, K = x.K;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   const uint8_t* block = lanes + b * G * lane_bytes<uint8_t, S>();
   __m512 acc[ROWS];
   for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
@@ -260,10 +270,8 @@ void lanes_gemv(const uint8_t* lanes, const LaneRows& x, int64_t m0, int64_t b, 
     [[maybe_unused]] const __m512i high = S == Scales::SUPER5 ? _mm512_loadu_si512(p + 256) : _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int o = 0; o < 4; ++o) {
-      const __m512i bytes = _mm512_loadu_si512(p + 64 * o);
-      __m512i first = _mm512_and_si512(bytes, nibble);                         // weights 8o..8o+3
-      __m512i second = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);  // 8o+4..8o+7
-      if constexpr (S == Scales::SUPER5) fifth_bits(high, o, first, second);
+      __m512i first, second;
+      octet_values<S>(p, o, high, first, second);
 #pragma GCC unroll 4
       for (int m = 0; m < ROWS; ++m) {
         const int64_t at = (m0 + m) * K + g * 32 + 8 * o;

@@ -80,7 +80,6 @@ struct Int8Rows {
 template <int ROWS, Scales S>
 void lanes_i8_gemv(const uint8_t* lanes, const Int8Rows& x, int64_t m0, int64_t b, float* y, int64_t ldy) {
   const int64_t G = x.G, K = x.K;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   const uint8_t* block = lanes + b * G * lane_bytes<uint8_t, S>();
   const int8_t* rows = x.q.data() + m0 * K;
   __m512 acc[ROWS];
@@ -94,10 +93,8 @@ void lanes_i8_gemv(const uint8_t* lanes, const Int8Rows& x, int64_t m0, int64_t 
     [[maybe_unused]] const __m512i high = S == Scales::SUPER5 ? _mm512_loadu_si512(p + 256) : _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int o = 0; o < 4; ++o) {
-      const __m512i bytes = _mm512_loadu_si512(p + 64 * o);
-      __m512i first = _mm512_and_si512(bytes, nibble);                         // weights 8o..8o+3
-      __m512i second = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);  // 8o+4..8o+7
-      if constexpr (S == Scales::SUPER5) fifth_bits(high, o, first, second);
+      __m512i first, second;
+      octet_values<S>(p, o, high, first, second);
 #pragma GCC unroll 12
       for (int m = 0; m < ROWS; ++m) {
         const int8_t* at = rows + m * K + g * 32 + 8 * o;
