@@ -41,7 +41,8 @@ class PackedLinear(torch.nn.Module):
     (with lanes, rows a multiple of 32, no ``panels``) is held panels'
     arithmetic without holding them, or, on lanes ``lanes_i8`` takes, at
     ``int8_rows`` rows or more as on ``x`` rounded to int8 per group of 32
-    (``scale = max |x| / 127``; minimums times the float32 sums, as above).
+    (``scale = max |x| / 127``; minimums times the rounded activations'
+    sums: the weights times the rounded activations).
     bf16 weights (the panels themselves) take every row count as the
     panels do."""
 
@@ -162,6 +163,10 @@ class PackedLinear(torch.nn.Module):
         rounded = ["bfloat16"] * panels + ["int16"] * self.int16_activations
         return "+".join(rounded + ["int8"] * bool(self._int8_from)) or "float32"
 
+    def _int8(self, rows: int) -> bool:
+        """Whether ``rows`` input rows multiply on the lanes rounded to int8."""
+        return 0 < self._int8_from <= rows
+
     def _panelled(self, rows: int) -> bool:
         """Whether ``rows`` input rows multiply on bfloat16 panels (held or from the lanes)."""
         return (self.lane_panels or self._buffers["panels"] is not None) and rows >= BF16_ROWS
@@ -178,7 +183,7 @@ class PackedLinear(torch.nn.Module):
         rows = x.numel() // self.in_features
         if self.kind == "bf16":
             y = ops.bf16_linear.default(x, b["qweight"])
-        elif self._int8_from and rows >= self._int8_from:
+        elif self._int8(rows):
             y = ops.lanes_i8.default(x, b["lanes"])
         elif self._panelled(rows):
             panels = b["panels"]
@@ -200,7 +205,7 @@ class PackedLinear(torch.nn.Module):
     def read_tensors(self, rows: int) -> list[torch.Tensor]:
         """The tensors a call on ``rows`` input rows reads (the panels, the
         lanes, or the row-major weights; the bias)."""
-        if self._int8_from and rows >= self._int8_from:
+        if self._int8(rows):
             tensors = [self.lanes]
         elif self._panelled(rows):
             tensors = [self.lanes if self.panels is None else self.panels]
