@@ -3,7 +3,7 @@ and decode speed, one markdown table.
 
     python benchmarks/gguf_models.py --files A.gguf [B.gguf ...]
         [--llama-bench PATH] [--threads 2] [--folder DIR]
-        [--write 1b:Q4_K_M,1b:Q4_0,8b:Q4_K_M] [--no-ours]
+        [--write 1b:Q4_K_M,1b:Q4_0,8b:Q4_K_M] [--no-ours] [--turns 3]
 
 ``--write SIZE:MIX,...`` first writes files with random valid blocks
 (``tests/gguf_files.py``) under ``--folder`` and adds them to the files:
@@ -40,6 +40,15 @@ Each file gets one row per engine and a ratio row (ours / llama.cpp):
   best of its 5).
 - *8 at once*: ours, decode tok/s of 8 requests together (64 steps after
   32-token prompts, best of ``--rounds``); llama-bench has no such test.
+- *read GB/s*: the machine's floor in our run, the best of three read
+  probes (``mstar.bench.roofline.read_probe``: one sum of 512 MiB) after
+  the speed runs.
+
+``--turns N``: the speed runs (ours, then llama-bench's pp512/tg64) take N
+turns per file, alternating, and each column is the median of the turns
+(peak RSS: the highest); below the table, each file's per-turn ratios of
+pp512 and tg64 (this machine's memory rate moves 10-30% from minute to
+minute, so one turn of each can land on either side of a tie).
 
 llama.cpp runs in this process's environment (no ``OMP_WAIT_POLICY``); ours
 runs each measurement in a child with ``OMP_WAIT_POLICY=PASSIVE``, torch on
@@ -54,6 +63,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,7 +82,8 @@ SIZES = {  # hidden, layers, heads, kv heads, FFN, vocab
     "qwen3-1.7b": (2048, 28, 16, 8, 6144, 49152),
 }
 COLUMNS = ("size GiB", "load 1st s", "load 2nd s", "peak RSS GiB", "RSS started GiB",
-           "pp512 tok/s", "tg64 tok/s", "8 at once tok/s")  # fmt: skip
+           "pp512 tok/s", "tg64 tok/s", "8 at once tok/s", "read GB/s")  # fmt: skip
+TURNED = ("pp512 tok/s", "tg64 tok/s")  # the columns whose per-turn ratios are printed
 
 
 def main() -> None:
@@ -84,6 +95,7 @@ def main() -> None:
     parser.add_argument("--llama-bench", default=shutil.which("llama-bench"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--turns", type=int, default=1, help="speed runs a file, alternating")
     parser.add_argument("--no-ours", action="store_true", help="llama.cpp's rows only")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)
@@ -96,15 +108,17 @@ def main() -> None:
         *(written(spec, args.folder, args.std) for spec in args.write.split(",") if spec),
     ]
     print(cpu_line() + f"{args.threads} threads; load average {os.getloadavg()[0]:.1f}\n")
-    rows = []
+    rows, turned = [], []
     for path in files:
-        ours = None if args.no_ours else our_row(path, args.folder / "cache", args)
-        peer = None if args.llama_bench is None else llama_row(path, args.llama_bench, args)
+        ours, peer = in_turns(path, args)
         rows += [(path.name, "ours", ours)] if not args.no_ours else []
         rows += [(path.name, "llama.cpp", peer)] if args.llama_bench else []
         if ours and peer:
             rows.append((path.name, "ours / llama.cpp", ratios(ours, peer)))
+            turned.append(f"{path.name}: " + per_turn(ours, peer))
     print(markdown(rows))
+    if args.turns > 1 and turned:
+        print("\nours / llama.cpp in each turn:\n" + "\n".join(turned))
     print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
 
 
@@ -144,21 +158,55 @@ def written(spec: str, folder: Path, std: float) -> Path:
 # --- ours -------------------------------------------------------------------------------
 
 
-def our_row(path: Path, cache: Path, args: argparse.Namespace) -> dict | None:
-    """Ours on ``path``: a first load (the file's cache entries removed),
-    then a second load and the speed runs, each in a child process."""
+def in_turns(path: Path, args: argparse.Namespace) -> tuple[dict | None, dict | None]:
+    """Ours and llama.cpp's rows on ``path``: the loads, then ``--turns``
+    speed runs of each, alternating; each row's turns (a list, None where
+    that engine is off or failed)."""
+    cache = args.folder / "cache"
+    first = None if args.no_ours else our_first_load(path, cache, args)
+    loads = None if args.llama_bench is None else llama_loads(path, args.llama_bench, args)
+    ours, peer = [], []
+    for _ in range(args.turns):
+        if first is not None:
+            ours.append(our_row(path, first, cache, args))
+        if loads is not None:
+            peer.append(llama_row(path, loads, args.llama_bench, args))
+    return median_row(ours), median_row(peer)
+
+
+def median_row(turns: list[dict | None]) -> dict | None:
+    """One row of ``turns``: each column's median (peak RSS: the highest),
+    and the turns themselves under ``turns``; None if any failed or none ran."""
+    if not turns or None in turns:
+        return None
+    row = dict(turns[0], turns=turns)
+    for column in (*TURNED, "8 at once tok/s", "read GB/s", "load 2nd s"):
+        values = [t[column] for t in turns if t.get(column) is not None]
+        row[column] = statistics.median(values) if values else None
+    peaks = [t["peak RSS GiB"] for t in turns]
+    row["peak RSS GiB"] = max(peaks, key=lambda p: max(p) if isinstance(p, tuple) else p)
+    return row
+
+
+def our_first_load(path: Path, cache: Path, args: argparse.Namespace) -> dict | None:
+    """Ours loading ``path`` with the file's cache entries removed, in a child."""
     from mstar.cpu.cachedir import file_key
 
     for stale in cache.glob(f"{file_key(path)}*"):
         shutil.rmtree(stale, ignore_errors=True)
-    first = child(path, cache, args, "--load-only")
+    return child(path, cache, args, "--load-only")
+
+
+def our_row(path: Path, first: dict, cache: Path, args: argparse.Namespace) -> dict | None:
+    """Ours on ``path`` after its ``first`` load: a load and the speed runs, in a child."""
     run = child(path, cache, args)
-    if first is None or run is None:
+    if run is None:
         return None
     return {"size GiB": path.stat().st_size / GiB, "load 1st s": first["load_s"],
             "load 2nd s": run["load_s"], "peak RSS GiB": (first["peak_gib"], run["peak_gib"]),
             "RSS started GiB": run["rss_gib"], "pp512 tok/s": run["prefill"],
-            "tg64 tok/s": run["decode"], "8 at once tok/s": run["decode8"]}  # fmt: skip
+            "tg64 tok/s": run["decode"], "8 at once tok/s": run["decode8"],
+            "read GB/s": run["read_gbs"]}  # fmt: skip
 
 
 def child(path: Path, cache: Path, args: argparse.Namespace, *extra: str) -> dict | None:
@@ -178,6 +226,7 @@ def measure_here(path: Path, threads: int, rounds: int, load_only: bool) -> dict
     """Load ``path`` in this process and, unless ``load_only``, time it."""
     import torch
 
+    from mstar.bench.roofline import read_probe
     from mstar.engine import Engine
 
     torch.set_num_threads(threads)
@@ -191,6 +240,8 @@ def measure_here(path: Path, threads: int, rounds: int, load_only: bool) -> dict
         out["prefill"] = max(prefill_rate(engine, 512, r) for r in range(rounds))
         out["decode"] = max(decode_rate(engine, 1, 64) for _ in range(rounds))
         out["decode8"] = max(decode_rate(engine, 8, 64) for _ in range(rounds))
+        probe = read_probe()
+        out["read_gbs"] = max(probe() for _ in range(3)) / 1e9
     out["peak_gib"] = status_gib("VmHWM")
     return out
 
@@ -244,11 +295,16 @@ def decode_rate(engine: object, batch: int, steps: int) -> float:
 # --- llama.cpp ----------------------------------------------------------------------------
 
 
-def llama_row(path: Path, binary: str, args: argparse.Namespace) -> dict | None:
-    """llama-bench on ``path``: two short runs for the load, then pp512/tg64."""
+def llama_loads(path: Path, binary: str, args: argparse.Namespace) -> list[float] | None:
+    """Two short llama-bench runs on ``path``: their wall seconds (None if one failed)."""
     loads = [llama_bench(binary, path, args.threads, 0, 1, "-r", "1")[1] for _ in range(2)]
+    return None if None in loads else loads
+
+
+def llama_row(path: Path, loads: list[float], binary: str, args: argparse.Namespace) -> dict | None:
+    """llama-bench's pp512/tg64 on ``path``, with its two ``loads``."""
     found, _, peak = llama_bench(binary, path, args.threads, 512, 64)
-    if found is None or None in loads:
+    if found is None:
         return None
     rate = {(r["n_prompt"], r["n_gen"]): max(r["samples_ts"]) for r in found}
     return {"size GiB": path.stat().st_size / GiB, "load 1st s": loads[0],
@@ -291,6 +347,15 @@ def ratios(ours: dict, peer: dict) -> dict:
         if a is not None and b:
             out[column] = a / b
     return out
+
+
+def per_turn(ours: dict, peer: dict) -> str:
+    """The ratios of ``TURNED`` in each turn both engines ran."""
+    pairs = list(zip(ours["turns"], peer["turns"], strict=False))
+    return "; ".join(
+        f"{column.split()[0]} " + " ".join(f"{a[column] / b[column]:.2f}" for a, b in pairs)
+        for column in TURNED
+    )
 
 
 def cell(value: object) -> str:
