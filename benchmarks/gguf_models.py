@@ -240,9 +240,10 @@ def measure_here(path: Path, threads: int, rounds: int, load_only: bool) -> dict
         out["prefill"] = max(prefill_rate(engine, 512, r) for r in range(rounds))
         out["decode"] = max(decode_rate(engine, 1, 64) for _ in range(rounds))
         out["decode8"] = max(decode_rate(engine, 8, 64) for _ in range(rounds))
+    out["peak_gib"] = status_gib("VmHWM")  # before the probe's 512 MiB
+    if not load_only:
         probe = read_probe()
         out["read_gbs"] = max(probe() for _ in range(3)) / 1e9
-    out["peak_gib"] = status_gib("VmHWM")
     return out
 
 
