@@ -35,3 +35,23 @@ def test_a_changed_header_is_a_new_build(tmp_path, monkeypatch):
         assert getattr(torch.ops, namespace).plus(torch.zeros(2)).tolist() == [value, value]
         assert (tmp_path / "t" / names[-1] / "value.h").read_text() == header
     assert names[0] != names[1]
+
+
+def test_a_killed_builds_lock_is_removed_with_a_warning(tmp_path, monkeypatch):
+    """A build killed mid-way leaves torch's lock file; the next build would
+    wait on it forever. One older than ``STALE_LOCK_S`` is removed, with a
+    warning, and the build goes on; a fresh one (a build running now) stays."""
+    import os
+    import time
+
+    monkeypatch.setenv("MSTAR_KV_CACHE", str(tmp_path))
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpp_build._clear_stale_lock(lock)
+    assert lock.exists()  # a build holds it now
+    old = time.time() - cpp_build.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match="build lock"):
+        cpp_build._clear_stale_lock(lock)
+    assert not lock.exists()
+    cpp_build._clear_stale_lock(lock)  # none: nothing to do

@@ -97,6 +97,29 @@ def test_another_mode_or_file_packs_afresh(cache):
     assert stored.layer_names(stored.folder_for(other, "gguf/bfloat16")) is None
 
 
+def test_a_save_keeps_the_newest_folders_of_its_file(cache, monkeypatch):
+    """Each version of mstar packs a file afresh (its digest names the
+    folder): a save keeps the newest ``KEEP`` folders of that file, no other
+    file's."""
+    import os
+
+    path = write_llama_gguf(cache / "q8.gguf", lambda *_: "Q8_0", LlamaShape())
+    other = write_llama_gguf(cache / "other.gguf", lambda *_: "Q8_0", LlamaShape(), seed=1)
+    load(str(other), quantization="gguf", dtype=torch.bfloat16)
+    others = stored.folder_for(other, "gguf/bfloat16")
+    folders = []
+    for version in range(stored.KEEP + 2):
+        monkeypatch.setattr(
+            stored, "code_digest", lambda mode, v=version: f"{mode}-v{v}".replace("/", "-")
+        )
+        load(str(path), quantization="gguf", dtype=torch.bfloat16)
+        folders.append(stored.folder_for(path, "gguf/bfloat16"))
+        index = folders[-1] / stored.LAYERS
+        os.utime(index, (version * 10.0 + 1e9,) * 2)  # written in this order
+    assert [f.exists() for f in folders] == [False] * 2 + [True] * stored.KEEP
+    assert (others / stored.LAYERS).exists()
+
+
 def test_a_fresh_process_runs_the_stored_layers(cache):
     """A second load in a process that packed nothing loads the kernels the
     stored layers run on (a forward through them failed: no ops registered)."""

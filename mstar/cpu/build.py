@@ -10,6 +10,9 @@ when it does not build."""
 from __future__ import annotations
 
 import hashlib
+import sys
+import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -21,6 +24,7 @@ __all__ = ["AVX512_FLAGS", "BF16_FLAGS", "FLAGS", "build", "build_or_why", "flag
 # (``INTRA_OP_PARALLEL`` is defined only under ``_OPENMP``); the symbols
 # resolve to torch's own OpenMP runtime
 CODE = (".py", ".cpp", ".h")  # the sources ``code_digest`` hashes
+STALE_LOCK_S = 900  # a build lock older than this was left by a killed build (builds take 1-3 min)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-fopenmp")
 # the subset torch's "AVX512" capability requires; sources test __AVX512F__
 AVX512_FLAGS = (*FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
@@ -68,6 +72,7 @@ def build(
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
     path = where / f"{stem}.cpp"
+    _clear_stale_lock(where / "lock")
     cpp_extension.load(
         name=name,
         sources=[str(path)],
@@ -76,6 +81,23 @@ def build(
         is_python_module=False,
     )
     return name
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """Remove torch's build ``lock`` where a killed build left it (older than
+    ``STALE_LOCK_S``: torch would wait on it forever, silently), with a
+    warning; say so on stderr where a build now holds it."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
+        warnings.warn(
+            f"removed {lock}, a build lock {age:.0f} s old (a killed build's)", stacklevel=3
+        )
+    else:
+        print(f"mstar-kv: waiting for the kernels' build holding {lock}", file=sys.stderr)
 
 
 def build_or_why(

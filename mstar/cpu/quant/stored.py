@@ -9,12 +9,16 @@ memory on huge pages (one sequential read a kind, no unpacking, no lanes to
 lay out: what the first load computed, byte for byte) and puts a
 ``PackedLinear`` over views of them where each linear layer was. The folder is named by the source file, the
 quantization and a digest of mstar's code and the kernels' flags
-(``folder_for``), so a changed file, mode or packer packs afresh.
+(``folder_for``), so a changed file, mode or packer packs afresh; each save
+keeps the newest ``KEEP`` folders of its file and removes the older ones
+(each is about the file's size again: a cache otherwise grows by that at
+every new version of mstar).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +34,7 @@ from mstar.cpu.quant.packed import Packed
 __all__ = ["LAYERS", "folder_for", "layer_names", "restore", "save"]
 
 LAYERS = "layers.json"  # the index, written last: a folder holding it is whole
+KEEP = 3  # a file's packed folders kept (modes, versions of mstar), the newest
 
 
 def folder_for(source: Path, mode: str) -> Path:
@@ -64,6 +69,17 @@ def save(model: Any, folder: Path) -> None:
         (scratch / LAYERS).write_text(json.dumps(index))
 
     cached(folder.relative_to(cache_root()).as_posix(), LAYERS, write)
+    _prune(folder)
+
+
+def _prune(folder: Path) -> None:
+    """Remove all but the newest ``KEEP`` whole packed folders of ``folder``'s
+    file (by when their index was written)."""
+    file = folder.name.rpartition("-packed-")[0]
+    whole = [f for f in folder.parent.glob(f"{file}-packed-*") if (f / LAYERS).exists()]
+    whole.sort(key=lambda f: (f / LAYERS).stat().st_mtime, reverse=True)
+    for old in whole[KEEP:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def restore(model: Any, folder: Path) -> str:
