@@ -14,6 +14,7 @@ from oracles import Streams
 transformers = pytest.importorskip("transformers")
 
 from mstar.cpu.layer_ops import layer_ops_or_why  # noqa: E402
+from mstar.cpu.quant import without_int8_rows  # noqa: E402
 from mstar.cpu.quant.at_load import quantize_int4, quantize_int8  # noqa: E402
 from mstar.cpu.quant.kernels import bf16_or_why, kernel_or_why  # noqa: E402
 from mstar.cpu.quant.linear import BF16_ROWS, PackedLinear  # noqa: E402
@@ -271,8 +272,15 @@ def test_weights_changed_after_the_first_step_are_followed(how):
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "weights",
-    ["float32", "int16", "lanes", "bf16", "kquants"],
-    ids=["float32", "int16 activations", "int4 lanes", "bf16 panels", "K-quant lanes"],
+    ["float32", "int16", "lanes", "bf16", "kquants", "kquants-mlp"],
+    ids=[
+        "float32",
+        "int16 activations",
+        "int4 lanes",
+        "bf16 panels",
+        "K-quant lanes",
+        "K-quant lanes, int8 rows on the MLP alone",
+    ],
 )
 def test_layer_stack_is_the_layers_bit_for_bit(weights, kv_dtype):
     """Steps of fewer than ``BF16_ROWS`` tokens on packed layers (decode
@@ -280,8 +288,8 @@ def test_layer_stack_is_the_layers_bit_for_bit(weights, kv_dtype):
     call: the same logits, bit for bit, as layer by layer, the int4 layers
     on float32 or int16 activations (from their lanes too), or bf16 layers
     (bfloat16 panels), or a Q4_K_M file's layers (lanes of float32 scales,
-    int4 q/k and int8 v side by side), over
-    a float32 or a bfloat16 KV cache;
+    int4 q/k and int8 v side by side; 2+ rows on int8 activations, or on the
+    MLP alone), over a float32 or a bfloat16 KV cache;
     a long prefill, and ``BF16_ROWS`` rows (the bfloat16 panels' count), run
     layer by layer; float32 layers, and
     int4 ones with and without int16 activations, never stack."""
@@ -328,11 +336,19 @@ def _stack_against_layers(
     int16, lanes = weights in ("int16", "lanes"), weights in ("lanes", "kquants")
     if lanes and (kernel_or_why() or not torch.ops.mstar_quant.lanes_rows()):
         pytest.skip("the kernels' build has no int4 lanes (no AVX512-VNNI)")
-    kquants = weights == "kquants"
+    kquants = weights.startswith("kquants")
     _, paged = _llama(packed=True, int16=int16, bf16=weights == "bf16", lanes=lanes,
                       kquants=kquants, arch=arch, **settings)  # fmt: skip
+    if weights == "kquants-mlp":
+        paged.mstar_quantization = "K-quants"
+        assert without_int8_rows(paged, "self_attn")
     if kquants:
         assert all(isinstance(layer.qkv.module, SideBySide) for layer in fused_step(paged).layers)
+        # down is int8 pairs of float32 scales here (not Q6_K's factors): no int8 rows
+        slots = (0b0100 if weights == "kquants-mlp" else 0b0111) * bool(
+            torch.ops.mstar_quant.int8_lane_rows()
+        )
+        assert fused_step(paged).stack.int8_slots == slots
     if int16 and arch == "llama":
         _, mixed = _llama(packed=True, int16=True)
         mlp = mixed.model.layers[1].mlp

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mstar.engine import Engine
+from mstar.engine import Engine, SamplingParams
 from mstar.engine.verify import ModeMismatch, Tolerance, check_mode, float32_reference
 from mstar.models import compiled as compiled_module
 from mstar.models.seeded import build_model
@@ -227,6 +227,43 @@ def test_a_packed_kernel_that_disagrees_is_refused(paged, packed_kernels, monkey
         Engine(model, **OPTIONS)
 
 
+def test_int8_rows_that_disagree_in_attention_stay_on_the_mlp(paged, packed_kernels, monkeypatch):
+    """A model whose check fails with int8 rows in its attention's linear
+    layers but passes with them on its MLP alone serves so: the stack rounds
+    gate/up and down (slots 2, 3) to int8, not q/k/v and o, with a warning."""
+    import mstar.cpu.quant as quant
+    import mstar.engine.build as build
+    from mstar.cpu.quant import QuantChoice, quantize_model
+    from mstar.cpu.quant.linear import PackedLinear
+    from mstar.models.llama.step import fused_step
+
+    if not torch.ops.mstar_quant.int8_lane_rows():
+        pytest.skip("the kernels' build has no int8 rows (no AVX512-VNNI)")
+    monkeypatch.setattr(quant, "HELD_PANELS_BYTES", 0)
+    model = copy.deepcopy(paged)
+    quantize_model(model, QuantChoice("int4", "as asked", "bfloat16"))
+    real = build.check_mode
+    named = [(n, m) for n, m in model.named_modules() if isinstance(m, PackedLinear)]
+
+    def refusing_attention_int8(engine, reference, tolerance):
+        found = real(engine, reference, tolerance)
+        if any(m.int8_rows for n, m in named if "self_attn" in n):
+            return replace(found, failure="made up")
+        return found
+
+    monkeypatch.setattr(build, "check_mode", refusing_attention_int8)
+    serving = r"serving packed int4 \(bfloat16\+int16 arithmetic\), packed int4 \(int16\+int8"
+    with pytest.warns(UserWarning, match="made up; " + serving):
+        engine = Engine(model, **OPTIONS)
+    assert engine.mode_check.ok and "int8 rows dropped in self_attn" in model.mstar_quantization
+    assert not any(m.int8_rows for n, m in named if "self_attn" in n)
+    assert all(m.int8_rows for n, m in named if ".mlp." in n)
+    assert fused_step(model).stack.int8_slots == 0b1100
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]  # two rows a decode step: the stack's int8 rows
+    assert all(len(c.outputs[0].token_ids) == 6 for c in engine.generate(prompts, params))
+
+
 def test_int8_rows_that_disagree_are_dropped_for_the_panels_before_float32(
     paged, packed_kernels, monkeypatch
 ):
@@ -247,7 +284,7 @@ def test_int8_rows_that_disagree_are_dropped_for_the_panels_before_float32(
     model = copy.deepcopy(paged)
     quantize_model(model, QuantChoice("int4", "as asked", "bfloat16"))
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    assert all(m.int8_rows for m in layers) and fused_step(model).stack.int8_rows
+    assert all(m.int8_rows for m in layers) and fused_step(model).stack.int8_slots == 0b1111
     real = build.check_mode
 
     def refusing_int8(engine, reference, tolerance):
@@ -261,7 +298,7 @@ def test_int8_rows_that_disagree_are_dropped_for_the_panels_before_float32(
         engine = Engine(model, **OPTIONS)
     assert engine.mode_check.ok and not any(m.int8_rows for m in layers)
     fused = fused_step(model)
-    assert not fused.stack.int8_rows
+    assert not fused.stack.int8_slots
     assert not any(getattr(layer.qkv.module, "int8_rows", 0) for layer in fused.layers)
     assert model.mstar_quantization.endswith("int8 rows dropped: 2+ rows on int16 activations"
                                              " up to the lanes' rows, then bfloat16 panels from the lanes")  # fmt: skip

@@ -22,8 +22,9 @@
 // three slots (the rest empty), their outputs side by side (fused_linear.py's `SideBySide`:
 // a Q4_K_M file's q/k int4 and v int8);
 // int16_activations: they take their activations rounded to int16 (int4/int8_linear_i16);
-// int8_rows: lanes that take them (int4, Q5_K, Q6_K) take 2+ rows rounded to int8 instead
-// (`multiply_lanes`, lanes_i8.h).
+// int8_slots: bit j set, every layer's j-th linear (0 q/k/v, 1 o, 2 gate/up, 3 down) whose
+// lanes take them (int4, Q5_K, Q6_K) takes 2+ rows rounded to int8 instead (`multiply_lanes`,
+// lanes_i8.h): a model whose attention is too sensitive to that rounding keeps it on its MLP.
 // biases: none (no layer has one), or per layer 4: q/k/v's, o's, gate/up's and down's,
 // float32 [N] each (empty: that layer has none), added after its product (as PackedLinear's
 // `y + bias`). head_norms: none, or per layer 2: the RMSNorm weights [D] of each query head
@@ -132,7 +133,7 @@ at::Tensor run_layers(at::Tensor h, at::TensorList weights, at::TensorList biase
                       const at::Tensor& v_rows, const at::Tensor& q_index, const at::Tensor& q_lens,
                       const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                       const at::Tensor& kv_lens, int64_t heads, double scale, bool int16_activations,
-                      bool int8_rows) {
+                      int64_t int8_slots) {
   const int64_t layers = static_cast<int64_t>(caches.size()), M = h.size(0), hidden = h.size(1);
   const int threads = at::in_parallel_region() ? 1 : static_cast<int>(team_threads());
   AttentionStep<T> attention(caches[0], M, k_rows, v_rows, q_index, q_lens, kv_indptr, kv_indices,
@@ -148,11 +149,12 @@ at::Tensor run_layers(at::Tensor h, at::TensorList weights, at::TensorList biase
     const at::Tensor* w = weights.data() + i * LAYER_TENSORS;
     check_norm_weight(w[0], hidden);
     check_norm_weight(w[7], hidden);
-    linears.push_back(stack_linear(w + 1, hidden, M, int16_activations, int8_rows));
-    linears.push_back(stack_linear(w + 4, heads * dim, M, int16_activations, int8_rows));
-    linears.push_back(stack_linear(w + 8, hidden, M, int16_activations, int8_rows));
+    const auto int8 = [&](int j) { return ((int8_slots >> j) & 1) != 0; };
+    linears.push_back(stack_linear(w + 1, hidden, M, int16_activations, int8(0)));
+    linears.push_back(stack_linear(w + 4, heads * dim, M, int16_activations, int8(1)));
+    linears.push_back(stack_linear(w + 8, hidden, M, int16_activations, int8(2)));
     TORCH_CHECK(linears.back().N % 2 == 0, "expected gate/up of an even width, got ", linears.back().N);
-    linears.push_back(stack_linear(w + 11, linears.back().N / 2, M, int16_activations, int8_rows));
+    linears.push_back(stack_linear(w + 11, linears.back().N / 2, M, int16_activations, int8(3)));
     TORCH_CHECK(linears[4 * i + 1].N == hidden && linears[4 * i + 3].N == hidden,
                 "expected o and down of the hidden width ", hidden);
     for (int64_t j = 0; j < 4; ++j) {
@@ -215,9 +217,10 @@ at::Tensor decode_layers(at::Tensor h, at::TensorList weights, at::TensorList bi
                          const at::Tensor& v_rows, const at::Tensor& q_index,
                          const at::Tensor& q_lens, const at::Tensor& kv_indptr,
                          const at::Tensor& kv_indices, const at::Tensor& kv_lens, int64_t heads,
-                         double scale, bool int16_activations, bool int8_rows) {
+                         double scale, bool int16_activations, int64_t int8_slots) {
   const int64_t layers = static_cast<int64_t>(caches.size());
   TORCH_CHECK(layers > 0, "expected at least one layer");
+  TORCH_CHECK(int8_slots >= 0 && int8_slots < 16, "expected int8_slots of bits 0-3, got ", int8_slots);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * LAYER_TENSORS, "expected ",
               LAYER_TENSORS, " weight tensors a layer for ", layers, " layers, got ",
               weights.size());
@@ -228,7 +231,7 @@ at::Tensor decode_layers(at::Tensor h, at::TensorList weights, at::TensorList bi
               "caches: expected float32 or bfloat16 CPU tensors, got ", caches[0].scalar_type());
   const auto run = bf16 ? &run_layers<Bf16> : &run_layers<float>;
   return run(h, weights, biases, head_norms, caches, eps, cos, sin, k_rows, v_rows, q_index, q_lens, kv_indptr,
-             kv_indices, kv_lens, heads, scale, int16_activations, int8_rows);
+             kv_indices, kv_lens, heads, scale, int16_activations, int8_slots);
 }
 
 }  // namespace
@@ -239,7 +242,7 @@ TORCH_LIBRARY_FRAGMENT(mstar_layer, m) {
       " Tensor(b!)[] caches,"
       " float eps, Tensor cos, Tensor sin, Tensor k_rows, Tensor v_rows, Tensor q_index,"
       " Tensor q_lens, Tensor kv_indptr, Tensor kv_indices, Tensor kv_lens, int heads,"
-      " float scale, bool int16_activations, bool int8_rows=False) -> Tensor");
+      " float scale, bool int16_activations, int int8_slots=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mstar_layer, CPU, m) { m.impl("decode_layers", decode_layers); }

@@ -210,15 +210,21 @@ def quantize_model(
     return summary
 
 
-def without_int8_rows(model: Any) -> bool:
-    """``model``'s packed layers multiply 2+ rows as without int8 rows from
-    now on (``PackedLinear.drop_int8_rows``), its description saying so;
-    whether any had them. A fused step built before must be built anew."""
-    dropped = [m.drop_int8_rows() for m in model.modules() if isinstance(m, PackedLinear)]
+def without_int8_rows(model: Any, under: str | None = None) -> bool:
+    """``model``'s packed layers (those under a submodule named ``under``,
+    e.g. ``self_attn``; None: all) multiply 2+ rows as without int8 rows
+    from now on (``PackedLinear.drop_int8_rows``), its description saying
+    so; whether any had them. A fused step built before must be built anew."""
+    dropped = [
+        m.drop_int8_rows()
+        for name, m in model.named_modules()
+        if isinstance(m, PackedLinear) and (under is None or under in name.split("."))
+    ]
     if any(dropped):
+        where = "" if under is None else f" in {under}"
         model.mstar_quantization += (
-            "; int8 rows dropped: 2+ rows on int16 activations up to the lanes' rows, then"
-            " bfloat16 panels from the lanes"
+            f"; int8 rows dropped{where}: 2+ rows on int16 activations up to the lanes' rows,"
+            " then bfloat16 panels from the lanes"
         )
     return any(dropped)
 

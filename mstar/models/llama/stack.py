@@ -11,7 +11,8 @@ decode, short prefills) of fewer than ``BF16_ROWS`` tokens (more may
 multiply on bfloat16 panels), on layers whose linear layers are all packed
 (or packed side by side: up to three lanes, ``SideBySide``, the parts'
 biases joined and added after the joined product, as each part adds its own),
-with SiLU, every norm of one epsilon, and lanes that take int8 rows
+with SiLU, every norm of one epsilon, and in each of a layer's four linear
+slots (q/k/v, o, gate/up, down) the lanes that take int8 rows
 (``PackedLinear.int8_rows``) all rounding 2+ rows to int8 or none; any other
 step runs layer by layer.
 The weights and biases are read from the layers at every step, as the
@@ -51,7 +52,10 @@ class LayerStack:
         slots: list[tuple[dict[str, torch.Tensor | None], str]] = []
         self._linears = tuple(m for layer in self.layers for m in _linears(layer))
         self.int16_activations = any(m.int16_activations for m in self._linears)
-        self.int8_rows = any(m.int8_rows for m in self._linears)
+        # bit j: the layers' j-th linear (q/k/v, o, gate/up, down) rounds 2+ rows to int8
+        self.int8_slots = sum(
+            1 << j for j in range(4) if any(_linears(layer)[j].int8_rows for layer in self.layers)
+        )
         for layer in self.layers:
             slots.append((layer.norm1._parameters, "weight"))
             for i, module in enumerate(_linears(layer)):
@@ -91,9 +95,9 @@ class LayerStack:
                 return "has layers of different norm epsilons or head counts"
         if len({m.int16_activations for layer in layers for m in _linears(layer)}) > 1:
             return "has layers with and without int16 activations"
-        linears = [m for layer in layers for m in _linears(layer)]
-        if any(m.int8_rows for m in linears) and any(map(_int8_refused, linears)):
-            return "has lanes that take int8 rows with and without them"
+        for slot in zip(*map(_linears, layers), strict=True):  # one linear of every layer
+            if any(m.int8_rows for m in slot) and any(map(_int8_refused, slot)):
+                return "has lanes that take int8 rows with and without them in one slot"
         return None
 
     def __call__(
@@ -112,7 +116,7 @@ class LayerStack:
         return torch.ops.mstar_layer.decode_layers.default(
             h, self._weights(), self._biases(), self._head_norms(), caches, self.eps,
             rotary.cos_rows, rotary.sin_rows, *attention.rows, self.heads, attention.scaling,
-            self.int16_activations, self.int8_rows,
+            self.int16_activations, self.int8_slots,
         )  # fmt: skip
 
     def _weights(self) -> list[torch.Tensor]:
