@@ -32,9 +32,9 @@ Each file gets one row per engine and a ratio row (ours / llama.cpp):
   ``llama-bench -p 512 -n 64`` run).
 - *RSS started*: ours, GiB resident once loaded (``VmRSS``).
 - *pp512*: prefill of a 512-token prompt, tok/s (ours: one request, a token
-  budget of 512 so one forward, best of ``--rounds``; llama.cpp: pp512, the
-  best of llama-bench's 5 repetitions, as ours is a best of rounds: on a
-  shared machine the mean mixes in runs that waited for a core).
+  budget of 512 so one forward, best of ``--rounds``, default 5; llama.cpp:
+  pp512, the best of llama-bench's 5 repetitions: the same tries each, and
+  on a shared machine the mean mixes in runs that waited for a core).
 - *tg64*: decode of one request, tok/s (ours: 64 steps after a 32-token
   prompt and 2 warm-up steps, best of ``--rounds``; llama.cpp: tg64, the
   best of its 5).
@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--folder", type=Path, default=Path("/tmp/mstar-gguf-bench"))
     parser.add_argument("--llama-bench", default=shutil.which("llama-bench"))
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5, help="ours: best of (llama-bench's -r 5)")
     parser.add_argument("--turns", type=int, default=1, help="speed runs a file, alternating")
     parser.add_argument("--no-ours", action="store_true", help="llama.cpp's rows only")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
