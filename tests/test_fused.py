@@ -279,7 +279,7 @@ def test_weights_changed_after_the_first_step_are_followed(how):
         "int4 lanes",
         "bf16 panels",
         "K-quant lanes",
-        "K-quant lanes, int8 rows on the MLP alone",
+        "K-quant lanes, int8 rows outside the attention",
     ],
 )
 def test_layer_stack_is_the_layers_bit_for_bit(weights, kv_dtype):
@@ -288,8 +288,8 @@ def test_layer_stack_is_the_layers_bit_for_bit(weights, kv_dtype):
     call: the same logits, bit for bit, as layer by layer, the int4 layers
     on float32 or int16 activations (from their lanes too), or bf16 layers
     (bfloat16 panels), or a Q4_K_M file's layers (lanes of float32 scales,
-    int4 q/k and int8 v side by side; 2+ rows on int8 activations, or on the
-    MLP alone), over a float32 or a bfloat16 KV cache;
+    int4 q/k and int8 v side by side; 2+ rows on int8 activations, or outside
+    the attention), over a float32 or a bfloat16 KV cache;
     a long prefill, and ``BF16_ROWS`` rows (the bfloat16 panels' count), run
     layer by layer; float32 layers, and
     int4 ones with and without int16 activations, never stack."""

@@ -227,7 +227,7 @@ def test_a_packed_kernel_that_disagrees_is_refused(paged, packed_kernels, monkey
         Engine(model, **OPTIONS)
 
 
-def test_int8_rows_that_disagree_in_attention_stay_on_the_mlp(paged, packed_kernels, monkeypatch):
+def test_int8_rows_that_disagree_in_attention_stay_outside_it(paged, packed_kernels, monkeypatch):
     """A model whose check fails with int8 rows in its attention's linear
     layers but passes with them on its MLP alone serves so: the stack rounds
     gate/up and down (slots 2, 3) to int8, not q/k/v and o, with a warning."""

@@ -295,10 +295,11 @@ def checked_forward(engine: Any, compile: bool) -> tuple[str | None, ModeCheck |
     ``Engine.compiled`` and ``Engine.mode_check`` hold them. A compiled
     forward that disagrees falls back to eager (``compiled`` says why); an
     eager one with int8 rows (``PackedLinear.int8_rows``) that disagrees is
-    checked again with them on the MLP alone (``without_int8_rows(model,
-    "self_attn")``: a random Qwen3-shaped file passes so, its attention's
-    values too sensitive to the rounding), then without them (bfloat16
-    panels from the lanes), with a warning; one that still disagrees raises
+    checked again with them outside the attention (``without_int8_rows(model,
+    "self_attn")``: the MLP and the head; a random Qwen3-shaped file passes
+    so, its ``v_proj`` too sensitive to the rounding), then without them
+    (bfloat16 panels from the lanes), with a warning; one that still
+    disagrees raises
     ``ModeMismatch`` (the caller serves float32 instead). Eager float32
     weights over a float32 KV cache are the reference itself, and tensor
     parallel shards are not checked: ``check`` None. A half-precision KV
@@ -345,7 +346,7 @@ def _checked_forward(engine: Any, compile: bool) -> tuple[str | None, ModeCheck 
         return compiled, None
     found = check("eager")
     refused = f"{weights} disagrees with eager float32: {found.failure}"
-    for under in ("self_attn", None):  # the next modes: int8 rows on the MLP alone, then none
+    for under in ("self_attn", None):  # the next modes: int8 rows outside the attention, then none
         if found.ok or not without_int8_rows(engine.model, under):
             continue
         vars(engine.model).pop(FUSED_ATTRIBUTE, None)  # its joined layers rebuilt without them
