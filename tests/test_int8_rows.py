@@ -120,3 +120,17 @@ def test_layers_on_lanes_alone_take_two_rows_or_more_on_int8():
     assert pairs.int8_rows == 0 and pairs.arithmetic == "bfloat16+int16"
     assert torch.equal(pairs(four), ops.lanes_i16(four, pairs.lanes))
     assert torch.equal(pairs(many), ops.lanes_bf16(many, pairs.lanes))
+
+
+def test_without_int8_rows_refuses_an_under_that_is_not_a_name():
+    """``under`` names a submodule: another type is a TypeError before any
+    layer drops its rows (a float would otherwise match nothing, silently)."""
+    from mstar.cpu.quant import without_int8_rows
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    model.mstar_quantization = "float32"
+    for under in (2.5, ["self_attn"]):
+        with pytest.raises(TypeError, match="expected a submodule name or None for under"):
+            without_int8_rows(model, under)
+    assert model.mstar_quantization == "float32"
+    assert not without_int8_rows(model, "self_attn") and not without_int8_rows(model)

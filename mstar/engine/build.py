@@ -299,11 +299,10 @@ def checked_forward(engine: Any, compile: bool) -> tuple[str | None, ModeCheck |
     "self_attn")``: the MLP and the head; a random Qwen3-shaped file passes
     so, its ``v_proj`` too sensitive to the rounding), then without them
     (bfloat16 panels from the lanes), with a warning; one that still
-    disagrees raises
-    ``ModeMismatch`` (the caller serves float32 instead). Eager float32
-    weights over a float32 KV cache are the reference itself, and tensor
-    parallel shards are not checked: ``check`` None. A half-precision KV
-    cache is part of the mode (not exact). A check run before (passed or
+    disagrees raises ``ModeMismatch`` (the caller serves float32 instead).
+    Eager float32 weights over a float32 KV cache are the reference itself,
+    and tensor parallel shards are not checked: ``check`` None. A
+    half-precision KV cache is part of the mode (not exact). A check run before (passed or
     failed) on the same model files, code, CPU and settings is read from its
     record (``verify.record_key``: a 1B model's second load spared ~50 s).
     What the check freed goes back to the OS (``trim_heap``: 3.2 GB on a

@@ -215,6 +215,8 @@ def without_int8_rows(model: Any, under: str | None = None) -> bool:
     e.g. ``self_attn``; None: all) multiply 2+ rows as without int8 rows
     from now on (``PackedLinear.drop_int8_rows``), its description saying
     so; whether any had them. A fused step built before must be built anew."""
+    if under is not None and not isinstance(under, str):
+        raise TypeError(f"expected a submodule name or None for under, got {under!r}")
     dropped = [
         m.drop_int8_rows()
         for name, m in model.named_modules()

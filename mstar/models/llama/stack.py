@@ -53,8 +53,9 @@ class LayerStack:
         self._linears = tuple(m for layer in self.layers for m in _linears(layer))
         self.int16_activations = any(m.int16_activations for m in self._linears)
         # bit j: the layers' j-th linear (q/k/v, o, gate/up, down) rounds 2+ rows to int8
+        by_slot = zip(*map(_linears, self.layers), strict=True)  # one linear of every layer
         self.int8_slots = sum(
-            1 << j for j in range(4) if any(_linears(layer)[j].int8_rows for layer in self.layers)
+            1 << j for j, slot in enumerate(by_slot) if any(m.int8_rows for m in slot)
         )
         for layer in self.layers:
             slots.append((layer.norm1._parameters, "weight"))
