@@ -198,8 +198,8 @@ def test_q4_k_m_file_serves_on_lanes_and_agrees_with_its_float32_model(files, la
 
 def test_q5_k_m_file_serves_on_lanes_and_fuses_its_decode_stack(files, lanes):
     """``quantization="auto"`` on a Q5_K_M-like file: its Q5_K layers int8 on
-    lanes of the file's factors (2880 bytes a block a super-block: 0.70 a
-    weight), no row-major copy, the start-up check passed, the decode step
+    lanes of the file's factors (2816 bytes a block a super-block: 0.6875 a
+    weight, the file's), no row-major copy, the start-up check passed, the decode step
     fused as one stack on them, which decodes."""
     from mstar.models.llama.step import fused_step
 
@@ -210,7 +210,7 @@ def test_q5_k_m_file_serves_on_lanes_and_fuses_its_decode_stack(files, lanes):
             " int16 activations at 1-8 rows (the 15 int8 layers) (15 of them on lanes"
         )
         packed = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
-        assert {m.lanes.shape[-1] for m in packed} == {2880, 3360}
+        assert {m.lanes.shape[-1] for m in packed} == {2816, 3360}
         assert all(m.qweight is None for m in packed)
         assert engine.mode_check is not None and engine.mode_check.ok
         assert fused_step(engine.model).stack is not None
@@ -249,7 +249,7 @@ def test_k_quant_lanes_of_the_files_factors_serve_as_the_float32_lanes_bit_for_b
         return layouts, logits, done.outputs[0].token_ids
 
     layouts, logits, tokens = served()
-    assert layouts == {("int4", 2368), ("int8", 3360)}
+    assert layouts == {("int4", 2304), ("int8", 3360)}
     with monkeypatch.context() as patch:  # the same file on float32-scale lanes
         patch.setenv("MSTAR_KV_CACHE", str(files / "float32-scales"))
         patch.setattr(

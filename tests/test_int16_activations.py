@@ -483,24 +483,29 @@ def test_panels_from_float32_scale_lanes_are_the_held_panels_bit_for_bit(lanes, 
 def test_k_quant_lanes_hold_their_factors_at_their_place():
     """Q4_K's weights holding its own factors take lanes of them: per block
     of 16 rows and super-block of 256 columns, the rows' float16 ``d``, then
-    ``dmin``, then each group's ``sc``, then each group's ``m``, then the 8
-    groups' octets as in every int4 layout; Q6_K's: the rows' ``d``, then
+    ``dmin``, then each group's ``sc`` and ``m`` low 4 bits (a byte a row),
+    then their top 2 bits (an int32 a row, group ``j``'s at bits ``4j`` and
+    ``4j + 2``), then the 8 groups' octets as in every int4 layout: the
+    file's 144 bytes a row and super-block; Q6_K's: the rows' ``d``, then
     each 16 columns' int8 ``sc``, then the 8 groups' six-bit values (a byte
     each, but every fourth in the others' top 2 bits); ``from_lanes`` gives back the weights, float32 scales and
     factors bit for bit, and rows reordered take their factors along."""
     q4 = k_quant("Q4_K", 48, 512, seed=1, factors=True)
     held = q4.lanes()
-    assert held.dtype == torch.uint8 and held.shape == (3, 2, 2368) == lanes_shape(q4)
+    assert held.dtype == torch.uint8 and held.shape == (3, 2, 2304) == lanes_shape(q4)
+    assert held.numel() == 48 * 2 * 144  # the file's bytes
     f, q = q4.factors, q4.values()
     for row, column in ((0, 0), (17, 37), (47, 511), (30, 300)):
         block, r, sb, group, k = row // 16, row % 16, column // 256, column // 32 % 8, column % 32
         head = held[block, sb]
         assert head[:32].view(torch.float16)[r] == f.d[row, sb]
         assert head[32:64].view(torch.float16)[r] == f.dmin[row, sb]
-        assert head[64 + 16 * group + r] == f.sc[row, column // 32]
-        assert head[192 + 16 * group + r] == f.m[row, column // 32]
+        low, top = int(head[64 + 16 * group + r]), int(head[192:256].view(torch.int32)[r])
+        top >>= 4 * group
+        assert low & 0x0F | (top & 3) << 4 == f.sc[row, column // 32]
+        assert low >> 4 | (top >> 2 & 3) << 4 == f.m[row, column // 32]
         octet, half, j = k // 8, k % 8 // 4, k % 4
-        byte = int(head[320 + 256 * group + 64 * octet + 4 * r + j])
+        byte = int(head[256 + 256 * group + 64 * octet + 4 * r + j])
         assert (byte >> 4 * half) & 0x0F == q[row, column]
     _assert_rebuilds("int4", held, q4)
     order = torch.randperm(48, generator=torch.Generator().manual_seed(1))
@@ -511,7 +516,11 @@ def test_k_quant_lanes_hold_their_factors_at_their_place():
     meta = Packed.from_lanes("int4", held.to("meta"))  # a stand-in of the layout's shapes
     assert lanes_shape(meta) == tuple(held.shape) and meta.factors.sc.shape == (48, 16)
     with pytest.raises(ValueError, match="expected int4 lanes"):
-        Packed.from_lanes("int4", held[:, :, :2367])
+        Packed.from_lanes("int4", held[:, :, :2303])
+    wide = f.m.clone()
+    wide[7, 3] = 64  # seven bits: the head holds six
+    with pytest.raises(ValueError, match=r"six-bit sc and m \(0\.\.63\) for its lanes, got 64"):
+        replace(q4, factors=replace(f, m=wide)).lanes()
     q6 = k_quant("Q6_K", 32, 512, seed=2, factors=True)
     held = q6.lanes()
     assert held.dtype == torch.int8 and held.shape == (2, 2, 3360) == lanes_shape(q6)
@@ -548,23 +557,25 @@ def test_q5_k_lanes_hold_q4_k_lanes_nibbles_and_their_fifth_bits():
     """Q5_K's weights (int8 0..31 of float32 scales and minimums) take lanes
     of their factors: Q4_K's head, then per group the octets of the values'
     low nibbles and 64 bytes of their fifth bits (byte ``4r + j``, bit ``o``:
-    column ``8o + j``, bit ``4 + o``: column ``8o + 4 + j``), 0.70 bytes a
-    weight; ``from_lanes`` gives back the weights and factors bit for bit,
+    column ``8o + j``, bit ``4 + o``: column ``8o + 4 + j``), 0.6875 bytes a
+    weight (the file's); ``from_lanes`` gives back the weights and factors bit for bit,
     on meta tensors the shapes; lanes need the factors and values 0..31."""
     q5 = k_quant("Q5_K", 48, 512, seed=1, factors=True)
     assert q5.kind == "int8" and q5.mins is not None
     held = q5.lanes()
-    assert held.dtype == torch.int8 and held.shape == (3, 2, 2880) == lanes_shape(q5)
-    assert held.numel() * 1000 // (48 * 512) == 703
+    assert held.dtype == torch.int8 and held.shape == (3, 2, 2816) == lanes_shape(q5)
+    assert held.numel() == 48 * 2 * 176  # the file's bytes
     f, q, bytes_ = q5.factors, q5.qweight, held.view(torch.uint8)
     for row, column in ((0, 0), (17, 37), (47, 511), (30, 300), (3, 255)):
         block, r, sb, group, k = row // 16, row % 16, column // 256, column // 32 % 8, column % 32
         head = bytes_[block, sb]
         assert head[:32].view(torch.float16)[r] == f.d[row, sb]
-        assert head[64 + 16 * group + r] == f.sc[row, column // 32]
-        assert head[192 + 16 * group + r] == f.m[row, column // 32]
+        low, top = int(head[64 + 16 * group + r]), int(head[192:256].view(torch.int32)[r])
+        top >>= 4 * group
+        assert low & 0x0F | (top & 3) << 4 == f.sc[row, column // 32]
+        assert low >> 4 | (top >> 2 & 3) << 4 == f.m[row, column // 32]
         octet, half, j = k // 8, k % 8 // 4, k % 4
-        at = 320 + 320 * group
+        at = 256 + 320 * group
         low = (int(head[at + 64 * octet + 4 * r + j]) >> 4 * half) & 0x0F
         fifth = (int(head[at + 256 + 4 * r + j]) >> 4 * half + octet) & 1
         assert low | fifth << 4 == q[row, column]
@@ -597,13 +608,13 @@ def test_q5_k_lanes_kernel_is_its_rounding_of_the_activations(lanes, rows, shape
         _assert_panels_from_lanes_are_held_panels(packed)
         layer = PackedLinear(packed, None, None, True, held, lane_panels=True)
         assert layer.qweight is None and torch.equal(layer.weight_rows(32, 96), weight[32:96])
-    with pytest.raises(RuntimeError, match=r"\[N/16, K/256, 2368 or 3360, int8 2880\]"):
+    with pytest.raises(RuntimeError, match=r"\[N/16, K/256, 2304 or 3360, int8 2816\]"):
         torch.ops.mstar_quant.lanes_i16(torch.randn(1, shape[1]), held[:, :, :-1].contiguous())
 
 
 # a K-quant's lanes: bytes a block a super-block of its factors, a group of float32 scales;
 # bytes a weight (x1000) of its factors
-SUPER_LANES = {"Q4_K": (2368, 384, 578), "Q6_K": (3360, 640, 820)}
+SUPER_LANES = {"Q4_K": (2304, 384, 562), "Q6_K": (3360, 640, 820)}
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
@@ -629,7 +640,7 @@ def test_k_quant_factor_lanes_are_the_float32_lanes_bit_for_bit(lanes, rows, typ
         for count in (1, 7, BF16_ROWS, 33):
             x = torch.randn(count, shape[1], generator=g)
             assert torch.equal(ops.lanes_bf16(x, compact), ops.lanes_bf16(x, wide)), count
-    with pytest.raises(RuntimeError, match=r"2368 or 3360, int8 2880\] \(the K-quants'"):
+    with pytest.raises(RuntimeError, match=r"2304 or 3360, int8 2816\] \(the K-quants'"):
         ops.lanes_i16(torch.randn(1, shape[1]), compact[:, :, :-1].contiguous())
 
 

@@ -18,7 +18,7 @@
 // bfloat16 panels [N/32, K/2, 32, 2] for bf16 (scales and mins empty); int4 or int8 weights
 // laid out as lanes (lanes.h: uint8 [N/16, K/32 * 320] or int8 [N/16, K/32 * 544]; symmetric
 // int4 uint8 [N/16, K/32, 288]; with float32 scales [N/16, K/32, 384 or 640]; of the K-quants'
-// factors [N/16, K/256, 2368 or 3360]) with scales and mins empty; or up to three such lanes of different layouts in its
+// factors [N/16, K/256, 2304 or 3360]) with scales and mins empty; or up to three such lanes of different layouts in its
 // three slots (the rest empty), their outputs side by side (fused_linear.py's `SideBySide`:
 // a Q4_K_M file's q/k int4 and v int8);
 // int16_activations: they take their activations rounded to int16 (int4/int8_linear_i16);

@@ -159,8 +159,8 @@ void check_lane_rows(int64_t M) {
 
 // The layout of int4 (uint8) or int8 (int8) `lanes`, checked: float16 scales [N/16, K/32 *
 // 320] and [N/16, K/32 * 544], int4 symmetric [N/16, K/32, 288], float32 scales [N/16, K/32,
-// 384] and [N/16, K/32, 640], the K-quants' factors [N/16, K/256, 2368] (Q4_K), [N/16, K/256,
-// 3360] (Q6_K) and int8 [N/16, K/256, 2880] (Q5_K: SUPER5) (lanes.h).
+// 384] and [N/16, K/32, 640], the K-quants' factors [N/16, K/256, 2304] (Q4_K), [N/16, K/256,
+// 3360] (Q6_K) and int8 [N/16, K/256, 2816] (Q5_K: SUPER5) (lanes.h).
 Scales lanes_layout(const at::Tensor& lanes) {
   TORCH_CHECK(lane_rows() > 0, "lanes need a build with AVX512-VNNI (lanes_rows() is 0 here)");
   const bool int4 = lanes.scalar_type() == at::kByte;
@@ -173,7 +173,7 @@ Scales lanes_layout(const at::Tensor& lanes) {
   TORCH_CHECK(known && lanes.dim() == 3 && last == (int4 ? super_bytes<uint8_t>() : super_bytes<int8_t>()),
               "expected contiguous uint8 (int4) or int8 lanes [N/16, K/32 * 320 or 544] (float16 scales),"
               " uint8 [N/16, K/32, 288] (symmetric), [N/16, K/32, 384 or 640] (float32) or"
-              " [N/16, K/256, 2368 or 3360, int8 2880] (the K-quants' factors), got ",
+              " [N/16, K/256, 2304 or 3360, int8 2816] (the K-quants' factors), got ",
               lanes.scalar_type(), " ", lanes.sizes());
   return Scales::SUPER;
 }

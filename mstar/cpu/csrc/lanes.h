@@ -36,10 +36,11 @@
 // dot products summed in two chains, pairs 0-7 and 8-15, each times its own scale.
 //
 // The K-quants' own factors (`Scales::SUPER`, packed.py's super-block lanes): Q4_K, uint8
-// [N/16, K/256, 2368]: per block and super-block of 256 columns, a head of 320 bytes (the 16
-// rows' float16 d, then their float16 dmin, then per group j of 8 the rows' uint8 sc, then
-// per group their uint8 m), then the 8 groups' 256 nibble bytes as above: 0.58 bytes a
-// weight, not 0.75; Q6_K, int8 [N/16, K/256, 3360]: a head of 288 bytes (the rows' float16
+// [N/16, K/256, 2304]: per block and super-block of 256 columns, a head of 256 bytes (the 16
+// rows' float16 d, then their float16 dmin, then per group j of 8 a byte a row, sc's low 4
+// bits and m's above them, then a 32-bit lane a row, at bits 4j and 4j + 2 group j's sc's and
+// m's top 2: the file's six bits each), then the 8 groups' 256 nibble bytes as above: 0.5625
+// bytes a weight, the file's own, not 0.75; Q6_K, int8 [N/16, K/256, 3360]: a head of 288 bytes (the rows' float16
 // d, then per 16 columns t of 16 the rows' int8 scale), then the 8 groups' 384 bytes of six-bit
 // values (`six_bits`): 0.82 bytes a weight, the file's own, not 1.25. A group's scales d * sc
 // (d * scale) and minimum -(dmin * m) are made in registers (a float16 and an 8-bit integer:
@@ -53,12 +54,12 @@
 // unsigned side against the activations' high bytes, the signed side against their low ones),
 // each half's sum starting at -32 x its 16 activations' sum: the same integers as (q - 32).
 //
-// Q5_K (`Scales::SUPER5`, packed.py's int8 lanes of minimums), int8 [N/16, K/256, 2880]: Q4_K's
+// Q5_K (`Scales::SUPER5`, packed.py's int8 lanes of minimums), int8 [N/16, K/256, 2816]: Q4_K's
 // head, then per group its 256 nibble bytes (its low 4 bits a value, as Q4_K's) and 64 bytes of
 // fifth bits: lane r's byte j holds at bit o row r's of column 8o + j, at bit 4 + o of 8o + 4 + j.
 // The same loop as Q4_K's (`lanes_gemv`), each octet's nibbles with their fifth bits ORed in at
 // bit 4 (a shift and a ternary logic a half; adding 16 x the bits' dot products instead would
-// take 4 more dot products an octet a row): 0.70 bytes a weight, the file's 0.69.
+// take 4 more dot products an octet a row): 0.6875 bytes a weight, the file's own.
 #pragma once
 
 #include "i16_gemv.h"
@@ -90,11 +91,12 @@ constexpr int64_t group_bytes() {
   return std::is_same_v<T, uint8_t> ? 256 : 384;
 }
 
-// A super-block's head in a block (SUPER): int4 (Q4_K) the 16 rows' d, dmin (float16), 8 x sc,
-// 8 x m (uint8); int8 (Q6_K) their d (float16), 16 x scale (int8).
+// A super-block's head in a block (SUPER): int4 (Q4_K) the 16 rows' d, dmin (float16), 8 x
+// (sc, m)'s low 4 bits (a byte a row), their top 2 (a 32-bit lane a row); int8 (Q6_K) their d
+// (float16), 16 x scale (int8).
 template <typename T>
 constexpr int64_t super_head() {
-  return std::is_same_v<T, uint8_t> ? 320 : 288;
+  return std::is_same_v<T, uint8_t> ? 256 : 288;
 }
 
 // A block's bytes a super-block of 256 columns (SUPER, SUPER5): its head, then its 8 groups' weights.
@@ -184,6 +186,17 @@ inline std::pair<const T*, int64_t> lane_stream(const T* block, int64_t g) {
   }
 }
 
+// Group j's 16 six-bit sc and m (0..63, a 32-bit lane a row) in a Q4_K (Q5_K) super-block's
+// head (`super_head`): the low 4 bits from the group's byte a row, the top 2 from the rows' lanes.
+inline void six_bit_factors(const uint8_t* head, int64_t j, __m512i& sc, __m512i& m) {
+  constexpr int OR_AND = 0xF8;  // a | (b & c)
+  const __m512i low = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 64 + 16 * j)));
+  const __m512i top = _mm512_srl_epi32(_mm512_loadu_si512(head + 192), _mm_cvtsi64_si128(4 * j));
+  const __m512i bits = _mm512_set1_epi32(0x30);
+  sc = _mm512_ternarylogic_epi32(_mm512_and_si512(low, _mm512_set1_epi32(0x0F)), _mm512_slli_epi32(top, 4), bits, OR_AND);
+  m = _mm512_ternarylogic_epi32(_mm512_srli_epi32(low, 4), _mm512_slli_epi32(top, 2), bits, OR_AND);
+}
+
 // Group g's 16 scales and minimums in int4 lanes block `block`, as float32: held, or made:
 // (SYM) the minimums as scale x -8, (SUPER) both as d * sc and -(dmin * m), the values the
 // float16 (float32) lanes hold bit for bit.
@@ -194,10 +207,11 @@ inline void int4_factors(const uint8_t* block, int64_t g, __m512& scale, __m512&
     min = _mm512_mul_ps(scale, _mm512_set1_ps(-8.0f));
   } else if constexpr (factored(S)) {
     const uint8_t* head = block + g / 8 * super_bytes<uint8_t, S>();
-    const int64_t j = g % 8;
-    scale = lane_product<false>(head, head + 64 + 16 * j);
+    __m512i sc, m;
+    six_bit_factors(head, g % 8, sc, m);
+    scale = _mm512_mul_ps(lane_floats<false>(head), _mm512_cvtepi32_ps(sc));
     const __m512i sign = _mm512_set1_epi32(INT32_MIN);  // -x exactly (0 - x makes -0 +0)
-    const __m512 product = lane_product<false>(head + 32, head + 192 + 16 * j);
+    const __m512 product = _mm512_mul_ps(lane_floats<false>(head + 32), _mm512_cvtepi32_ps(m));
     min = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(product), sign));
   } else {
     const uint8_t* p = lane_group<uint8_t, S>(block, g) + 256;

@@ -25,14 +25,16 @@ minimums, uint8 ``[N/16, K/32, 288]`` (0.5625 bytes a weight, not 0.625);
 with float32 scales (the K-quants) int4 ``[N/16, K/32, 384]``, int8 (a
 scale per 16 columns) ``[N/16, K/32, 640]``; weights holding the K-quants' own factors
 (``SuperBlocks``) take them instead of float32 scales, Q4_K (int4) uint8
-``[N/16, K/256, 2368]`` (0.58 bytes a weight, not 0.75), Q6_K (int8) int8
-``[N/16, K/256, 3360]`` (its values in 6 bits: 0.82, the file's own, not
-1.25), Q5_K (int8 of minimums) int8 ``[N/16, K/256, 2880]`` (Q4_K's and a
-fifth bit a value: 0.70); held beside the packed weights for few rows.
+``[N/16, K/256, 2304]`` (its ``sc`` and ``m`` in 6 bits: 0.5625 bytes a
+weight, the file's own, not 0.75), Q6_K (int8) int8 ``[N/16, K/256, 3360]``
+(its values in 6 bits: 0.82, the file's own, not 1.25), Q5_K (int8 of
+minimums) int8 ``[N/16, K/256, 2816]`` (Q4_K's and a fifth bit a value:
+0.6875, the file's own); held beside the packed weights for few rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -44,14 +46,14 @@ LANE_BYTES = {"int4": 320, "int8": 544}  # a block's bytes a group of 32 columns
 LANE_BYTES_F32 = {"int4": 384, "int8": 640}  # the same with float32 scales (and minimums)
 LANE_BYTES_SYM = 288  # the same of symmetric int4: float16 scales, no minimums
 SUPER = 256  # columns a super-block (GGUF's K-quants)
-# a super-block's head in a block of lanes: int4 (Q4_K) the 16 rows' d, dmin (float16), 8 x sc,
-# 8 x m (uint8); int8 (Q6_K) their d (float16), 16 x scale (int8)
-SUPER_HEAD = {"int4": 320, "int8": 288}
+# a super-block's head in a block of lanes: int4 (Q4_K) the 16 rows' d, dmin (float16), their
+# six-bit sc and m (``_six_bit_head``); int8 (Q6_K) their d (float16), 16 x scale (int8)
+SUPER_HEAD = {"int4": 256, "int8": 288}
 # a block's bytes a super-block: the head, then 8 groups' weights, int4 256 bytes of nibbles
-# a group, int8 (Q6_K) 384 of six-bit values (int4 2368, int8 3360)
-LANE_BYTES_SUPER = {"int4": 320 + 8 * 256, "int8": 288 + 8 * 384}
+# a group, int8 (Q6_K) 384 of six-bit values (int4 2304, int8 3360)
+LANE_BYTES_SUPER = {"int4": 256 + 8 * 256, "int8": 288 + 8 * 384}
 # Q5_K's (int8 weights of minimums): Q4_K's head, then per group its 256 bytes of low nibbles
-# and 64 of fifth bits (2880)
+# and 64 of fifth bits (2816)
 LANE_BYTES_Q5 = SUPER_HEAD["int4"] + 8 * (256 + 64)
 
 
@@ -166,13 +168,14 @@ class Packed:
         rows' scales of columns 0-15, then of columns 16-31. Scales keep
         their dtype. With ``factors``, per block and super-block of 256
         columns: a head of the 16 rows' ``d``, then ``dmin`` (float16), then
-        per group of the 8 the rows' ``sc``, then per group their ``m``
-        (uint8), then the 8 groups' octets; int8: the rows' ``d``, then per
+        their six-bit ``sc`` and ``m`` (``_six_bit_head``), then the 8
+        groups' octets; int8: the rows' ``d``, then per
         16 columns their ``sc`` (int8), then the 8 groups' six-bit values
         (``_six_bit_groups``); int8 of minimums (Q5_K): ``_five_bit_lanes``.
         ``ValueError`` for bf16, rows not a multiple of 16, float32 int8
         scales not a whole number per 16 columns, int8 values of factors
-        outside Q6_K's -32..31, or int8 of minimums not Q5_K's."""
+        outside Q6_K's -32..31, int4 factors' ``sc`` or ``m`` above 63, or
+        int8 of minimums not Q5_K's."""
         rows, width = self.shape
         if self.kind == "bf16" or rows % LANES:
             raise ValueError(
@@ -214,16 +217,22 @@ class Packed:
         (uint8 ``[N/16, K/32, 256 or 384]``: octets or six-bit values)."""
         blocks, groups = weights.shape[:2]
         count = groups * GROUP // SUPER
-        head = []
-        for t in self.factors.held():
+
+        def lanes_of(t: torch.Tensor) -> torch.Tensor:
             # [block, row, super-block(, sub-block)] -> [block, super-block(, sub-block), row]
             t = t.reshape(blocks, LANES, count, -1).permute(0, 2, 3, 1).contiguous()
-            head.append(t.view(blocks, count, -1).view(torch.uint8))
+            return t.view(blocks, count, -1).view(torch.uint8)
+
+        factors = self.factors
+        if factors.dmin is None:  # Q6_K: d, then its int8 scales
+            head = [lanes_of(factors.d), lanes_of(factors.sc)]
+        else:
+            head = [lanes_of(factors.d), lanes_of(factors.dmin), *_six_bit_head(factors, lanes_of)]
         lanes = torch.cat([*head, weights.reshape(blocks, count, -1)], dim=2)
         return lanes.view(self.qweight.dtype)
 
     def _five_bit_lanes(self) -> torch.Tensor:
-        """Q5_K's lanes (int8 ``[N/16, K/256, 2880]``): Q4_K's of its values'
+        """Q5_K's lanes (int8 ``[N/16, K/256, 2816]``): Q4_K's of its values'
         low nibbles (the head, then per group the octets), each group's octets
         followed by its 64 bytes of fifth bits (``_fifth_bits``); ``ValueError``
         without its factors or for values outside 0..31."""
@@ -235,7 +244,7 @@ class Packed:
                 f" got factors={self.factors is not None}, values {low}..{high}"
             )
         nibbles = pack_int4(values & 0x0F, self.scales, self.mins, torch.float32)
-        held = replace(nibbles, factors=self.factors).lanes()  # [N/16, K/256, 2368]
+        held = replace(nibbles, factors=self.factors).lanes()  # [N/16, K/256, 2304]
         blocks, count = held.shape[:2]
         octets = held[..., SUPER_HEAD["int4"] :].reshape(blocks, count, 8, -1)
         bits = _fifth_bits(values).view(blocks, count, 8, -1)
@@ -288,7 +297,7 @@ class Packed:
 
     @classmethod
     def _from_super_lanes(cls, kind: str, lanes: torch.Tensor) -> Packed:
-        """``from_lanes`` of lanes of a K-quant's factors ``[N/16, K/256, 2368 or 3360]``."""
+        """``from_lanes`` of lanes of a K-quant's factors ``[N/16, K/256, 2304 or 3360]``."""
         blocks, count = lanes.shape[:2]
         held = lanes.view(torch.uint8)
         rows, per = blocks * LANES, SUPER // GROUP
@@ -304,15 +313,20 @@ class Packed:
             packed = cls("int8", _six_bit_values(weights), factors.scales()[0])
         else:
             dmin = head(2 * LANES, 1, torch.float16).contiguous()
-            sc = head(4 * LANES, per, torch.uint8).contiguous()
-            m = head(4 * LANES + per * LANES, per, torch.uint8).contiguous()
+            low = head(4 * LANES, per, torch.uint8)  # [rows, S * 8]
+            top = head(4 * LANES + per * LANES, 1, torch.int32).view(rows, count, 1)
+            # group j's top bits at bit 4j
+            shifts = torch.arange(0, 4 * per, 4, dtype=torch.int32, device=held.device)
+            top = ((top >> shifts) & 0x0F).to(torch.uint8).view(rows, -1)
+            sc = ((low & 0x0F) | ((top & 0x03) << 4)).contiguous()
+            m = ((low >> 4) | ((top >> 2) << 4)).contiguous()
             factors = SuperBlocks(d, dmin, sc, m)
             packed = pack_int4(_nibbles(weights), *factors.scales(), torch.float32)
         return replace(packed, factors=factors)
 
     @classmethod
     def _from_five_bit_lanes(cls, lanes: torch.Tensor) -> Packed:
-        """``from_lanes`` of Q5_K's lanes ``[N/16, K/256, 2880]``: Q4_K's of its
+        """``from_lanes`` of Q5_K's lanes ``[N/16, K/256, 2816]``: Q4_K's of its
         low nibbles, each value's fifth bit added."""
         blocks, count = lanes.shape[:2]
         held = lanes.view(torch.uint8)
@@ -384,6 +398,27 @@ def _fifth_bit_values(bits: torch.Tensor) -> torch.Tensor:
     return high.permute(0, 2, 1, 3, 4, 5).reshape(blocks * LANES, -1)
 
 
+def _six_bit_head(
+    factors: SuperBlocks, lanes_of: Callable[[torch.Tensor], torch.Tensor]
+) -> list[torch.Tensor]:
+    """Q4_K's (Q5_K's) six-bit ``sc`` and ``m`` as its lanes' head holds them
+    after ``d`` and ``dmin`` (``cpp/lanes.h``), through ``lanes_of`` (a
+    factor ``[N, S(, 8)]`` to the head's uint8 ``[N/16, S, 16 per row]``):
+    per group ``j`` of 8 a byte a row, ``sc``'s low 4 bits and ``m``'s above
+    them; then an int32 a row, group ``j``'s ``sc`` top 2 bits at bit ``4j``
+    and ``m``'s at ``4j + 2``. ``ValueError`` for a factor above 63."""
+    sc, m = factors.sc, factors.m
+    high = max(int(sc.max()), int(m.max())) if sc.numel() else 0
+    if high > 63:
+        raise ValueError(f"expected Q4_K's six-bit sc and m (0..63) for its lanes, got {high}")
+    rows, per = sc.shape[0], SUPER // GROUP
+    low = (sc & 0x0F) | ((m & 0x0F) << 4)
+    tops = ((sc >> 4) | ((m >> 4) << 2)).view(rows, -1, per).to(torch.int32)
+    shifts = torch.arange(0, 4 * per, 4, dtype=torch.int32)  # group j's at bit 4j
+    top = (tops << shifts).sum(dim=2, dtype=torch.int32)  # disjoint bits: the sum is their OR
+    return [lanes_of(low), lanes_of(top)]
+
+
 def _six_bit_groups(values: torch.Tensor) -> torch.Tensor:
     """Q6_K's values ``[N, K]`` (int8, -32..31) as its lanes' groups (uint8
     ``[N/16, K/32, 384]``, ``cpp/lanes.h``): per half of 16 columns three
@@ -417,8 +452,8 @@ def lanes_shape(packed: Packed) -> tuple[int, ...]:
     """The shape of ``packed.lanes()``: with float16 scales ``[N/16, K/32 *
     320]`` for int4, ``[N/16, K/32 * 544]`` for int8; symmetric int4 ``[N/16,
     K/32, 288]``; with float32 scales ``[N/16, K/32, 384]`` and ``[N/16,
-    K/32, 640]``; with the K-quants' factors ``[N/16, K/256, 2368]`` (int4),
-    ``[N/16, K/256, 3360]`` (int8) and ``[N/16, K/256, 2880]`` (int8 of
+    K/32, 640]``; with the K-quants' factors ``[N/16, K/256, 2304]`` (int4),
+    ``[N/16, K/256, 3360]`` (int8) and ``[N/16, K/256, 2816]`` (int8 of
     minimums: Q5_K)."""
     rows, width = packed.shape
     if packed.symmetric:
