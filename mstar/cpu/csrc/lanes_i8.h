@@ -73,12 +73,39 @@ struct Int8Rows {
   }
 };
 
+// A block's groups' weight factors as float32 [G, 2, 16] (int4: 16 scales, 16 minimums; Q6_K:
+// the scales of columns 0-15, of 16-31), made by a block's first pass over its activation rows
+// as it streams the block and read by the rest (Q4_K's six-bit sc and m, Q6_K's d x scale:
+// 5-10% of a pass's instructions); none (`held` null) for a block of one pass. Made in a pass
+// of their own before the first, their reads miss the stream's prefetches: 8 rows at once
+// on Q6_K 24% slower.
+// What a pass does with them (a template argument: no branch in the loop): make them (one
+// pass a block), make and keep them (the first of several), or read them (the rest).
+enum class Factors { MAKE, KEEP, READ };
+
+// Group g's two vectors of factors in `held` ([G, 2, 16]) as F says, made by `make`.
+template <Factors F, typename Make>
+inline void block_factors(float* held, int64_t g, __m512& first, __m512& second, const Make& make) {
+  if constexpr (F == Factors::READ) {
+    first = _mm512_loadu_ps(held + 32 * g);
+    second = _mm512_loadu_ps(held + 32 * g + 16);
+  } else {
+    make(first, second);
+    if constexpr (F == Factors::KEEP) {
+      _mm512_storeu_ps(held + 32 * g, first);
+      _mm512_storeu_ps(held + 32 * g + 16, second);
+    }
+  }
+}
+
 // y[m0 + i, 16 b .. 16 b + 16) (y's rows ldy apart) for activation rows m0..m0+ROWS-1 and int4
 // lanes of the layout S: per group, the four octets' nibbles (SUPER5: with their fifth bits)
 // dotted with each row's int8 activations, made float32, times weight scale x activation
-// scale, plus minimum x the rounded activations' sum.
-template <int ROWS, Scales S>
-void lanes_i8_gemv(const uint8_t* lanes, const Int8Rows& x, int64_t m0, int64_t b, float* y, int64_t ldy) {
+// scale, plus minimum x the rounded activations' sum; the block's scales and minimums made
+// or read as F says (in `held`).
+template <int ROWS, Scales S, Factors F>
+void lanes_i8_gemv(const uint8_t* lanes, const Int8Rows& x, int64_t m0, int64_t b, float* held, float* y,
+                   int64_t ldy) {
   const int64_t G = x.G, K = x.K;
   const uint8_t* block = lanes + b * G * lane_bytes<uint8_t, S>();
   const int8_t* rows = x.q.data() + m0 * K;
@@ -103,7 +130,7 @@ void lanes_i8_gemv(const uint8_t* lanes, const Int8Rows& x, int64_t m0, int64_t 
       }
     }
     __m512 scale, min;
-    int4_factors<S>(block, g, scale, min);
+    block_factors<F>(held, g, scale, min, [&](__m512& s, __m512& m) { int4_factors<S>(block, g, s, m); });
 #pragma GCC unroll 12
     for (int m = 0; m < ROWS; ++m) {
       const int64_t at = (m0 + m) * G + g;
@@ -117,9 +144,10 @@ void lanes_i8_gemv(const uint8_t* lanes, const Int8Rows& x, int64_t m0, int64_t 
 
 // The same for Q6_K lanes: per group, per half, its four vectors of values (`six_bits`) dotted
 // with each row's int8 activations from the half's offset (-32 x their sum), made float32,
-// times the half's weight scale x activation scale.
-template <int ROWS>
-void lanes6_i8_gemv(const int8_t* lanes, const Int8Rows& x, int64_t m0, int64_t b, float* y, int64_t ldy) {
+// times the half's weight scale x activation scale (made or read as F says).
+template <int ROWS, Factors F>
+void lanes6_i8_gemv(const int8_t* lanes, const Int8Rows& x, int64_t m0, int64_t b, float* held, float* y,
+                    int64_t ldy) {
   const int64_t G = x.G, K = x.K;
   const int8_t* block = lanes + b * G * lane_bytes<int8_t, Scales::SUPER>();
   const int8_t* rows = x.q.data() + m0 * K;
@@ -142,7 +170,8 @@ void lanes6_i8_gemv(const int8_t* lanes, const Int8Rows& x, int64_t m0, int64_t 
           dot[m][c] = _mm512_dpbusd_epi32(dot[m][c], q[i], quad(rows + m * K + g * 32 + 16 * c + 4 * i));
     }
     __m512 first, second;  // columns 0-15's and 16-31's scales
-    int8_factors<Scales::SUPER>(block, g, first, second);
+    block_factors<F>(held, g, first, second,
+                     [&](__m512& f, __m512& s) { int8_factors<Scales::SUPER>(block, g, f, s); });
 #pragma GCC unroll 12
     for (int m = 0; m < ROWS; ++m) {
       const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][1]), second,
@@ -163,20 +192,32 @@ constexpr bool i8_takes() {
 // y [M, N] = x [M, K] @ W.T for float32 x (contiguous) rounded to int8 per group of 32 and W
 // int4 or Q6_K lanes of N x K of the layout S (`i8_takes`), y's rows ldy apart: blocks of 16
 // weight rows handed out as `lanes_i16` hands them out, each block's every activation row in
-// passes of `i8_pass`, its weights read once from memory.
+// passes of `i8_pass`, its weights read once from memory; with more than one pass, the
+// block's factors made once, by the first (`Factors`).
 template <typename T, Scales S>
 void lanes_i8_rows(const T* lanes, const float* x, int64_t M, int64_t N, int64_t K, float* y, int64_t ldy) {
   static_assert(i8_takes<T, S>(), "int8 activations take int4 and Q6_K lanes");
   constexpr bool Q6 = std::is_same_v<T, int8_t>;
   const Int8Rows xq(x, M, K, Q6);
   const int64_t piece = std::max<int64_t>(1, stream_piece(N, K) / LANE_ROWS);
+  const bool hoist = M > i8_pass<T>();
   share(N / LANE_ROWS, piece, N * K * M >= PARALLEL_MIN, [&](int64_t b0, int64_t b1, int) {
+    thread_local std::vector<float> held;  // a thread's, kept: no allocation (nor zeroing) a piece
+    if (hoist && held.size() < static_cast<size_t>(32 * xq.G)) held.resize(32 * xq.G);
     for (int64_t b = b0; b < b1; ++b)
-      for (int64_t m0 = 0; m0 < M; m0 += i8_pass<T>())
+      for (int64_t m0 = 0; m0 < M; m0 += i8_pass<T>()) {
+        const auto pass = [&](auto rows, auto factors) {
+          constexpr Factors F = decltype(factors)::value;
+          if constexpr (Q6) lanes6_i8_gemv<rows(), F>(lanes, xq, m0, b, held.data(), y, ldy);
+          else lanes_i8_gemv<rows(), S, F>(lanes, xq, m0, b, held.data(), y, ldy);
+        };
         with_rows<i8_pass<T>()>(std::min(i8_pass<T>(), M - m0), [&](auto rows) {
-          if constexpr (Q6) lanes6_i8_gemv<rows()>(lanes, xq, m0, b, y, ldy);
-          else lanes_i8_gemv<rows(), S>(lanes, xq, m0, b, y, ldy);
+          using F = Factors;
+          if (!hoist) pass(rows, std::integral_constant<F, F::MAKE>());
+          else if (m0 == 0) pass(rows, std::integral_constant<F, F::KEEP>());
+          else pass(rows, std::integral_constant<F, F::READ>());
         });
+      }
   });
 }
 
