@@ -27,17 +27,28 @@ LINEAR = dict.fromkeys(
 )
 
 
+# the types the kernels' gguf_rows looks up; Q2_K's rows go through gguf-py's numpy
+NATIVE = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+
 def file_rows(type_name: str, vocab: int, width: int, seed: int = 0) -> np.ndarray:
     """Raw GGUF rows (uint8 ``[vocab, bytes a row]``) of random ``type_name`` weights."""
-    return random_tensor(type_name, vocab, width, np.random.default_rng(seed)).view(np.uint8)
+    rng = np.random.default_rng(seed)
+    if type_name == "BF16":  # finite values (random bytes may be NaN)
+        values = torch.from_numpy(rng.normal(0, 0.05, (vocab, width)).astype(np.float32))
+        return values.bfloat16().view(torch.uint8).numpy()
+    return random_tensor(type_name, vocab, width, rng).view(np.uint8)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "F16"])
+@pytest.mark.parametrize("type_name", [*NATIVE, "Q2_K"])
 @pytest.mark.parametrize("shape", [(), (1,), (7,), (2, 3), (0,)])
 def test_rows_are_gguf_pys_dequantization_bit_for_bit(type_name, shape):
+    """Native (the kernels' ``gguf_rows``) where built and the type is one
+    it takes, else gguf-py's numpy: either way gguf-py's table's rows."""
     rows = file_rows(type_name, 300, 256)
     embedding = QuantizedEmbedding(torch.from_numpy(rows.copy()), type_name)
     assert (embedding.num_embeddings, embedding.embedding_dim) == (300, 256)
+    assert embedding.native() == (kernel_or_why() is None and type_name in NATIVE)
     table = torch.from_numpy(gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[type_name]))
     assert torch.isfinite(table).all() and table.abs().max() > 0
     ids = torch.randint(0, 300, shape, generator=torch.Generator().manual_seed(1))
@@ -59,11 +70,11 @@ def test_bad_blocks_types_and_ids_are_refused():
         QuantizedEmbedding(rows.view(torch.int8), "Q8_0")
     with pytest.raises(ValueError, match="whole 34-byte blocks, got 67 bytes"):
         QuantizedEmbedding(rows[:, :67], "Q8_0")
-    embedding = QuantizedEmbedding(rows, "Q8_0")
-    with pytest.raises(IndexError, match="from 0, got -1"):
-        embedding(torch.tensor([3, -1]))
-    with pytest.raises(IndexError):
-        embedding(torch.tensor([8]))
+    for embedding in (QuantizedEmbedding(rows, "Q8_0"), QuantizedEmbedding(rows[:, :34], "Q8_0")):
+        with pytest.raises(IndexError, match="from 0, got -1"):
+            embedding(torch.tensor([3, -1]))
+        with pytest.raises(IndexError):
+            embedding(torch.tensor([8]))
     with pytest.raises(AttributeError, match="Q8_0 blocks, not a float weight"):
         _ = embedding.weight
     assert not hasattr(embedding, "weight")

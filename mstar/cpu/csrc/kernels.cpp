@@ -44,10 +44,14 @@
 // Q4_0) or float32 (GGUF's Q4_K and Q6_K: int4 groups of 32, int8 a scale per 16 columns), or their
 // own factors a super-block of 256 columns, which only the lanes take.
 //
+// `gguf_rows`: a GGUF tensor's rows of blocks dequantized as looked up (gguf_rows.h: a token
+// embedding kept in the file's blocks), gguf-py's values bit for bit.
+//
 // The parts, in csrc/: common.h, team.h, formats.h, gemv.h, i16_gemv.h, lanes.h, panels.h,
-// bf16_panels.h, lane_panels.h, lanes_i8.h.
+// bf16_panels.h, lane_panels.h, lanes_i8.h, gguf_rows.h.
 #include "bf16_panels.h"
 #include "gemv.h"
+#include "gguf_rows.h"
 #include "panels.h"
 #include "i16_gemv.h"
 #include "lanes.h"
@@ -330,6 +334,8 @@ TORCH_LIBRARY(mstar_quant, m) {
   m.def("lanes_i8_takes(Tensor lanes) -> bool", &lanes_i8_takes);
   m.def("lanes_i8(Tensor x, Tensor lanes) -> Tensor");
   m.def("int8_lane_rows() -> int", &int8_lane_rows);
+  m.def("gguf_rows_take(str type_name) -> bool", &gguf_rows_take);
+  m.def("gguf_rows(Tensor blocks, Tensor ids, str type_name) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mstar_quant, CPU, m) {
@@ -341,4 +347,5 @@ TORCH_LIBRARY_IMPL(mstar_quant, CPU, m) {
   m.impl("lanes_i16", &lanes_i16_linear);
   m.impl("lanes_bf16", &lanes_bf16_linear);
   m.impl("lanes_i8", &lanes_i8_linear);
+  m.impl("gguf_rows", &gguf_rows);
 }
