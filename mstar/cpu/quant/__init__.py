@@ -51,7 +51,7 @@ With AVX512-VNNI the int4 and int8 layers also hold their weights as lanes
 (``Packed.lanes``: 16 rows to a vector, scales and minimums beside them, the
 packed weights' bytes again; Q4_0's without its minimums, 0.5625 bytes a
 weight; the K-quants' own factors in place of their float32 scales: Q4_K
-0.58 bytes a weight, Q5_K 0.70, Q6_K 0.82), which those rows multiply with VNNI's dot
+0.5625 bytes a weight, Q5_K 0.6875, Q6_K 0.82, the file's), which those rows multiply with VNNI's dot
 products: int4 about half the instructions, int8 about a fifth, so the
 step's stream runs at the memory's rate; int8 at 1-8 rows there, not one
 (``cpp/lanes.h``). Then each kind of the packed tensors (lanes, panels,
