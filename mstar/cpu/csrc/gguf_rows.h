@@ -2,13 +2,35 @@
 // kept in the file's blocks: embedding.py), each value as gguf-py's numpy dequantization
 // computes it, bit for bit: every product below is exact in float32 (a float16 times at most
 // 8 bits, times at most 6), so only the one addition of a minimum rounds, as numpy's does.
-// Types: F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (their gguf-py names;
-// `gguf_row_types`); a row's layout is the file's, blocks of 32 (super-blocks of 256).
+// Types: F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (their gguf-py names); a
+// row's layout is the file's, blocks of 32 weights (the K-quants: super-blocks of 256).
 #pragma once
 
 #include "common.h"
 
 namespace {
+
+enum class Gguf { F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K };
+
+struct GgufType {
+  const char* name;
+  Gguf type;
+  int64_t weights, bytes;  // a block's
+};
+
+constexpr GgufType GGUF_ROW_TYPES[] = {
+    {"F16", Gguf::F16, 1, 2},       {"BF16", Gguf::BF16, 1, 2},     {"Q4_0", Gguf::Q4_0, 32, 18},
+    {"Q4_1", Gguf::Q4_1, 32, 20},   {"Q5_0", Gguf::Q5_0, 32, 22},   {"Q5_1", Gguf::Q5_1, 32, 24},
+    {"Q8_0", Gguf::Q8_0, 32, 34},   {"Q4_K", Gguf::Q4_K, 256, 144}, {"Q5_K", Gguf::Q5_K, 256, 176},
+    {"Q6_K", Gguf::Q6_K, 256, 210},
+};
+
+// The type named `name` (gguf-py's name), or null where `gguf_rows` takes no such type.
+const GgufType* gguf_row_type(const std::string& name) {
+  for (const auto& t : GGUF_ROW_TYPES)
+    if (name == t.name) return &t;
+  return nullptr;
+}
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;
@@ -27,18 +49,19 @@ inline void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
   }
 }
 
-// Block b of 32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) into out[0..32).
-inline void small_block(int type, const uint8_t* b, float* out) {
+// A block b of 32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: d, Q4_1/Q5_1 m, Q5's 4 bytes of fifth
+// bits, then the values) into out[0..32).
+inline void small_block(Gguf type, const uint8_t* b, float* out) {
   const float d = half_at(b);
-  if (type == 8) {  // Q8_0: d, 32 int8
+  if (type == Gguf::Q8_0) {
     for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(static_cast<int8_t>(b[2 + i]));
     return;
   }
-  const bool has_min = type == 3 || type == 7;  // Q4_1, Q5_1: d, m
+  const bool has_min = type == Gguf::Q4_1 || type == Gguf::Q5_1;
+  const bool five = type == Gguf::Q5_0 || type == Gguf::Q5_1;
   const float m = has_min ? half_at(b + 2) : 0.0f;
-  const bool five = type == 6 || type == 7;      // Q5_0, Q5_1: 4 bytes of fifth bits
-  uint32_t high = 0;
   const uint8_t* at = b + (has_min ? 4 : 2);
+  uint32_t high = 0;
   if (five) {
     std::memcpy(&high, at, 4);
     at += 4;
@@ -51,9 +74,9 @@ inline void small_block(int type, const uint8_t* b, float* out) {
   }
 }
 
-// Super-block b of 256 weights (Q4_K, Q5_K, Q6_K) into out[0..256).
-inline void super_block(int type, const uint8_t* b, float* out) {
-  if (type == 14) {  // Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d
+// A super-block b of 256 weights (Q4_K, Q5_K, Q6_K) into out[0..256).
+inline void super_block(Gguf type, const uint8_t* b, float* out) {
+  if (type == Gguf::Q6_K) {  // 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d
     const float d = half_at(b + 208);
     for (int i = 0; i < 256; ++i) {
       const int h = i / 128, c = i % 128;  // c: 0..127 within the half
@@ -64,7 +87,7 @@ inline void super_block(int type, const uint8_t* b, float* out) {
     }
     return;
   }
-  const bool five = type == 13;  // Q5_K: 32 bytes of fifth bits after the scales
+  const bool five = type == Gguf::Q5_K;  // 32 bytes of fifth bits after the 12 of sc and m
   const float d = half_at(b), dmin = half_at(b + 2);
   const uint8_t* nibbles = b + (five ? 48 : 16);
   for (int j = 0; j < 8; ++j) {
@@ -79,56 +102,43 @@ inline void super_block(int type, const uint8_t* b, float* out) {
   }
 }
 
-// GGML's type numbers this dequantizes, by their gguf-py names.
-int gguf_row_type(const std::string& name) {
-  static const std::pair<const char*, int> types[] = {
-      {"F16", 1}, {"Q4_0", 2}, {"Q4_1", 3}, {"Q5_0", 6}, {"Q5_1", 7},
-      {"Q8_0", 8}, {"Q4_K", 12}, {"Q5_K", 13}, {"Q6_K", 14}, {"BF16", 30}};
-  for (const auto& [n, t] : types)
-    if (name == n) return t;
-  return -1;
-}
-
 // Whether `gguf_rows` dequantizes rows of the GGUF type `type_name`.
-bool gguf_rows_take(const std::string& type_name) { return gguf_row_type(type_name) >= 0; }
+bool gguf_rows_take(const std::string& type_name) { return gguf_row_type(type_name) != nullptr; }
 
 // The float32 rows `ids` (int64, any shape) of `blocks` (uint8 [rows, bytes a row]) of the GGUF
 // type `type_name`: [*ids.shape, width]; IndexError for an id outside 0..rows-1.
 at::Tensor gguf_rows(const at::Tensor& blocks, const at::Tensor& ids_in, const std::string& type_name) {
-  const int type = gguf_row_type(type_name);
-  TORCH_CHECK(type >= 0, "expected a GGUF type of F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, got ",
-              type_name);
+  const GgufType* kind = gguf_row_type(type_name);
+  TORCH_CHECK(kind != nullptr,
+              "expected a GGUF type of F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, got ", type_name);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               "expected contiguous uint8 blocks [rows, bytes a row], got ", blocks.scalar_type(), " ",
               blocks.sizes());
-  const bool wide = type == 1 || type == 30;
-  const int64_t per = wide ? 1 : type >= 12 ? 256 : 32;  // weights a block
-  const int64_t size = wide ? 2 : type == 12 ? 144 : type == 13 ? 176 : type == 14 ? 210
-                     : type == 8 ? 34 : type == 2 ? 18 : type == 3 ? 20 : type == 6 ? 22 : 24;
-  const int64_t bytes = blocks.size(1);
-  TORCH_CHECK(bytes % size == 0, "expected ", type_name, " rows of whole ", size, "-byte blocks, got ", bytes,
-              " bytes");
-  const int64_t width = bytes / size * per, rows = blocks.size(0);
+  const int64_t bytes = blocks.size(1), count = bytes / kind->bytes, rows = blocks.size(0);
+  TORCH_CHECK(bytes % kind->bytes == 0, "expected ", type_name, " rows of whole ", kind->bytes,
+              "-byte blocks, got ", bytes, " bytes");
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
-  auto sizes = ids.sizes().vec();
-  sizes.push_back(width);
-  at::Tensor out = at::empty(sizes, blocks.options().dtype(at::kFloat));
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t n = 0; n < ids.numel(); ++n) {
     TORCH_CHECK_INDEX(id[n] >= 0, "expected token ids from 0, got ", id[n]);
     TORCH_CHECK_INDEX(id[n] < rows, "expected token ids below ", rows, ", got ", id[n]);
   }
+  const int64_t width = count * kind->weights;
+  auto sizes = ids.sizes().vec();
+  sizes.push_back(width);
+  at::Tensor out = at::empty(sizes, blocks.options().dtype(at::kFloat));
   const uint8_t* data = blocks.data_ptr<uint8_t>();
   float* y = out.data_ptr<float>();
+  const Gguf type = kind->type;
   at::parallel_for(0, ids.numel(), 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = data + id[n] * bytes;
       float* o = y + n * width;
-      for (int64_t k = 0; k < bytes / size; ++k) {
-        const uint8_t* b = row + k * size;
-        if (type == 1) o[k] = half_at(b);
-        else if (type == 30) o[k] = at::BFloat16(static_cast<uint16_t>(b[0] | b[1] << 8), at::BFloat16::from_bits());
-        else if (per == 32) small_block(type, b, o + 32 * k);
+      for (int64_t k = 0; k < count; ++k) {
+        const uint8_t* b = row + k * kind->bytes;
+        if (type == Gguf::F16) o[k] = half_at(b);
+        else if (type == Gguf::BF16) o[k] = at::BFloat16(static_cast<uint16_t>(b[0] | b[1] << 8), at::BFloat16::from_bits());
+        else if (kind->weights == 32) small_block(type, b, o + 32 * k);
         else super_block(type, b, o + 256 * k);
       }
     }

@@ -54,12 +54,16 @@ class QuantizedEmbedding(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows of ``input_ids`` (any shape), each dequantized as
         the float32 table holds it; ``IndexError`` for an id out of range."""
+        if self.native():
+            ids = input_ids.to(self.blocks.device)
+            return torch.ops.mstar_quant.gguf_rows(self.blocks, ids, self.type_name)
+        return self._numpy_rows(input_ids)
+
+    def _numpy_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``forward`` through gguf-py's numpy dequantization."""
         from gguf import GGMLQuantizationType, dequantize
 
         ids = input_ids.reshape(-1).to(self.blocks.device)
-        if self.native():
-            rows = torch.ops.mstar_quant.gguf_rows(self.blocks, ids, self.type_name)
-            return rows.view(*input_ids.shape, self.embedding_dim)
         if not ids.numel():  # (gguf-py's dequantize takes no empty rows)
             return torch.empty(*input_ids.shape, self.embedding_dim, device=self.blocks.device)
         if int(ids.min()) < 0:  # indexing would count from the end
