@@ -73,14 +73,13 @@ struct Int8Rows {
   }
 };
 
-// A block's groups' weight factors as float32 [G, 2, 16] (int4: 16 scales, 16 minimums; Q6_K:
-// the scales of columns 0-15, of 16-31), made by a block's first pass over its activation rows
-// as it streams the block and read by the rest (Q4_K's six-bit sc and m, Q6_K's d x scale:
-// 5-10% of a pass's instructions); none (`held` null) for a block of one pass. Made in a pass
-// of their own before the first, their reads miss the stream's prefetches: 8 rows at once
-// on Q6_K 24% slower.
-// What a pass does with them (a template argument: no branch in the loop): make them (one
-// pass a block), make and keep them (the first of several), or read them (the rest).
+// A block's weight factors, float32 [G, 2, 16] (int4: 16 scales, 16 minimums a group; Q6_K:
+// the scales of columns 0-15, of 16-31), made by its first pass over the activation rows as
+// it streams the block and kept for the rest (Q4_K's six-bit sc and m, Q6_K's d x scale: 5-10%
+// of a pass's instructions). Made in a pass of their own before the first, their reads missed
+// the stream's prefetches: 8 rows at once on Q6_K 24% slower. What a pass does with them (a
+// template argument, no branch in the loop): make them (a block of one pass), make and keep
+// them (the first of several), or read them (the rest).
 enum class Factors { MAKE, KEEP, READ };
 
 // Group g's two vectors of factors in `held` ([G, 2, 16]) as F says, made by `make`.
