@@ -315,9 +315,7 @@ class Packed:
             dmin = head(2 * LANES, 1, torch.float16).contiguous()
             low = head(4 * LANES, per, torch.uint8)  # [rows, S * 8]
             top = head(4 * LANES + per * LANES, 1, torch.int32).view(rows, count, 1)
-            # group j's top bits at bit 4j
-            shifts = torch.arange(0, 4 * per, 4, dtype=torch.int32, device=held.device)
-            top = ((top >> shifts) & 0x0F).to(torch.uint8).view(rows, -1)
+            top = ((top >> _six_bit_shifts(held.device)) & 0x0F).to(torch.uint8).view(rows, -1)
             sc = ((low & 0x0F) | ((top & 0x03) << 4)).contiguous()
             m = ((low >> 4) | ((top >> 2) << 4)).contiguous()
             factors = SuperBlocks(d, dmin, sc, m)
@@ -408,15 +406,20 @@ def _six_bit_head(
     them; then an int32 a row, group ``j``'s ``sc`` top 2 bits at bit ``4j``
     and ``m``'s at ``4j + 2``. ``ValueError`` for a factor above 63."""
     sc, m = factors.sc, factors.m
-    high = max(int(sc.max()), int(m.max())) if sc.numel() else 0
+    high = max(_value_range(sc)[1], _value_range(m)[1])
     if high > 63:
         raise ValueError(f"expected Q4_K's six-bit sc and m (0..63) for its lanes, got {high}")
     rows, per = sc.shape[0], SUPER // GROUP
     low = (sc & 0x0F) | ((m & 0x0F) << 4)
     tops = ((sc >> 4) | ((m >> 4) << 2)).view(rows, -1, per).to(torch.int32)
-    shifts = torch.arange(0, 4 * per, 4, dtype=torch.int32)  # group j's at bit 4j
-    top = (tops << shifts).sum(dim=2, dtype=torch.int32)  # disjoint bits: the sum is their OR
+    top = (tops << _six_bit_shifts(sc.device)).sum(dim=2, dtype=torch.int32)  # disjoint: their OR
     return [lanes_of(low), lanes_of(top)]
+
+
+def _six_bit_shifts(device: torch.device) -> torch.Tensor:
+    """The bit of a Q4_K lanes' int32 of top bits holding group ``j``'s
+    (``_six_bit_head``): ``4j``, ``[8]`` (int32)."""
+    return torch.arange(0, 4 * (SUPER // GROUP), 4, dtype=torch.int32, device=device)
 
 
 def _six_bit_groups(values: torch.Tensor) -> torch.Tensor:
