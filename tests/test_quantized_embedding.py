@@ -75,6 +75,12 @@ def test_bad_blocks_types_and_ids_are_refused():
             embedding(torch.tensor([3, -1]))
         with pytest.raises(IndexError):
             embedding(torch.tensor([8]))
+        for ids in (torch.tensor([1.7]), torch.tensor([True, False])):  # not rounded, not a mask
+            with pytest.raises(TypeError, match=f"integer token ids, got {ids.dtype}"):
+                embedding(ids)
+    if kernel_or_why() is None:  # the op itself refuses them too
+        with pytest.raises(TypeError, match="integer token ids, got Float"):
+            torch.ops.mstar_quant.gguf_rows(rows, torch.tensor([1.7]), "Q8_0")
     with pytest.raises(AttributeError, match="Q8_0 blocks, not a float weight"):
         _ = embedding.weight
     assert not hasattr(embedding, "weight")

@@ -117,6 +117,8 @@ at::Tensor gguf_rows(const at::Tensor& blocks, const at::Tensor& ids_in, const s
   const int64_t bytes = blocks.size(1), count = bytes / kind->bytes, rows = blocks.size(0);
   TORCH_CHECK(bytes % kind->bytes == 0, "expected ", type_name, " rows of whole ", kind->bytes,
               "-byte blocks, got ", bytes, " bytes");
+  TORCH_CHECK_TYPE(at::isIntegralType(ids_in.scalar_type(), /*includeBool=*/false),
+                   "expected integer token ids, got ", ids_in.scalar_type());
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t n = 0; n < ids.numel(); ++n) {

@@ -53,7 +53,15 @@ class QuantizedEmbedding(torch.nn.Module):
     @torch.compiler.disable  # numpy inside: a compiled forward calls it as it stands
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows of ``input_ids`` (any shape), each dequantized as
-        the float32 table holds it; ``IndexError`` for an id out of range."""
+        the float32 table holds it; ``IndexError`` for an id out of range,
+        ``TypeError`` for ids not integers (a float or bool tensor would be
+        rounded or taken as a mask)."""
+        if (
+            input_ids.dtype.is_floating_point
+            or input_ids.dtype.is_complex
+            or input_ids.dtype == torch.bool
+        ):
+            raise TypeError(f"expected integer token ids, got {input_ids.dtype}")
         if self.native():
             ids = input_ids.to(self.blocks.device)
             return torch.ops.mstar_quant.gguf_rows(self.blocks, ids, self.type_name)
