@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 
-from mstar.cpu.quant.arena import gather
+from mstar.cpu.quant.arena import gather, trim_heap
 from mstar.cpu.quant.at_load import quantize_int4, quantize_int8
 from mstar.cpu.quant.gguf import Deferred, read_packed
 from mstar.cpu.quant.kernels import bf16_or_why, kernel_or_why
@@ -199,6 +199,8 @@ def quantize_model(
         wide = weights.wide  # lanes and panels alone, whatever the dtype
         _swap(model, name, weights, why is None, panels or wide, rounded or wide, hold)
         kinds[name] = (weights.kind, type_name)
+        del weights
+        trim_heap()  # the read form's heap pages back to the OS, not left for the next layer's
     panelled, kept = _dequantized_as_panels(model, layers, dequantized)
     gather(model)  # each kind of the packed tensors in one allocation, in the step's order
     summary = _summary(choice, kinds, unpacked, panelled, kept, off_lanes)
