@@ -3,7 +3,7 @@ and decode speed, one markdown table.
 
     python benchmarks/gguf_models.py --files A.gguf [B.gguf ...]
         [--llama-bench PATH] [--threads 2] [--folder DIR]
-        [--write 1b:Q4_K_M,1b:Q4_0,8b:Q4_K_M] [--no-ours] [--turns 3]
+        [--write 1b:Q4_K_M,1b:Q4_0,8b:Q4_K_M] [--no-ours] [--turns 3] [--paired 20]
 
 ``--write SIZE:MIX,...`` first writes files with random valid blocks
 (``tests/gguf_files.py``) under ``--folder`` and adds them to the files:
@@ -50,8 +50,16 @@ turns per file, alternating, and each column is the median of the turns
 pp512 and tg64 (this machine's memory rate moves 10-30% from minute to
 minute, so one turn of each can land on either side of a tie).
 
-llama.cpp runs in this process's environment (no ``OMP_WAIT_POLICY``); ours
-runs each measurement in a child with ``OMP_WAIT_POLICY=PASSIVE``, torch on
+``--paired N``: after the table, decode alone once more in N pairs a file,
+in one child of ours: one of our 64-token rounds (``tg64``'s), then
+``llama-bench -p 0 -n 64 -r 1`` (its load, warm-up and one tg64), in turn;
+printed: each engine's median, and per pair ours / llama.cpp (its median and
+range, and in how many pairs ours is ahead). The pairs lie seconds apart,
+so the memory rate's drift, which the turns' minutes let in, mostly cancels.
+
+llama.cpp runs in this process's environment less ``OMP_WAIT_POLICY`` and
+``OMP_NUM_THREADS`` (its own default: threads that spin, ``-t`` of them);
+ours runs each measurement in a child with ``OMP_WAIT_POLICY=PASSIVE``, torch on
 ``--threads`` threads. Prefix caching is off in ours (each round's prompt
 is computed, as llama-bench's are).
 """
@@ -84,6 +92,7 @@ SIZES = {  # hidden, layers, heads, kv heads, FFN, vocab
 COLUMNS = ("size GiB", "load 1st s", "load 2nd s", "peak RSS GiB", "RSS started GiB",
            "pp512 tok/s", "tg64 tok/s", "8 at once tok/s", "read GB/s")  # fmt: skip
 TURNED = ("pp512 tok/s", "tg64 tok/s")  # the columns whose per-turn ratios are printed
+OURS_ONLY = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")  # set for ours; llama-bench runs without them
 
 
 def main() -> None:
@@ -95,30 +104,44 @@ def main() -> None:
     parser.add_argument("--llama-bench", default=shutil.which("llama-bench"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5, help="ours: best of (llama-bench's -r 5)")
-    parser.add_argument("--turns", type=int, default=1, help="speed runs a file, alternating")
+    parser.add_argument(
+        "--turns", type=int, default=1, help="speed runs a file, alternating (0: none)"
+    )
     parser.add_argument("--no-ours", action="store_true", help="llama.cpp's rows only")
+    parser.add_argument("--paired", type=int, default=0, help="decode alone: N pairs a file")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        print(json.dumps(measure_here(args.child, args.threads, args.rounds, args.load_only)))
+        if args.paired:
+            print(json.dumps(paired_here(args.child, args.llama_bench, args.threads, args.paired)))
+        else:
+            print(json.dumps(measure_here(args.child, args.threads, args.rounds, args.load_only)))
         return
     files = [
         *args.files,
         *(written(spec, args.folder, args.std) for spec in args.write.split(",") if spec),
     ]
     print(cpu_line() + f"{args.threads} threads; load average {os.getloadavg()[0]:.1f}\n")
-    rows, turned = [], []
+    rows, turned, paired = [], [], []
     for path in files:
+        if args.paired and args.llama_bench and not args.no_ours:
+            paired.append(pairs_line(path, paired_run(path, args)))
+        if not args.turns:
+            continue
         ours, peer = in_turns(path, args)
         rows += [(path.name, "ours", ours)] if not args.no_ours else []
         rows += [(path.name, "llama.cpp", peer)] if args.llama_bench else []
         if ours and peer:
             rows.append((path.name, "ours / llama.cpp", ratios(ours, peer)))
             turned.append(f"{path.name}: " + per_turn(ours, peer))
-    print(markdown(rows))
+    if rows:
+        print(markdown(rows))
     if args.turns > 1 and turned:
         print("\nours / llama.cpp in each turn:\n" + "\n".join(turned))
+    if paired:
+        print(f"\ndecode alone in {args.paired} pairs (ours' round, then llama-bench's):\n"
+              + "\n".join(paired))  # fmt: skip
     print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
 
 
@@ -247,6 +270,45 @@ def measure_here(path: Path, threads: int, rounds: int, load_only: bool) -> dict
     return out
 
 
+def paired_run(path: Path, args: argparse.Namespace) -> dict | None:
+    """``paired_here`` on ``path`` in a child (None if it failed)."""
+    extra = ("--paired", str(args.paired), "--llama-bench", args.llama_bench)
+    return child(path, args.folder / "cache", args, *extra)
+
+
+def paired_here(path: Path, binary: str, threads: int, pairs: int) -> dict:
+    """Load ``path`` here, then ``pairs`` times one of our ``tg64`` rounds
+    and one ``llama-bench`` tg64 on the same file: their tok/s, pair by pair."""
+    import torch
+
+    from mstar.engine import Engine
+
+    torch.set_num_threads(threads)
+    engine = Engine.from_pretrained(
+        str(path), dtype="auto", quantization="auto", token_budget=512, prefix_cache=False
+    )
+    decode_rate(engine, 1, 64)  # a warm-up round, as llama-bench's own
+    ours, peer = [], []
+    for _ in range(pairs):
+        ours.append(decode_rate(engine, 1, 64))
+        found, _, _ = llama_bench(binary, path, threads, 0, 64, "-r", "1")
+        peer.append(None if found is None else max(found[0]["samples_ts"]))
+    return {"ours": ours, "peer": peer}
+
+
+def pairs_line(path: Path, run: dict | None) -> str:
+    """One file's paired decode: the medians, and ours / llama.cpp per pair."""
+    if run is None or None in run["peer"]:
+        return f"{path.name}: failed"
+    ratio = [a / b for a, b in zip(run["ours"], run["peer"], strict=True)]
+    ahead = sum(r > 1 for r in ratio)
+    return (
+        f"{path.name}: ours {statistics.median(run['ours']):.2f} tok/s, llama.cpp "
+        f"{statistics.median(run['peer']):.2f}; ours / llama.cpp median {statistics.median(ratio):.2f}"
+        f" ({min(ratio):.2f}-{max(ratio):.2f}), ours ahead in {ahead} of {len(ratio)}"
+    )
+
+
 def status_gib(field: str) -> float:
     """``field`` of /proc/self/status (VmRSS, VmHWM) in GiB."""
     with open("/proc/self/status") as status:
@@ -319,9 +381,10 @@ def llama_bench(
     """(llama-bench's JSON results, wall seconds, peak RSS GiB); Nones if it failed."""
     command = [binary, "-m", str(path), "-t", str(threads), "-p", str(prompt_len),
                "-n", str(gen), "-o", "json", *extra]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in OURS_ONLY}
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
         out = proc.stdout.read()
         _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage
         proc.returncode = os.waitstatus_to_exitcode(status)
