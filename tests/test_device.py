@@ -5,6 +5,7 @@ CUDA device without an index is the current one."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 
@@ -57,3 +58,26 @@ def test_cpu_device_is_unchanged():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_without_an_index_is_the_current_device():
     assert indexed_device("cuda") == torch.zeros(1, device="cuda").device
+
+
+def test_host_pool_takes_its_share_of_the_available_memory(monkeypatch, tmp_path):
+    """The page cache a load fills counts as available (``MemAvailable``),
+    not as used: the free pages alone gave an 8B file's first start 66 pages."""
+    import mstar.models.device as device
+    from mstar.models.hf_support import KVSpec
+
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, v_head_dim=8, chunk_sizes=(None, None),
+                  sinks=False, keeps_logits=True)  # fmt: skip
+    page = device.page_bytes_of(spec, 16, torch.float32)
+    meminfo = tmp_path / "meminfo"
+    monkeypatch.setattr(device, "MEMINFO", meminfo)
+    monkeypatch.setattr(device, "HOST_POOL_BYTES", 1 << 60)
+    meminfo.write_text("MemTotal: 8388608 kB\nMemFree: 4096 kB\nMemAvailable: 4194304 kB\n")
+    pages = device.pool_pages(spec, 16, torch.float32, torch.device("cpu"))
+    assert pages == int((4 << 30) * device.KV_MEMORY_FRACTION) // page
+    sizes = {"SC_AVPHYS_PAGES": 1000, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(os, "sysconf", sizes.__getitem__)
+    meminfo.write_text("MemTotal: 8388608 kB\nMemFree: 4096 kB\n")  # no MemAvailable: free pages
+    assert device._free_bytes(torch.device("cpu")) == 1000 * 4096
+    monkeypatch.setattr(device, "MEMINFO", tmp_path / "absent")
+    assert device._free_bytes(torch.device("cpu")) == 1000 * 4096

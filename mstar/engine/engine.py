@@ -58,7 +58,8 @@ class Engine:
     ``model`` is switched to the paged attention implementation (it serves
     only through the engine afterwards). ``num_pages=None`` sizes the pool to
     ``kv_cache_memory`` bytes, by default ``KV_MEMORY_FRACTION`` of the free
-    memory, at most 1 GiB on the host (see ``device.pool_pages``;
+    memory (the host's available: ``MemAvailable``), at most 1 GiB on the
+    host (see ``device.pool_pages``;
     ``engine.kv_cache_bytes`` says what it came to). String
     prompts and chats need ``tokenizer`` (a Hugging Face fast tokenizer);
     outputs get ``.text`` with one. With ``prefix_cache`` a stream that starts

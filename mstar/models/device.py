@@ -4,6 +4,7 @@ pool sized to its memory; FlashInfer's attention on CUDA when installed."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,9 +12,10 @@ import torch
 from mstar.models.hf_support import KVSpec, flashinfer_unsupported, kv_spec
 
 # num_pages=None: the pool takes this share of the free device memory (on the
-# CPU, of the free host memory, at most HOST_POOL_BYTES: the host is shared)
+# CPU, of the available host memory, at most HOST_POOL_BYTES: the host is shared)
 KV_MEMORY_FRACTION = 0.25
 HOST_POOL_BYTES = 1 << 30
+MEMINFO = Path("/proc/meminfo")  # the host's MemAvailable, where the OS has one
 
 
 def pool_pages(
@@ -24,7 +26,8 @@ def pool_pages(
     memory: int | None = None,
 ) -> int:
     """Pages filling ``memory`` bytes, by default ``KV_MEMORY_FRACTION`` of
-    the free memory of ``device`` (on the host, at most ``HOST_POOL_BYTES``)."""
+    the free memory of ``device`` (on the host its available memory, at
+    most ``HOST_POOL_BYTES``)."""
     page_bytes = page_bytes_of(spec, page_size, dtype)
     if memory is not None:
         if memory < page_bytes:
@@ -65,8 +68,20 @@ def page_bytes_of(spec: KVSpec, page_size: int, dtype: torch.dtype) -> int:
 
 
 def _free_bytes(device: torch.device) -> int:
+    """The memory a pool may take: CUDA's free bytes; on the host Linux's
+    ``MemAvailable`` (free pages and the page cache it would drop), else the
+    free pages alone: a load that just read or wrote gigabytes of files
+    leaves the free pages low and the page cache full (an 8B file's first
+    start: 0.26 GiB of pool by the free pages, 1 GiB by ``MemAvailable``)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    try:
+        lines = MEMINFO.read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) << 10
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
