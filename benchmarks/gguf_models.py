@@ -112,6 +112,10 @@ def main() -> None:
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.paired and (not args.llama_bench or args.no_ours):
+        parser.error(
+            "--paired needs llama-bench (--llama-bench PATH or on PATH) and ours (no --no-ours)"
+        )
     if args.child is not None:
         if args.paired:
             print(json.dumps(paired_here(args.child, args.llama_bench, args.threads, args.paired)))
@@ -125,7 +129,7 @@ def main() -> None:
     print(cpu_line() + f"{args.threads} threads; load average {os.getloadavg()[0]:.1f}\n")
     rows, turned, paired = [], [], []
     for path in files:
-        if args.paired and args.llama_bench and not args.no_ours:
+        if args.paired:
             paired.append(pairs_line(path, paired_run(path, args)))
         if not args.turns:
             continue
@@ -247,16 +251,10 @@ def child(path: Path, cache: Path, args: argparse.Namespace, *extra: str) -> dic
 
 def measure_here(path: Path, threads: int, rounds: int, load_only: bool) -> dict:
     """Load ``path`` in this process and, unless ``load_only``, time it."""
-    import torch
-
     from mstar.bench.roofline import read_probe
-    from mstar.engine import Engine
 
-    torch.set_num_threads(threads)
     start = time.perf_counter()
-    engine = Engine.from_pretrained(
-        str(path), dtype="auto", quantization="auto", token_budget=512, prefix_cache=False
-    )
+    engine = load_engine(path, threads)
     out = {"load_s": time.perf_counter() - start, "rss_gib": status_gib("VmRSS")}
     print(f"{path.name}: {engine.model.mstar_quantization}", file=sys.stderr)
     if not load_only:
@@ -270,6 +268,19 @@ def measure_here(path: Path, threads: int, rounds: int, load_only: bool) -> dict
     return out
 
 
+def load_engine(path: Path, threads: int) -> object:
+    """Ours on ``path`` as every measurement here loads it (torch on ``threads``
+    threads, one 512-token forward a prefill, no prefix cache)."""
+    import torch
+
+    from mstar.engine import Engine
+
+    torch.set_num_threads(threads)
+    return Engine.from_pretrained(
+        str(path), dtype="auto", quantization="auto", token_budget=512, prefix_cache=False
+    )
+
+
 def paired_run(path: Path, args: argparse.Namespace) -> dict | None:
     """``paired_here`` on ``path`` in a child (None if it failed)."""
     extra = ("--paired", str(args.paired), "--llama-bench", args.llama_bench)
@@ -279,14 +290,7 @@ def paired_run(path: Path, args: argparse.Namespace) -> dict | None:
 def paired_here(path: Path, binary: str, threads: int, pairs: int) -> dict:
     """Load ``path`` here, then ``pairs`` times one of our ``tg64`` rounds
     and one ``llama-bench`` tg64 on the same file: their tok/s, pair by pair."""
-    import torch
-
-    from mstar.engine import Engine
-
-    torch.set_num_threads(threads)
-    engine = Engine.from_pretrained(
-        str(path), dtype="auto", quantization="auto", token_budget=512, prefix_cache=False
-    )
+    engine = load_engine(path, threads)
     decode_rate(engine, 1, 64)  # a warm-up round, as llama-bench's own
     ours, peer = [], []
     for _ in range(pairs):
