@@ -18,7 +18,7 @@ from mstar.cpu.quant import QuantChoice, quantize_model
 from mstar.cpu.quant.at_load import quantize_int4, quantize_int8
 from mstar.cpu.quant.gguf import decode_blocks
 from mstar.cpu.quant.kernels import bf16_or_why, kernel_or_why
-from mstar.cpu.quant.linear import BF16_ROWS, PackedLinear
+from mstar.cpu.quant.linear import AMX_PANEL_ROWS, BF16_ROWS, PackedLinear
 from mstar.cpu.quant.packed import Packed, bf16_panels, lanes_shape, pack_bf16
 from mstar.models.seeded import build_model
 
@@ -440,7 +440,14 @@ def test_bfloat16_arithmetic_holds_lanes_where_the_build_has_them(lanes, monkeyp
     monkeypatch.setattr(quant, "HELD_PANELS_BYTES", 0)
     model = build_model(0)[1].eval()
     lean = quantize_model(model, QuantChoice("int4", "as asked", "bfloat16"))
-    assert "2+ rows on int8 activations" in lean and "bfloat16" not in lean
+    amx = torch.ops.mstar_quant.amx_rows() > 0  # a CPU with AMX: many rows on its tiles
+    on_int8 = (
+        f"2-{AMX_PANEL_ROWS - 1} rows on int8 activations, {AMX_PANEL_ROWS}+ on AMX's"
+        " bfloat16 tiles (panels from the lanes)"
+        if amx
+        else "2+ rows on int8 activations"
+    )
+    assert lean.endswith(on_int8) and ("bfloat16" in lean) == amx
     plain = build_model(0)[1].eval()
     for name, m in list(model.named_modules()):
         if isinstance(m, PackedLinear):
@@ -739,7 +746,8 @@ def test_panels_from_the_lanes_are_the_held_panels_bit_for_bit(lanes, quantize):
     held = PackedLinear(packed, None, bf16_panels(packed), True, packed.lanes())
     int8 = layer.int8_rows > 0
     assert int8 == (quantize is quantize_int4) and layer.panels is None and layer.qweight is None
-    assert layer.arithmetic == ("int16+int8" if int8 else "bfloat16+int16")
+    amx = torch.ops.mstar_quant.amx_rows() > 0  # a CPU with AMX: 32+ rows on its tiles
+    assert layer.arithmetic == ("bfloat16+" * amx + "int16+int8" if int8 else "bfloat16+int16")
     x = torch.randn(2, BF16_ROWS, 320)
     expected = torch.ops.mstar_quant.lanes_i8(x, layer.lanes) if int8 else held(x)
     assert torch.equal(layer(x), expected) and not torch.equal(layer(x), layer.dequantized()(x))

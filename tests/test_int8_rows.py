@@ -15,7 +15,7 @@ from gguf_files import random_blocks
 
 from mstar.cpu.quant.gguf import decode_blocks
 from mstar.cpu.quant.kernels import kernel_or_why
-from mstar.cpu.quant.linear import BF16_ROWS, PackedLinear
+from mstar.cpu.quant.linear import AMX_PANEL_ROWS, BF16_ROWS, PackedLinear
 from mstar.cpu.quant.packed import Packed, bf16_panels
 
 pytest.importorskip("gguf")
@@ -99,20 +99,29 @@ def test_int8_rows_refuse_int8_pairs_and_take_any_leading_shape():
 def test_layers_on_lanes_alone_take_two_rows_or_more_on_int8():
     """A layer whose lanes take every row count (``lane_panels``: no panels
     held) of a taken layout multiplies 2+ rows on int8 activations, one
-    row on int16's; one holding bfloat16 panels, or Q8_0's lanes, keeps
-    int16 up to the lanes' rows and bfloat16 from ``BF16_ROWS``."""
+    row on int16's (on a CPU with AMX's tiles, ``AMX_PANEL_ROWS`` rows or
+    more on bfloat16 panels from the lanes); one holding bfloat16 panels, or
+    Q8_0's lanes, keeps int16 up to the lanes' rows and bfloat16 from
+    ``BF16_ROWS``."""
     ops = torch.ops.mstar_quant
     packed = _packed("Q4_K")
     lanes = packed.lanes()
     alone = PackedLinear.on_lanes("int4", lanes, lane_panels=True)
     held = PackedLinear(packed, None, bf16_panels(packed), True, lanes)
+    amx = AMX_PANEL_ROWS if ops.amx_rows() else 0
     assert (alone.int8_rows, held.int8_rows) == (ops.int8_lane_rows(), 0)
-    assert alone.arithmetic == "int16+int8" and held.arithmetic == "bfloat16+int16"
+    assert (alone.amx_rows, held.amx_rows) == (amx, 0)
+    assert alone.arithmetic == "bfloat16+" * bool(amx) + "int16+int8"
+    assert held.arithmetic == "bfloat16+int16"
     g = torch.Generator().manual_seed(1)
-    one, four, many = (torch.randn(n, 768, generator=g) for n in (1, 4, BF16_ROWS))
+    one, four, many, tiles = (
+        torch.randn(n, 768, generator=g) for n in (1, 4, BF16_ROWS, AMX_PANEL_ROWS)
+    )
     assert torch.equal(alone(one), ops.lanes_i16(one, lanes))
     assert torch.equal(alone(four), ops.lanes_i8(four, lanes))
     assert torch.equal(alone(many), ops.lanes_i8(many, lanes))
+    on_tiles = ops.lanes_bf16 if amx else ops.lanes_i8
+    assert torch.equal(alone(tiles), on_tiles(tiles, lanes))
     assert torch.equal(held(four), ops.lanes_i16(four, lanes))
     assert torch.equal(held(many), ops.bf16_linear(many, held.panels))
     q8 = _packed("Q8_0")

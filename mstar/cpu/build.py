@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["AVX512_FLAGS", "BF16_FLAGS", "FLAGS", "build", "build_or_why", "flags"]
+from mstar.cpu.info import cpu_info
+
+__all__ = ["AMX_FLAGS", "AVX512_FLAGS", "BF16_FLAGS", "FLAGS", "build", "build_or_why", "flags"]
 
 # -fopenmp: without it ATen's headers compile ``at::parallel_for`` serial
 # (``INTRA_OP_PARALLEL`` is defined only under ``_OPENMP``); the symbols
@@ -31,17 +33,26 @@ AVX512_FLAGS = (*FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 # and bfloat16 dot products (vdpbf16ps) and byte dot products (vpdpbusd, which every CPU
 # with the first has); sources test __AVX512BF16__, __AVX512VNNI__
 BF16_FLAGS = (*AVX512_FLAGS, "-mavx512bf16", "-mavx512vnni")
+# and AMX's bfloat16 tiles (tdpbf16ps: a 16 x 16 x 32 product an instruction); sources
+# test __AMX_BF16__
+AMX_FLAGS = (*BF16_FLAGS, "-mamx-tile", "-mamx-bf16")
 
 
 def flags() -> tuple[str, ...]:
     """The build flags for this CPU: ``AVX512_FLAGS`` where torch runs its
-    AVX-512 kernels (``BF16_FLAGS`` where the CPU has AVX512-BF16 and VNNI too),
-    else ``FLAGS``."""
+    AVX-512 kernels (``BF16_FLAGS`` where the CPU has AVX512-BF16 and VNNI too,
+    ``AMX_FLAGS`` where it has AMX's bfloat16 tiles as well), else ``FLAGS``."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return FLAGS
     cpu = torch.cpu
-    both = cpu._is_avx512_bf16_supported() and cpu._is_vnni_supported()
-    return BF16_FLAGS if both else AVX512_FLAGS
+    if not (cpu._is_avx512_bf16_supported() and cpu._is_vnni_supported()):
+        return AVX512_FLAGS
+    return AMX_FLAGS if cpu._is_amx_tile_supported() and _amx_bf16() else BF16_FLAGS
+
+
+def _amx_bf16() -> bool:
+    """Whether the CPU lists AMX's bfloat16 tiles (``amx_bf16``; torch probes the tiles alone)."""
+    return "amx_bf16" in cpu_info().flags
 
 
 def build(

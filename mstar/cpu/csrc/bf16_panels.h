@@ -1,7 +1,9 @@
 // Activation rows in bfloat16 on bfloat16 panels (`bf16_linear`, AVX512-BF16 builds): the
-// many-row products of packed layers, and every product of bf16 ones (the panels themselves).
+// many-row products of packed layers, and every product of bf16 ones (the panels themselves);
+// AMX_ROWS rows or more on AMX's tiles where the build has them (amx_tiles.h).
 #pragma once
 
+#include "amx_tiles.h"
 #include "panels.h"
 #include "team.h"
 
@@ -44,16 +46,21 @@ void micro_bf16_rows(int64_t rows, const uint16_t* x, const uint16_t* panel, int
   with_rows<ROWS_MAX>(rows, [&](auto r) { micro_bf16<decltype(r)::value>(x, panel, K, y, ldy); });
 }
 
-// n float32 values (n % 16 == 0) rounded to bfloat16, to nearest even.
-std::vector<uint16_t> bf16_activations(const float* xf, int64_t n) {
-  std::vector<uint16_t> xb(n);
-  for (int64_t i = 0; i < n; i += 16)
+// M rows of K float32 values (K % 16 == 0) rounded to bfloat16, to nearest even; zero rows
+// after them up to `bf16_rows_held(M)`.
+std::vector<uint16_t> bf16_activations(const float* xf, int64_t M, int64_t K) {
+  std::vector<uint16_t> xb(bf16_rows_held(M) * K);
+  for (int64_t i = 0; i < M * K; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb.data() + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xf + i)));
   return xb;
 }
 
-// y[m, 0..32) (rows of stride N) = x[m, :] . panel for every m < M (x bfloat16 [M, K]).
+// y[m, 0..32) (rows of stride N) = x[m, :] . panel for every m < M (x bfloat16 [M, K], as
+// `bf16_activations` makes it).
 void bf16_panel_rows(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* panel, float* y, int64_t N) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (M >= AMX_ROWS && amx_permitted()) return amx_panel_rows(xb, M, K, panel, y, N);
+#endif
   for (int64_t m = 0; m < M; m += ROWS_MAX)
     micro_bf16_rows(std::min<int64_t>(ROWS_MAX, M - m), xb + m * K, panel, K, y + m * N, N);
 }
@@ -63,7 +70,7 @@ void bf16_panel_rows(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* p
 void bf16_rows(const float* xf, int64_t M, int64_t K, const uint16_t* w, int64_t panel_count,
                float* out) {
   const int64_t N = panel_count * BF16_NB;
-  const std::vector<uint16_t> xb = bf16_activations(xf, M * K);  // K % 32 == 0: whole vectors
+  const std::vector<uint16_t> xb = bf16_activations(xf, M, K);  // K % 32 == 0: whole vectors
   share(panel_count, 1, N * K * M >= PARALLEL_MIN, [&](int64_t p0, int64_t p1, int) {
     for (int64_t p = p0; p < p1; ++p) bf16_panel_rows(xb.data(), M, K, w + p * K * BF16_NB, out + p * BF16_NB, N);
   });

@@ -40,6 +40,8 @@
 // (lane_panels.h, AVX512-BF16 builds): `bf16_linear` on the panels it would hold, bit for bit;
 // `lanes_i8` any row count of int4 or Q6_K lanes on activations rounded to int8 per group of
 // 32 (lanes_i8.h: half the dot products of int16's, ~1.3x bfloat16's speed at 512 rows).
+// With AMX-BF16, `amx_rows()` rows or more on bfloat16 panels multiply on AMX's tiles
+// (amx_tiles.h).
 // The lanes' scales are float16 (int4's alone where each minimum is -8 x its scale: GGUF's
 // Q4_0) or float32 (GGUF's Q4_K and Q6_K: int4 groups of 32, int8 a scale per 16 columns), or their
 // own factors a super-block of 256 columns, which only the lanes take.
@@ -47,7 +49,7 @@
 // `gguf_rows`: a GGUF tensor's rows of blocks dequantized as looked up (gguf_rows.h: a token
 // embedding kept in the file's blocks), gguf-py's values bit for bit.
 //
-// The parts, in csrc/: common.h, team.h, formats.h, gemv.h, i16_gemv.h, lanes.h, panels.h,
+// The parts, in csrc/: common.h, team.h, amx_tiles.h, formats.h, gemv.h, i16_gemv.h, lanes.h, panels.h,
 // bf16_panels.h, lane_panels.h, lanes_i8.h, gguf_rows.h.
 #include "bf16_panels.h"
 #include "gemv.h"
@@ -334,6 +336,7 @@ TORCH_LIBRARY(mstar_quant, m) {
   m.def("lanes_i8_takes(Tensor lanes) -> bool", &lanes_i8_takes);
   m.def("lanes_i8(Tensor x, Tensor lanes) -> Tensor");
   m.def("int8_lane_rows() -> int", &int8_lane_rows);
+  m.def("amx_rows() -> int", &amx_rows);
   m.def("gguf_rows_take(str type_name) -> bool", &gguf_rows_take);
   m.def("gguf_rows(Tensor blocks, Tensor ids, str type_name) -> Tensor");
 }

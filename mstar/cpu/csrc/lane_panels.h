@@ -125,7 +125,7 @@ void lane_panel(const T* lanes, int64_t p, int64_t G, uint16_t* panel) {
 // panel at a time.
 template <typename T, Scales S>
 void lanes_bf16_rows(const T* lanes, const float* xf, int64_t M, int64_t N, int64_t K, float* out) {
-  const std::vector<uint16_t> xb = bf16_activations(xf, M * K);
+  const std::vector<uint16_t> xb = bf16_activations(xf, M, K);
   const int64_t G = K / 32;
   share(N / BF16_NB, 1, N * K * M >= PARALLEL_MIN, [&](int64_t p0, int64_t p1, int) {
     thread_local std::vector<uint16_t> panel;

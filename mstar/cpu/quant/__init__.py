@@ -401,7 +401,9 @@ def _rounded_summary(model: Any, packed: dict[str, tuple[str, str]]) -> str:
         rest = " (the rest)" * bool(int8)
         many = f"{BF16_ROWS}+ rows multiply in bfloat16{lean}{rest}{kept}"
     if int8:
-        on_int8 = f"{int8[0].int8_rows}+ rows on int8 activations"
+        amx = int8[0].amx_rows
+        on_int8 = f"{int8[0].int8_rows}{f'-{amx - 1}' if amx else '+'} rows on int8 activations"
+        on_int8 += f", {amx}+ on AMX's bfloat16 tiles (panels from the lanes)" * bool(amx)
         n = len(int8)
         rest = f" ({n} layer{'s' * (n > 1)}: int4, Q5_K and Q6_K lanes), {many}"
         many = on_int8 + rest * (n < len(every))

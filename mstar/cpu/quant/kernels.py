@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from mstar.cpu.build import BF16_FLAGS, build, build_or_why, flags
+from mstar.cpu.build import build, build_or_why, flags
 
 __all__ = ["bf16_or_why", "build_under", "kernel_or_why"]
 
@@ -56,7 +56,7 @@ def kernel_or_why() -> str | None:
 def bf16_or_why() -> str | None:
     """None when this CPU's build of the kernels has ``bf16_linear`` (it
     has AVX512-BF16's dot products), else why not; builds nothing."""
-    if flags() != BF16_FLAGS:
+    if "-mavx512bf16" not in flags():
         return "the CPU lacks AVX512-BF16 (bfloat16 dot products) or AVX512-VNNI"
     return None
 

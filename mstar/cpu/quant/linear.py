@@ -12,7 +12,9 @@ with ``lane_panels``, inputs of ``BF16_ROWS`` rows or more multiply in
 bfloat16 on panels dequantized from the lanes as the product reaches them
 (``lanes_bf16``: the products of held panels bit for bit, none held), or,
 on lanes of int4, Q5_K or Q6_K, inputs of ``int8_rows`` (2) rows or more on
-activations rounded to int8 per group of 32 (``lanes_i8``)."""
+activations rounded to int8 per group of 32 (``lanes_i8``), up to ``amx_rows``
+(``AMX_PANEL_ROWS`` where the CPU has AMX's tiles: from there the panels from the
+lanes, on the tiles)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,10 @@ from mstar.cpu.quant.packed import LANES, PANEL, Packed, lanes_shape
 # fewest input rows for the bfloat16 panels; fewer stream the packed weights, faster up to
 # 8 rows on AVX512-BF16 (1536x576 from memory: 48 against 67 us at 8 rows, 36 against 54 at 5)
 BF16_ROWS = 9
+# with AMX's tiles (the kernels' ``amx_rows()``), fewest input rows on panels from the lanes
+# in place of int8 activations: a 1B Q4_K_M's gate/up, down and q at 32 rows 1.2-1.3x int8's
+# speed, 1.6-1.8x at 64, 2-2.7x at 512; 0.5-1.0x at 16-24 (Xeon with AMX, 2 threads)
+AMX_PANEL_ROWS = 32
 
 
 class PackedLinear(torch.nn.Module):
@@ -97,6 +103,9 @@ class PackedLinear(torch.nn.Module):
         # activations rounded to int8 (``lanes_i8``), as llama.cpp multiplies its blocks
         takes = int8_rows and lane_panels and torch.ops.mstar_quant.lanes_i8_takes(lanes)
         self._int8_from = torch.ops.mstar_quant.int8_lane_rows() if takes else 0
+        # on AMX's tiles, panels from the lanes outrun int8 activations from AMX_PANEL_ROWS rows
+        amx = lane_panels and self._int8_from and torch.ops.mstar_quant.amx_rows()
+        self._amx_from = AMX_PANEL_ROWS if amx else 0
         # the row-major bytes, where a row count reads them: not where the lanes take every
         # count below the panels' (``packed()`` then rebuilds them from the lanes)
         many = panels is not None or lane_panels
@@ -144,6 +153,12 @@ class PackedLinear(torch.nn.Module):
         unless built with ``int8_rows=False`` or ``drop_int8_rows()``."""
         return self._int8_from
 
+    @property
+    def amx_rows(self) -> int:
+        """Fewest input rows that multiply on bfloat16 panels from the lanes
+        (AMX's tiles) in place of int8 activations (0: none)."""
+        return self._amx_from if self._int8_from else 0
+
     def drop_int8_rows(self) -> bool:
         """Multiply 2+ rows as without int8 rows from now on (the int16
         lanes, then bfloat16 panels from the lanes); whether it had them. A
@@ -157,15 +172,14 @@ class PackedLinear(torch.nn.Module):
         rounds: ``bfloat16`` (many rows on the panels), ``int16`` (few rows'
         activations), ``int8`` (2+ rows' activations, ``int8_rows``), joined
         by ``+``."""
-        panels = not self._int8_from and (
-            self.panels is not None or self.lane_panels or self.kind == "bf16"
-        )
+        held = self.panels is not None or self.lane_panels or self.kind == "bf16"
+        panels = bool(self.amx_rows) or (held and not self._int8_from)
         rounded = ["bfloat16"] * panels + ["int16"] * self.int16_activations
         return "+".join(rounded + ["int8"] * bool(self._int8_from)) or "float32"
 
     def _int8(self, rows: int) -> bool:
         """Whether ``rows`` input rows multiply on the lanes rounded to int8."""
-        return 0 < self._int8_from <= rows
+        return 0 < self._int8_from <= rows and not 0 < self.amx_rows <= rows
 
     def _panelled(self, rows: int) -> bool:
         """Whether ``rows`` input rows multiply on bfloat16 panels (held or from the lanes)."""
