@@ -252,7 +252,10 @@ def test_int8_rows_that_disagree_in_attention_stay_outside_it(paged, packed_kern
         return found
 
     monkeypatch.setattr(build, "check_mode", refusing_attention_int8)
-    serving = r"serving packed int4 \(bfloat16\+int16 arithmetic\), packed int4 \(int16\+int8"
+    tiles = r"bfloat16\+" * (torch.ops.mstar_quant.amx_rows() > 0)  # AMX: 32+ rows on its tiles
+    serving = (
+        rf"serving packed int4 \(bfloat16\+int16 arithmetic\), packed int4 \({tiles}int16\+int8"
+    )
     with pytest.warns(UserWarning, match="made up; " + serving):
         engine = Engine(model, **OPTIONS)
     assert engine.mode_check.ok and "int8 rows dropped in self_attn" in model.mstar_quantization
