@@ -17,10 +17,10 @@
 
 namespace {
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-
 constexpr int64_t AMX_ROWS = 16;  // fewest activation rows on the tiles (fewer: vdpbf16ps)
 constexpr int64_t AMX_BLOCK = 32;  // activation rows a pass (two tiles of 16)
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 
 // The tiles as amx_panel_rows uses them: tmm0-3 sums (16 rows x 16 float32), tmm4-5
 // activations (16 rows x 32 bfloat16), tmm6-7 a panel's halves (16 k pairs x 16 outputs x
@@ -78,15 +78,6 @@ void amx_panel_rows(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* pa
 
 #endif
 
-// Activation rows a bfloat16 copy of M rows holds: past M, zeros up to a whole pass of the
-// tiles where the tiles take M rows.
-int64_t bf16_rows_held(int64_t M) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (M >= AMX_ROWS && amx_permitted()) return (M + AMX_BLOCK - 1) / AMX_BLOCK * AMX_BLOCK;
-#endif
-  return M;
-}
-
 // Fewest activation rows on AMX's tiles (0: none: a build without AMX-BF16, or a kernel that
 // refused the tiles' state).
 int64_t amx_rows() {
@@ -95,6 +86,20 @@ int64_t amx_rows() {
 #else
   return 0;
 #endif
+}
+
+// Whether M activation rows on bfloat16 panels multiply on AMX's tiles: the one test both the
+// rows' bfloat16 copy (`bf16_rows_held`: padded for the tiles) and the product
+// (`bf16_panel_rows`) read, so a copy is padded exactly where the tiles read past M.
+bool on_tiles(int64_t M) {
+  const int64_t from = amx_rows();
+  return from > 0 && M >= from;
+}
+
+// Activation rows a bfloat16 copy of M rows holds: past M, zeros up to a whole pass of the
+// tiles where they take M rows.
+int64_t bf16_rows_held(int64_t M) {
+  return on_tiles(M) ? (M + AMX_BLOCK - 1) / AMX_BLOCK * AMX_BLOCK : M;
 }
 
 }  // namespace

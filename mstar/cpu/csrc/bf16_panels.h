@@ -59,7 +59,7 @@ std::vector<uint16_t> bf16_activations(const float* xf, int64_t M, int64_t K) {
 // `bf16_activations` makes it).
 void bf16_panel_rows(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* panel, float* y, int64_t N) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (M >= AMX_ROWS && amx_permitted()) return amx_panel_rows(xb, M, K, panel, y, N);
+  if (on_tiles(M)) return amx_panel_rows(xb, M, K, panel, y, N);
 #endif
   for (int64_t m = 0; m < M; m += ROWS_MAX)
     micro_bf16_rows(std::min<int64_t>(ROWS_MAX, M - m), xb + m * K, panel, K, y + m * N, N);
