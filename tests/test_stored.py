@@ -88,6 +88,17 @@ def test_the_engine_on_stored_layers_decodes_the_same_tokens(cache):
     assert stored.layer_names(stored.folder_for(path, "gguf/float32")) is not None
 
 
+def test_a_load_asked_otherwise_than_the_storing_one_says_its_own_reason(cache):
+    """The stored description's head is the storing load's mode and why: a
+    later load of the same layers asked another way names its own."""
+    path = write_llama_gguf(cache / "q8.gguf", lambda *_: "Q8_0", LlamaShape())
+    auto, _ = load(str(path), quantization="auto", dtype=torch.bfloat16)
+    asked, _ = load(str(path), quantization="gguf", dtype=torch.bfloat16)
+    head, _, body = auto.mstar_quantization.partition("): ")
+    assert head == "gguf (auto: the file's own format" and body
+    assert asked.mstar_quantization == f"gguf (as asked): {body}"
+
+
 def test_another_mode_or_file_packs_afresh(cache):
     path = write_llama_gguf(cache / "q8.gguf", lambda *_: "Q8_0", LlamaShape())
     load(str(path), quantization="gguf", dtype=torch.bfloat16)

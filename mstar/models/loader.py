@@ -99,7 +99,7 @@ def _from_gguf(path: Path, choice: Any, dtype: torch.dtype) -> tuple[Any, Any]:
     model, weights = load_gguf(path, pack=pack, skip=skip)
     model = model.to(dtype)
     if names is not None:
-        packed_store.restore(model, folder)
+        packed_store.restore(model, folder, choice.head)
     else:
         quantize_model(model, choice, weights)
         del weights  # the forms read, now packed or dequantized into the model

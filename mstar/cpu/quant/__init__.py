@@ -98,6 +98,11 @@ class QuantChoice:
     reason: str
     arithmetic: str = "float32"
 
+    @property
+    def head(self) -> str:
+        """What a description of a model loaded so starts with (``mode (reason): ``)."""
+        return f"{self.mode} ({self.reason}): "
+
 
 def resolve_quantization(
     value: object,
@@ -456,7 +461,7 @@ def _summary(
     if unpacked:
         listed = ", ".join(f"{name} ({t})" for name, t in unpacked.items())
         parts.append(f"float32 (dequantized): {listed}")
-    return f"{choice.mode} ({choice.reason}): {'; '.join(parts)}"
+    return choice.head + "; ".join(parts)
 
 
 def _layers(n: int, label: str) -> str:

@@ -82,10 +82,12 @@ def _prune(folder: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def restore(model: Any, folder: Path) -> str:
+def restore(model: Any, folder: Path, head: str) -> str:
     """Put the ``PackedLinear`` layers ``folder`` holds into ``model`` where
     its linear layers (meta weights; a bias read from the file stays) are;
-    returns and sets ``model.mstar_quantization``."""
+    returns and sets ``model.mstar_quantization``: the stored description
+    under ``head`` (``QuantChoice.head``: this load's mode and why, not the
+    storing load's, which may have been asked otherwise)."""
     index = json.loads((folder / LAYERS).read_text())
     arenas = {
         kind: _read(folder / f"{kind}.bin") for kind in KINDS if (folder / f"{kind}.bin").exists()
@@ -98,7 +100,7 @@ def restore(model: Any, folder: Path) -> str:
             for kind, (at, size, dtype, shape) in entry["tensors"].items()
         }
         setattr(owner, attr, _layer(entry, tensors, getattr(owner, attr).bias))
-    model.mstar_quantization = index["quantization"]
+    model.mstar_quantization = head + index["quantization"].partition("): ")[2]
     return model.mstar_quantization
 
 
